@@ -1,0 +1,1 @@
+"""Qwen3.5 private multimodal chat service."""

@@ -1,0 +1,222 @@
+"""Plain-Python types shared by the engine and the web layer (no torch, no Gradio here).
+
+The web layer (``qwen_chat.web``) and the OpenAI-compatible API only ever see these types and the
+``ChatBackend`` protocol; the engine (``qwen_chat.engine``) implements the protocol.  Keeping them free of
+torch lets the whole UI be tested against a scripted backend.
+
+Sampling ranges and presets come from the Qwen3.5 model card (see ../shared/design/qwen3_5-facts.md,
+"Recommended sampling").
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Iterator, Literal, Optional, Protocol, Sequence
+
+Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+# (low, high) inclusive ranges that the UI sliders show and every entry point enforces.
+MAX_NEW_TOKENS_RANGE = (64, 8192)
+TEMPERATURE_RANGE = (0.0, 1.5)
+TOP_P_RANGE = (0.1, 1.0)
+TOP_K_RANGE = (1, 100)
+PRESENCE_PENALTY_RANGE = (0.0, 2.0)
+SEED_RANGE = (0, 2**63 - 1)
+
+
+class ChatError(Exception):
+    """Base class of every error whose message is meant for the user (shown in the UI, API 4xx/5xx).
+
+    ``kind`` is a short stable label used for metrics and for the API error ``type``.
+    """
+
+    kind = "chat_error"
+    http_status = 400
+
+
+class InvalidInput(ChatError):
+    """The request is malformed: empty message, bad parameter, unsupported or broken image."""
+
+    kind = "invalid_input"
+
+
+class InvalidImage(InvalidInput):
+    """An uploaded file is not an acceptable image (not an image, truncated, too big, too small)."""
+
+    kind = "invalid_image"
+
+
+class ContextTooLong(InvalidInput):
+    """The prompt cannot fit into the model's context even after the context policy was applied.
+
+    Attributes: ``prompt_tokens`` (int) and ``context_length`` (int), both in tokens.
+    """
+
+    kind = "context_too_long"
+
+    def __init__(self, message: str, prompt_tokens: int, context_length: int):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+
+
+class Busy(ChatError):
+    """The generation queue is full; the caller should retry later (HTTP 429)."""
+
+    kind = "busy"
+    http_status = 429
+
+
+class NotReady(ChatError):
+    """The engine is still loading or has failed its self-check (HTTP 503)."""
+
+    kind = "not_ready"
+    http_status = 503
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Sampling and prompt settings of one request.
+
+    Units: ``max_new_tokens`` in tokens; ``temperature`` 0 means greedy (argmax); ``top_p`` is the nucleus mass
+    in (0, 1]; ``top_k`` the number of candidates kept; ``presence_penalty`` is subtracted once from the logit
+    of every token already generated in this reply (OpenAI/vLLM definition); ``seed`` makes sampling
+    reproducible (None: fresh random seed per request).  ``stop`` are extra stop strings (API only).
+    """
+
+    max_new_tokens: int = 2048
+    temperature: float = 1.0
+    top_p: float = 0.95
+    top_k: int = 20
+    presence_penalty: float = 1.5
+    seed: Optional[int] = None
+    enable_thinking: bool = True
+    stop: tuple[str, ...] = ()
+
+    @classmethod
+    def preset(cls, enable_thinking: bool, **overrides) -> "GenerationSettings":
+        """Qwen3.5 model-card defaults for the mode (thinking general / non-thinking general)."""
+        if enable_thinking:
+            base = cls(temperature=1.0, top_p=0.95, top_k=20, presence_penalty=1.5, enable_thinking=True)
+        else:
+            base = cls(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5, enable_thinking=False)
+        return replace(base, **overrides)
+
+    def validate(self) -> "GenerationSettings":
+        """Return self if every value is inside its documented range.
+
+        Raises:
+            InvalidInput: naming the parameter, the value and the allowed range (never clamps silently).
+        """
+        checks = [
+            ("max_new_tokens", self.max_new_tokens, MAX_NEW_TOKENS_RANGE, int),
+            ("temperature", self.temperature, TEMPERATURE_RANGE, float),
+            ("top_p", self.top_p, TOP_P_RANGE, float),
+            ("top_k", self.top_k, TOP_K_RANGE, int),
+            ("presence_penalty", self.presence_penalty, PRESENCE_PENALTY_RANGE, float),
+        ]
+        for name, value, (low, high), kind in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidInput(f"{name} must be a number in [{low}, {high}], got {value!r}")
+            if kind is int and int(value) != value:
+                raise InvalidInput(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+            if value != value or not (low <= value <= high):  # value != value catches NaN
+                raise InvalidInput(f"{name} must be in [{low}, {high}], got {value!r}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+                SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+            ):
+                raise InvalidInput(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
+        if len(self.stop) > 4 or any((not isinstance(s, str)) or not s for s in self.stop):
+            raise InvalidInput("stop must be at most 4 non-empty strings")
+        return self
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One stored turn.  ``images`` are paths of already-normalised image files (RGB, EXIF applied).
+
+    ``reasoning`` is the assistant's thinking text, kept apart from ``text`` and never sent back to the model.
+    """
+
+    role: Role
+    text: str
+    images: tuple[str, ...] = ()
+    reasoning: str = ""
+
+
+@dataclass(frozen=True)
+class StreamUpdate:
+    """One step of a streamed reply.
+
+    ``reasoning``/``answer`` are the full texts so far; ``reasoning_delta``/``answer_delta`` what this update
+    added (never ending in a split UTF-8 character).  ``thinking`` is True while the model is still inside its
+    reasoning.  ``finish_reason`` is set on the last update only.  ``notice`` is a user-facing remark (context
+    turns dropped, token limit reached while thinking...).  Token counts in tokens, ``ttft_s`` in seconds.
+    """
+
+    reasoning: str = ""
+    answer: str = ""
+    reasoning_delta: str = ""
+    answer_delta: str = ""
+    thinking: bool = False
+    finish_reason: Optional[FinishReason] = None
+    notice: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: Optional[float] = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class CancelToken:
+    """Thread-safe flag that asks a running generation to stop at the next decode step."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the UI and API show about the loaded model."""
+
+    name: str
+    demo: bool  # True for the built-in tiny model with random weights
+    context_length: int  # tokens
+    world_size: int = 1
+    mode: str = "single"  # "single", "tp", "zero3", "zero3-offload"
+
+
+class ChatBackend(Protocol):
+    """What the web layer and the API need from the engine.  Implemented by ``qwen_chat.engine.service``."""
+
+    info: ModelInfo
+
+    def stream_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        settings: GenerationSettings,
+        cancel: CancelToken,
+    ) -> Iterator[StreamUpdate]:
+        """Validate, build the prompt, queue, and stream the reply.
+
+        Raises before the first update (never mid-stream) ``InvalidInput``/``InvalidImage``/``ContextTooLong``
+        for bad requests, ``Busy`` when the queue is full and ``NotReady`` while loading.  Closing the
+        generator or cancelling ``cancel`` stops the generation within one decode step; the last update then
+        has ``finish_reason == "cancelled"``.
+        """
+        ...
+
+    def health(self) -> dict:
+        """{"ok": bool, "reason": str, ...} for /healthz (all ranks alive, self-check passed)."""
+        ...

@@ -1,0 +1,77 @@
+"""Tensor-level request types passed between prompt building, the scheduler, the executor and the runner.
+
+Everything in a ``StepPlan`` is what rank 0 broadcasts to the worker ranks (tensors on CPU), so that every
+rank runs exactly the same forward passes and samples exactly the same tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class PreparedPrompt:
+    """A fully processed prompt, ready for prefill.
+
+    ``input_ids``: int64 [L] (image pads already expanded to one id per visual token).
+    ``pixel_values``: float32 [num_patches, 3 * temporal_patch * patch * patch] or None.
+    ``image_grid_thw``: int64 [num_images, 3] (t, h, w in patches) or None.
+    ``mm_token_type_ids``: int64 [L] (1 at image-pad positions) or None.
+    ``max_new_tokens``: tokens the reply may take after the context policy (may be clamped).
+    ``notice``: user-facing description of what the context policy did ('' if nothing).
+    """
+
+    input_ids: torch.Tensor
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+    mm_token_type_ids: Optional[torch.Tensor] = None
+    max_new_tokens: int = 2048
+    dropped_turns: int = 0
+    notice: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling parameters (see ``qwen_chat.chat_types.GenerationSettings`` for units).
+
+    ``temperature == 0`` means greedy.  ``seed`` is always set here (rank 0 draws one when the user gave none)
+    so that every rank's generator starts from the same state.
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    presence_penalty: float
+    seed: int
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass
+class PrefillItem:
+    slot: int
+    prompt: PreparedPrompt
+    sampling: SamplingParams
+
+
+@dataclass
+class StepPlan:
+    """One engine step, identical on every rank.
+
+    op: "step" (free, then prefill, then one decode over ``decode_slots``), "selfcheck", or "exit".
+    ``free_slots``: sequences that finished or were cancelled; their state is released first.
+    ``prefills``: new sequences that join this step (their first token is sampled from the prefill logits).
+    ``decode_slots``/``decode_tokens``: running sequences and the token each feeds in (int64 lists, same length).
+    """
+
+    op: str = "step"
+    free_slots: list[int] = field(default_factory=list)
+    prefills: list[PrefillItem] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)
