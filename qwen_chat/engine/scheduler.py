@@ -1,0 +1,370 @@
+"""Continuous-batching scheduler: the one thread that drives the model, and the per-request token streams.
+
+Callers ``submit`` a prepared prompt and get a ``RequestHandle`` that yields the sampled token ids as they
+come.  One background thread loops: build a ``StepPlan`` (free finished slots, prefill waiting requests into
+free slots, one decode step for every running sequence), hand it to the executor, route each sampled token to
+the stream of the request that owns the slot.  New requests therefore join the running decode batch between
+steps, and finished, cancelled or abandoned requests leave at once and free their slot.
+
+Invariants:
+- only the scheduler thread calls the executor (so only it touches the model);
+- a slot belongs to at most one request, and a token sampled for a slot goes only to that request's stream;
+- every decision that must be the same on every rank (slots, input tokens, seeds, stopping) is made here on
+  rank 0 and carried in the plan; workers only execute plans.
+
+Usage::
+
+    sched = Scheduler(LocalExecutor(runner, sampler), num_slots=8, max_queue=64, eos_ids=(248044, 248046))
+    handle = sched.submit(prompt, sampling, CancelToken())
+    for token_id in handle: ...
+    handle.finish_reason   # 'stop' | 'length' | 'cancelled' | 'error'
+    sched.shutdown()
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, FinishReason, NotReady
+from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """Sentinel put on a handle's queue after its last token."""
+
+    reason: FinishReason
+    error: str = ""
+
+
+class RequestHandle:
+    """The token stream of one submitted request (thread-safe; consumed by one reader).
+
+    Iterating yields sampled token ids (int) in order, excluding the stop token itself, and ends when the
+    request finishes; then ``finish_reason`` is 'stop' (a stop id was sampled), 'length' (``max_new_tokens``
+    or the context was reached), 'cancelled' (CancelToken, ``close()``, or shutdown) or 'error' (the executor
+    failed; ``error`` holds the message).  ``close()`` tells the scheduler the consumer went away; the request
+    leaves the batch at the next step.
+
+    Attributes (set by the scheduler thread): ``prompt_tokens`` (tokens), ``completion_tokens`` (sampled
+    tokens including a final stop token, as OpenAI counts them), ``ttft_s`` (seconds from submit to the first
+    sampled token, or None), ``submitted_at`` (``time.monotonic()`` seconds).
+    """
+
+    def __init__(self, request_id: int, prompt_tokens: int, cancel: CancelToken, wake) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.ttft_s: Optional[float] = None
+        self.submitted_at = time.monotonic()
+        self.finish_reason: Optional[FinishReason] = None
+        self.error = ""
+        self._cancel = cancel
+        self._closed = threading.Event()
+        self._queue: "queue.Queue[int | _Finish]" = queue.Queue()
+        self._wake = wake
+
+    # ---- consumer side -------------------------------------------------------------------------------
+    @property
+    def abandoned(self) -> bool:
+        """True once the consumer closed the handle or cancelled its token."""
+        return self._closed.is_set() or self._cancel.cancelled
+
+    def close(self) -> None:
+        """Stop the request (if still running) at the next step; safe to call many times, from any thread."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._wake()
+
+    def __iter__(self) -> Iterator[int]:
+        for chunk in self.chunks():
+            yield from chunk
+
+    def chunks(self, timeout: Optional[float] = None) -> Iterator[list[int]]:
+        """Yield lists of token ids: everything sampled since the previous list (at least one id).
+
+        Blocks until a token or the finish arrives.  With ``timeout`` (seconds) an empty list is yielded
+        whenever nothing arrived in that time, so the consumer can check its own cancellation.
+        """
+        while True:
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                yield []
+                continue
+            batch: list[int] = []
+            while True:
+                if isinstance(item, _Finish):
+                    if batch:
+                        yield batch
+                    return
+                batch.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            yield batch
+
+    # ---- scheduler side ------------------------------------------------------------------------------
+    def _push(self, token: int) -> None:
+        self._queue.put(token)
+
+    def _finish(self, reason: FinishReason, error: str = "") -> None:
+        self.finish_reason = reason
+        self.error = error
+        self._queue.put(_Finish(reason, error))
+
+
+class _Request:
+    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token")
+
+    def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids):
+        self.handle = handle
+        self.prompt = prompt
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.slot: Optional[int] = None
+        self.last_token: Optional[int] = None
+
+
+class Scheduler:
+    """Owns the slots, the waiting queue and the single model thread (started by the constructor).
+
+    Args:
+        executor: object with ``execute(StepPlan) -> {slot: token}`` (``LocalExecutor``/``DistributedExecutor``).
+        num_slots: sequences decoded together at most (the runner's ``num_slots``).
+        max_queue: requests allowed to wait for a slot; one more raises ``Busy``.
+        eos_ids: token ids that end every request (Qwen3.5: ``<|endoftext|>`` 248044, ``<|im_end|>`` 248046,
+            qwen3_5-facts.md "Tokens"); each request's ``SamplingParams.stop_token_ids`` are added to them.
+        max_context: tokens a sequence may hold (prompt + generated; the runner's ``max_context``), or None.
+    """
+
+    def __init__(
+        self,
+        executor,
+        *,
+        num_slots: int,
+        max_queue: int,
+        eos_ids: Iterable[int],
+        max_context: Optional[int] = None,
+    ) -> None:
+        if num_slots < 1 or max_queue < 0:
+            raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
+        self.executor = executor
+        self.num_slots = num_slots
+        self.max_queue = max_queue
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.max_context = max_context
+        self._cond = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}  # slot -> request
+        self._free_slots = list(range(num_slots))
+        self._to_free: list[int] = []  # slots whose runner state must be released in the next plan
+        self._ids = itertools.count(1)
+        self._stopping = False
+        self._healthy = True
+        self._unhealthy_reason = ""
+        self._totals = {
+            "requests": 0, "rejected_busy": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
+            "decode_steps": 0, "max_decode_batch": 0,
+            "finished": {"stop": 0, "length": 0, "cancelled": 0, "error": 0},
+        }
+        self._thread = threading.Thread(target=self._loop, name="qwen-chat-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----------------------------------------------------------------------------------
+    def submit(self, prompt: PreparedPrompt, sampling: SamplingParams, cancel: CancelToken) -> RequestHandle:
+        """Queue a request; returns its token stream at once (prefill happens on the scheduler thread).
+
+        Raises:
+            Busy: ``max_queue`` requests already wait for a slot ("busy, N requests queued, try again").
+            ContextTooLong: the prompt alone fills ``max_context``.
+            NotReady: the scheduler was shut down.
+        """
+        n = prompt.num_tokens
+        if self.max_context is not None and n >= self.max_context:
+            raise ContextTooLong(
+                f"prompt is {n} tokens but the context holds {self.max_context}; shorten the conversation",
+                prompt_tokens=n, context_length=self.max_context,
+            )
+        stop_ids = self.eos_ids | frozenset(int(t) for t in sampling.stop_token_ids)
+        with self._cond:
+            if self._stopping:
+                raise NotReady("the engine is shutting down")
+            # Waiting requests that a free slot will take at the next step do not count as queued.
+            queued = len(self._waiting) - len(self._free_slots)
+            if queued >= self.max_queue:
+                self._totals["rejected_busy"] += 1
+                raise Busy(f"busy, {queued} requests queued, try again in a moment")
+            handle = RequestHandle(next(self._ids), n, cancel, self._notify)
+            self._waiting.append(_Request(handle, prompt, sampling, stop_ids))
+            self._totals["requests"] += 1
+            self._totals["prompt_tokens"] += n
+            self._cond.notify()
+        return handle
+
+    def stats(self) -> dict:
+        """Counters for metrics: active/queued now, slots, totals since start, health.
+
+        Keys: ``active`` (running sequences), ``queued`` (waiting for a slot), ``num_slots``, ``max_queue``,
+        ``healthy`` (bool), ``reason`` (why unhealthy), ``totals`` {requests, rejected_busy, prompt_tokens,
+        generated_tokens, steps, decode_steps, max_decode_batch, finished {stop, length, cancelled, error}}.
+        """
+        with self._cond:
+            totals = dict(self._totals)
+            totals["finished"] = dict(self._totals["finished"])
+            return {
+                "active": len(self._running),
+                "queued": len(self._waiting),
+                "num_slots": self.num_slots,
+                "max_queue": self.max_queue,
+                "healthy": self._healthy,
+                "reason": self._unhealthy_reason,
+                "totals": totals,
+            }
+
+    @property
+    def healthy(self) -> bool:
+        """False after the executor raised (or the loop died); ``stats()['reason']`` says why."""
+        return self._healthy and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancel every waiting and running request, stop the thread (waits up to ``timeout`` seconds)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ---- the model thread ----------------------------------------------------------------------------
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                plan, prefilled, decoded = self._next_plan()
+                if plan is None:
+                    return
+                if not (plan.free_slots or plan.prefills or plan.decode_slots):
+                    continue
+                try:
+                    tokens = self.executor.execute(plan)
+                except Exception as exc:  # noqa: BLE001 - any executor failure fails the step's requests
+                    log.exception("engine step failed; failing %d request(s)", len(prefilled) + len(decoded))
+                    self._fail_step(prefilled + decoded, exc)
+                    continue
+                self._deliver(prefilled + decoded, tokens)
+        except BaseException as exc:  # the loop itself broke: nobody may wait forever on a stream
+            log.exception("scheduler loop died")
+            self._mark_unhealthy(f"scheduler loop died: {exc!r}")
+            raise
+        finally:
+            self._drain("cancelled" if self._healthy else "error")
+
+    def _next_plan(self) -> tuple[Optional[StepPlan], list[_Request], list[_Request]]:
+        """Build the next plan under the lock (waits while there is nothing to do)."""
+        with self._cond:
+            while not (self._stopping or self._waiting or self._running or self._to_free):
+                self._cond.wait()
+            if self._stopping:
+                return None, [], []
+            # Requests whose consumer cancelled or went away leave now, before this step runs.
+            for slot, req in list(self._running.items()):
+                if req.handle.abandoned:
+                    self._retire(req, "cancelled")
+            for req in [r for r in self._waiting if r.handle.abandoned]:
+                self._waiting.remove(req)
+                self._retire(req, "cancelled")
+            plan = StepPlan(free_slots=self._to_free)
+            self._to_free = []
+            # Running sequences decode one token; waiting ones are prefilled into free slots.
+            decoded = list(self._running.values())
+            plan.decode_slots = [r.slot for r in decoded]
+            plan.decode_tokens = [int(r.last_token) for r in decoded]
+            prefilled: list[_Request] = []
+            while self._waiting and self._free_slots:
+                req = self._waiting.popleft()
+                req.slot = self._free_slots.pop(0)
+                self._running[req.slot] = req
+                prefilled.append(req)
+                plan.prefills.append(PrefillItem(req.slot, req.prompt, req.sampling))
+            self._totals["steps"] += 1
+            if decoded:
+                self._totals["decode_steps"] += 1
+                self._totals["max_decode_batch"] = max(self._totals["max_decode_batch"], len(decoded))
+            return plan, prefilled, decoded
+
+    def _deliver(self, reqs: list[_Request], tokens: dict[int, int]) -> None:
+        now = time.monotonic()
+        with self._cond:
+            for req in reqs:
+                if req.slot is None or self._running.get(req.slot) is not req:
+                    continue
+                token = int(tokens[req.slot])
+                h = req.handle
+                h.completion_tokens += 1
+                self._totals["generated_tokens"] += 1
+                if h.ttft_s is None:
+                    h.ttft_s = now - h.submitted_at
+                req.last_token = token
+                if token in req.stop_ids:
+                    self._retire(req, "stop")
+                    continue
+                h._push(token)
+                at_context = self.max_context is not None and h.prompt_tokens + h.completion_tokens >= self.max_context
+                if h.completion_tokens >= req.sampling.max_new_tokens or at_context:
+                    self._retire(req, "length")
+
+    def _retire(self, req: _Request, reason: FinishReason, error: str = "") -> None:
+        """Finish a request and release its slot (caller holds the lock)."""
+        if req.slot is not None and self._running.get(req.slot) is req:
+            del self._running[req.slot]
+            self._to_free.append(req.slot)
+            self._free_slots.append(req.slot)
+            self._free_slots.sort()
+        req.slot = None
+        h = req.handle
+        self._totals["finished"][reason] += 1
+        h._finish(reason, error)
+        if h.ttft_s is not None:
+            elapsed = time.monotonic() - h.submitted_at
+            decode_s = elapsed - h.ttft_s
+            rate = (h.completion_tokens - 1) / decode_s if decode_s > 0 and h.completion_tokens > 1 else 0.0
+            log.info(
+                "request %d %s: prompt %d tok, completion %d tok, TTFT %.3f s, decode %.1f tok/s",
+                h.request_id, reason, h.prompt_tokens, h.completion_tokens, h.ttft_s, rate,
+            )
+        else:
+            log.info("request %d %s before its first token", h.request_id, reason)
+
+    def _fail_step(self, reqs: list[_Request], exc: Exception) -> None:
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        with self._cond:
+            for req in reqs:
+                if req.slot is not None and self._running.get(req.slot) is req:
+                    self._retire(req, "error", message)
+            self._healthy = False
+            self._unhealthy_reason = message
+
+    def _mark_unhealthy(self, reason: str) -> None:
+        with self._cond:
+            self._healthy = False
+            self._unhealthy_reason = reason
+
+    def _drain(self, reason: FinishReason) -> None:
+        """End every open stream (shutdown or a dead loop) so that no consumer blocks forever."""
+        with self._cond:
+            self._stopping = True
+            for req in list(self._running.values()) + list(self._waiting):
+                self._retire(req, reason)
+            self._waiting.clear()
