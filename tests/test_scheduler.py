@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong
+from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, InvalidInput
 from qwen_chat.engine.executor import LocalExecutor
 from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 from qwen_chat.engine.scheduler import Scheduler
@@ -253,7 +253,7 @@ def test_executor_error_fails_requests_and_marks_unhealthy(cleanup):
     cleanup(sched)
     h = sched.submit(prompt(1, 2), params(max_new=50), CancelToken())
     toks = list(h)
-    assert h.finish_reason == "error" and "simulated device error" in h.error
+    assert h.finish_reason == "error" and "engine failed while generating (RuntimeError)" in h.error
     assert len(toks) == 2  # prefill token and one decode token came before the failing step
     assert not sched.healthy and "simulated device error" in sched.stats()["reason"]
     # the slot was released; the scheduler keeps serving (the service/supervisor decide about restarts)
@@ -278,3 +278,27 @@ def test_shutdown_ends_open_streams():
     sched.shutdown()
     list(h1), list(h2)
     assert h1.finish_reason == "cancelled" and h2.finish_reason == "cancelled"
+
+
+def test_refused_prompt_fails_only_that_request(cleanup):
+    """A ChatError from prefill (the runner refuses a prompt) fails only the new request; the running one
+    continues with exactly the tokens of its solo run and the scheduler stays healthy."""
+    ref, _ = solo(prompt(1, 2), params(max_new=12))
+    gate = threading.Event()
+    sched, ex, runner = make(num_slots=2, gate=gate)
+    cleanup(sched)
+    original = runner.prefill
+
+    def refusing_prefill(slot, p):
+        if p.input_ids.tolist() == [66]:
+            raise InvalidInput("prompt refused by the runner")
+        return original(slot, p)
+
+    runner.prefill = refusing_prefill
+    h1 = sched.submit(prompt(1, 2), params(max_new=12), CancelToken())
+    assert ex.step_started.wait(10)
+    h2 = sched.submit(prompt(66), params(max_new=5), CancelToken())
+    gate.set()
+    assert list(h2) == [] and h2.finish_reason == "error" and h2.error == "prompt refused by the runner"
+    assert list(h1) == ref and h1.finish_reason == "length"
+    assert sched.healthy

@@ -75,7 +75,7 @@ class LocalExecutor:
             self.runner.free(slot)
 
         out: dict[int, int] = {}
-        with torch.inference_mode():
+        with torch.no_grad():
             for item in plan.prefills:
                 self.sampler.start(item.slot, item.sampling)
                 logits = self.runner.prefill(item.slot, item.prompt)  # fp32 [V]

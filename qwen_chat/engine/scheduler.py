@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
-from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, FinishReason, NotReady
+from qwen_chat.chat_types import Busy, CancelToken, ChatError, ContextTooLong, FinishReason, NotReady
 from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class RequestHandle:
     Iterating yields sampled token ids (int) in order, excluding the stop token itself, and ends when the
     request finishes; then ``finish_reason`` is 'stop' (a stop id was sampled), 'length' (``max_new_tokens``
     or the context was reached), 'cancelled' (CancelToken, ``close()``, or shutdown) or 'error' (the executor
-    failed; ``error`` holds the message).  ``close()`` tells the scheduler the consumer went away; the request
+    failed; ``error`` holds a message meant for the user, without internals).  ``close()`` tells the scheduler the consumer went away; the request
     leaves the batch at the next step.
 
     Attributes (set by the scheduler thread): ``prompt_tokens`` (tokens), ``completion_tokens`` (sampled
@@ -259,7 +259,18 @@ class Scheduler:
                     continue
                 try:
                     tokens = self.executor.execute(plan)
-                except Exception as exc:  # noqa: BLE001 - any executor failure fails the step's requests
+                except ChatError as exc:
+                    if not prefilled:  # a decode step refused its input: nothing local to blame, treat as fatal
+                        log.exception("decode step refused its input; failing %d request(s)", len(decoded))
+                        self._fail_step(decoded, exc)
+                        continue
+                    # A prompt the runner refused (it raises before touching the decode state): only this
+                    # step's new requests fail, with the user-facing message; running sequences re-run the
+                    # same decode in the next step (their state and their sampler were not advanced).
+                    log.warning("prefill refused (%s); failing %d new request(s)", exc, len(prefilled))
+                    self._fail_requests(prefilled, str(exc))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - any other failure may have corrupted the state
                     log.exception("engine step failed; failing %d request(s)", len(prefilled) + len(decoded))
                     self._fail_step(prefilled + decoded, exc)
                     continue
@@ -347,14 +358,17 @@ class Scheduler:
         else:
             log.info("request %d %s before its first token", h.request_id, reason)
 
-    def _fail_step(self, reqs: list[_Request], exc: Exception) -> None:
-        message = f"engine step failed: {type(exc).__name__}: {exc}"
+    def _fail_requests(self, reqs: list[_Request], message: str) -> None:
         with self._cond:
             for req in reqs:
                 if req.slot is not None and self._running.get(req.slot) is req:
                     self._retire(req, "error", message)
-            self._healthy = False
-            self._unhealthy_reason = message
+
+    def _fail_step(self, reqs: list[_Request], exc: Exception) -> None:
+        """The executor failed in a way that may have left the model state inconsistent: fail every request of
+        the step with a user-facing message (details only in the log) and mark the scheduler unhealthy."""
+        self._fail_requests(reqs, f"the engine failed while generating ({type(exc).__name__}); see the server log")
+        self._mark_unhealthy(f"engine step failed: {type(exc).__name__}: {exc}")
 
     def _mark_unhealthy(self, reason: str) -> None:
         with self._cond:
