@@ -1,0 +1,480 @@
+"""The model runner: our own Qwen3.5 text-decoder forward over static, preallocated per-slot state.
+
+A *slot* holds one running sequence: its KV cache in the 8 (full config) gated full-attention layers, its
+depthwise-conv state and fp32 recurrent state in the 24 Gated DeltaNet layers, its length and its M-RoPE
+delta.  ``prefill`` fills one slot from a prompt (text and images); ``decode`` advances any set of slots by one
+token in one batched forward; ``free`` releases a slot.  Slots are independent, so sequences of different
+lengths join and leave the batch at any step (continuous batching is the scheduler's job).
+
+The maths follows ``transformers/models/qwen3_5/modeling_qwen3_5.py`` (Qwen3_5Attention,
+Qwen3_5GatedDeltaNet, torch_recurrent_gated_delta_rule, Qwen3_5DecoderLayer), but every projection, norm and
+MLP is called through the model's own submodules (``layer.linear_attn.in_proj_qkv(x)``, ``layer.mlp(x)``,
+``model.lm_head(x)``...).  Under DeepSpeed AutoTP those submodules are sharded and communicate internally; under
+ZeRO-3 their forward hooks gather the parameters.  Local head counts are derived from the actual output widths
+(probed once at start-up), so the same code runs unsharded, tensor-parallel and ZeRO-3.
+
+On CUDA (not ZeRO-3) the decode step is captured in CUDA graphs, one per (batch size, context bucket) of a
+ladder, with static input/output buffers; a batch is padded up to the ladder size with rows that point at a
+scratch slot.  On CPU the same step runs eagerly.
+
+Run the CPU parity tests with ``python -m pytest -q tests/test_runner.py``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from qwen_chat.chat_types import ContextTooLong, InvalidInput
+from qwen_chat.engine.requests import PreparedPrompt
+
+log = logging.getLogger(__name__)
+
+#: Batch sizes for which a decode graph is captured; a batch of B runs in the smallest size >= B.
+BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+#: Smallest context bucket (tokens) of the decode attention; buckets double up to ``max_context``.
+MIN_CONTEXT_BUCKET = 512
+
+
+def _resolve_chunk_rule() -> tuple[Callable, str]:
+    """Pick the chunked gated-delta-rule implementation for prefill: fla-core's Triton kernel if importable,
+    else transformers' reference ``torch_chunk_gated_delta_rule``.  Both take q, k, v [B, L, H, D], g, beta
+    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv])."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
+
+        return chunk_gated_delta_rule, "fla.chunk_gated_delta_rule"
+    except Exception:  # fla missing or broken on this host: the reference implementation is exact, only slower
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+        return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule"
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (transformers ``qwen3_5.l2norm``, aligned with fla)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary embedding on the first ``cos.shape[-1]`` channels of ``x`` (rotate-half convention).
+
+    x: [..., heads, n, head_dim]; cos/sin: broadcastable to [..., heads, n, rotary_dim].  Same as
+    transformers ``qwen3_5.apply_rotary_pos_emb`` for one tensor.
+    """
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def _is_zero3(model: torch.nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 has partitioned the parameters (they carry a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+class ModelRunner:
+    """Qwen3.5 forward over static per-slot state (see the module docstring).
+
+    Args:
+        model: a loaded ``transformers`` ``Qwen3_5ForConditionalGeneration`` (plain, AutoTP-sharded or ZeRO-3),
+            in eval mode, on ``device``.
+        num_slots: number of sequences that can be live at once.
+        max_context: tokens per sequence (prompt + reply); the KV cache is allocated for this length.
+        device: torch device of the model.
+        dtype: dtype of activations and KV cache; default: the dtype of the model's parameters.
+        use_cuda_graphs: capture the decode step in CUDA graphs; None = on for CUDA unless ZeRO-3.
+
+    Attributes: ``num_slots``, ``max_context``, ``vocab_size`` (logits width), ``impl`` (dict: which
+    implementation each op resolved to, for the start-up log).
+
+    State memory per slot: 8 layers x 2 x kv_heads x max_context x head_dim x dtype bytes of KV cache
+    (32 KiB per token of context for the full bf16 config) plus 24 x 32 x 128 x 128 x 4 bytes = 48 MiB of
+    recurrent state.  One extra scratch slot absorbs the padding rows of graph-padded batches.
+    """
+
+    def __init__(self, model, *, num_slots: int, max_context: int, device, dtype=None,
+                 use_cuda_graphs: Optional[bool] = None):
+        if num_slots < 1 or max_context < 1:
+            raise ValueError(f"num_slots and max_context must be >= 1 (got {num_slots}, {max_context})")
+        self.model = model
+        self.device = torch.device(device)
+        self.num_slots = int(num_slots)
+        self.max_context = int(max_context)
+        zero3 = _is_zero3(model)
+        if use_cuda_graphs is None:
+            use_cuda_graphs = self.device.type == "cuda" and not zero3
+        if use_cuda_graphs and (self.device.type != "cuda" or zero3):
+            raise ValueError("CUDA graphs need a CUDA device and cannot be used under ZeRO-3")
+        self.use_cuda_graphs = bool(use_cuda_graphs)
+
+        core = model.model
+        lm = core.language_model
+        self.config = model.config
+        tc = model.config.text_config
+        self.dtype = dtype or lm.embed_tokens.weight.dtype
+        self.vocab_size = int(tc.vocab_size)
+        self.image_token_id = int(model.config.image_token_id)
+        self._core, self._lm = core, lm
+        self._layers = list(lm.layers)
+        self._embed, self._final_norm, self._lm_head = lm.embed_tokens, lm.norm, model.lm_head
+        self._chunk_rule, chunk_name = _resolve_chunk_rule()
+        self.impl = {"chunk_delta_rule": chunk_name, "recurrent_delta_rule": "torch", "conv1d": "torch",
+                     "attention": "torch.sdpa", "cuda_graphs": self.use_cuda_graphs}
+
+        self._build_state(tc)
+        # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
+        # Table built with the model's own rotary module over positions 0..max_context-1 (plus the largest
+        # shift a decode position can take: rope deltas are <= 0 for images, so max_context suffices).
+        pos = torch.arange(self.max_context, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        probe = torch.zeros(1, 1, tc.hidden_size, device=self.device, dtype=self.dtype)
+        cos, sin = lm.rotary_emb(probe, pos)
+        self._cos_table, self._sin_table = cos[0].contiguous(), sin[0].contiguous()  # [T, rotary_dim]
+
+        self.lengths = [0] * (self.num_slots + 1)      # tokens in each slot's cache (python ints)
+        self.rope_deltas = [0] * (self.num_slots + 1)  # M-RoPE position shift of each slot
+        self._active = [False] * (self.num_slots + 1)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
+        if self.use_cuda_graphs:
+            self._alloc_static_buffers()
+        log.info("ModelRunner: %d slots x %d tokens, dtype %s, impl %s", self.num_slots, self.max_context,
+                 self.dtype, self.impl)
+
+    # ------------------------------------------------------------------ state
+    @torch.no_grad()
+    def _build_state(self, tc) -> None:
+        """Probe local widths through the real (possibly sharded) submodules and allocate the slot state."""
+        S = self.num_slots + 1  # + scratch slot for padding rows
+        T = self.max_context
+        x = torch.zeros(1, tc.hidden_size, device=self.device, dtype=self.dtype)
+        self._kinds: list[str] = []
+        self._geo: list[dict] = []
+        self.k_cache: dict[int, torch.Tensor] = {}
+        self.v_cache: dict[int, torch.Tensor] = {}
+        self.conv_state: dict[int, torch.Tensor] = {}
+        self.rec_state: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self._layers):
+            if hasattr(layer, "linear_attn"):
+                la = layer.linear_attn
+                dk, dv, K = la.head_k_dim, la.head_v_dim, la.conv_kernel_size
+                conv_dim = la.in_proj_qkv(x).shape[-1]
+                value_dim = la.in_proj_z(x).shape[-1]
+                key_dim = (conv_dim - value_dim) // 2
+                geo = dict(dk=dk, dv=dv, K=K, conv_dim=conv_dim, key_dim=key_dim, value_dim=value_dim,
+                           nk=key_dim // dk, nv=value_dim // dv)
+                w = la.conv1d.weight
+                if w.numel() == 0 or la.A_log.numel() == 0:
+                    raise RuntimeError(
+                        "Gated DeltaNet conv1d/A_log are partitioned (ZeRO-3): raise "
+                        "stage3_param_persistence_threshold above their size so they stay resident")
+                if w.shape[0] != conv_dim or la.A_log.numel() != geo["nv"] or la.dt_bias.numel() != geo["nv"]:
+                    raise RuntimeError(
+                        f"layer {i}: conv1d/A_log/dt_bias ({w.shape[0]}, {la.A_log.numel()}) do not match the "
+                        f"projection widths ({conv_dim}, {geo['nv']} value heads): unsupported sharding")
+                self._kinds.append("linear")
+                self.conv_state[i] = torch.zeros(S, conv_dim, K - 1, device=self.device, dtype=self.dtype)
+                self.rec_state[i] = torch.zeros(S, geo["nv"], dk, dv, device=self.device, dtype=torch.float32)
+            else:
+                at = layer.self_attn
+                hd = at.head_dim
+                nq = at.q_proj(x).shape[-1] // (2 * hd)
+                nkv = at.k_proj(x).shape[-1] // hd
+                geo = dict(hd=hd, nq=nq, nkv=nkv, groups=nq // nkv, scale=at.scaling)
+                self._kinds.append("full")
+                self.k_cache[i] = torch.zeros(S, nkv, T, hd, device=self.device, dtype=self.dtype)
+                self.v_cache[i] = torch.zeros(S, nkv, T, hd, device=self.device, dtype=self.dtype)
+            self._geo.append(geo)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+
+    def free(self, slot: int) -> None:
+        """Release ``slot``; its state is overwritten by the next prefill (no memory is returned)."""
+        self._check_slot(slot)
+        self._active[slot] = False
+        self.lengths[slot] = 0
+        self.rope_deltas[slot] = 0
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, slot: int, prompt: PreparedPrompt) -> torch.Tensor:
+        """Run the whole prompt through the model into ``slot`` (replacing whatever it held).
+
+        Images: features from the model's own vision tower (``model.model.get_image_features``) replace the
+        embeddings at the image-pad positions; M-RoPE positions from ``model.model.get_rope_index``, whose
+        delta is kept for the slot's decode positions.
+
+        Returns: fp32 logits [vocab_size] of the last prompt position.
+        Raises: ContextTooLong if the prompt does not fit ``max_context``; InvalidInput for an empty prompt or
+        a pad-token count that does not match the image features.
+        """
+        self._check_slot(slot)
+        ids = prompt.input_ids.to(self.device, torch.long).reshape(-1)
+        L = int(ids.numel())
+        if L == 0:
+            raise InvalidInput("empty prompt")
+        if L >= self.max_context:
+            raise ContextTooLong(f"prompt of {L} tokens does not fit the context of {self.max_context} tokens "
+                                 "(one position is needed for the reply)", L, self.max_context)
+        self._active[slot] = False
+        emb = self._embed(ids[None]).to(self.dtype)  # [1, L, H]
+        delta = 0
+        if prompt.pixel_values is not None:
+            grid = prompt.image_grid_thw.to(self.device, torch.long)
+            out = self._core.get_image_features(prompt.pixel_values.to(self.device), grid)
+            feats = out.pooler_output if hasattr(out, "pooler_output") else out
+            if isinstance(feats, (list, tuple)):
+                feats = torch.cat(list(feats), dim=0)
+            mask = ids == self.image_token_id
+            if int(mask.sum()) != feats.shape[0]:
+                raise InvalidInput(f"prompt has {int(mask.sum())} image-pad tokens but the images give "
+                                   f"{feats.shape[0]} features")
+            emb[0, mask] = feats.to(self.dtype)
+            mm = prompt.mm_token_type_ids
+            mm = (ids == self.image_token_id).long() if mm is None else mm.to(self.device, torch.long).reshape(-1)
+            pos, deltas = self._core.get_rope_index(ids[None], mm_token_type_ids=mm[None], image_grid_thw=grid)
+            pos = pos.to(self.device)
+            delta = int(deltas.reshape(-1)[0])
+        else:
+            pos = torch.arange(L, device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        cos, sin = self._lm.rotary_emb(emb, pos)  # [1, L, rotary_dim]
+        h = emb
+        for i, layer in enumerate(self._layers):
+            x = layer.input_layernorm(h)
+            if self._kinds[i] == "linear":
+                x = self._linear_prefill(i, layer.linear_attn, slot, x)
+            else:
+                x = self._attn_prefill(i, layer.self_attn, slot, x, cos, sin)
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self._lm_head(self._final_norm(h[:, -1:]))
+        self.lengths[slot] = L
+        self.rope_deltas[slot] = delta
+        self._active[slot] = True
+        return logits.reshape(-1).float()
+
+    def _attn_prefill(self, i, at, slot, x, cos, sin):
+        g = self._geo[i]
+        B, L, _ = x.shape
+        hd = g["hd"]
+        q, gate = torch.chunk(at.q_proj(x).view(B, L, -1, 2 * hd), 2, dim=-1)
+        gate = gate.reshape(B, L, -1)
+        q = at.q_norm(q).transpose(1, 2)                                     # [1, nq, L, hd]
+        k = at.k_norm(at.k_proj(x).view(B, L, -1, hd)).transpose(1, 2)      # [1, nkv, L, hd]
+        v = at.v_proj(x).view(B, L, -1, hd).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        self.k_cache[i][slot, :, :L] = k[0]
+        self.v_cache[i][slot, :, :L] = v[0]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=g["scale"], enable_gqa=True)
+        o = o.transpose(1, 2).reshape(B, L, -1) * torch.sigmoid(gate)
+        return at.o_proj(o)
+
+    def _linear_prefill(self, i, la, slot, x):
+        g = self._geo[i]
+        B, L, _ = x.shape
+        K = g["K"]
+        qkv = la.in_proj_qkv(x).transpose(1, 2)  # [1, C, L]
+        z = la.in_proj_z(x)
+        b, a = la.in_proj_b(x), la.in_proj_a(x)
+        tail = qkv[..., -(K - 1):]
+        if tail.shape[-1] < K - 1:
+            tail = F.pad(tail, (K - 1 - tail.shape[-1], 0))
+        self.conv_state[i][slot].copy_(tail[0])
+        mixed = ACT2FN[la.activation](la.conv1d(qkv.to(la.conv1d.weight.dtype))[..., :L]).to(x.dtype)
+        mixed = mixed.transpose(1, 2)
+        q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
+        q = q.reshape(B, L, -1, g["dk"])
+        k = k.reshape(B, L, -1, g["dk"])
+        v = v.reshape(B, L, -1, g["dv"])
+        rep = g["nv"] // g["nk"]
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        beta = b.sigmoid()
+        gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
+        out, state = self._chunk_rule(q, k, v, g=gdecay, beta=beta, initial_state=None,
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+        self.rec_state[i][slot].copy_(state[0].float())
+        core = la.norm(out.reshape(-1, g["dv"]).to(x.dtype), z.reshape(-1, g["dv"]))
+        return la.out_proj(core.reshape(B, L, -1))
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode(self, slots: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token to each of ``slots`` (all prefilled, distinct) and return their next-token logits.
+
+        tokens: int64 [B] (any device).  Returns fp32 logits [B, vocab_size] on the runner's device.
+        Raises ContextTooLong when a slot's cache is full (the scheduler should stop it one token earlier).
+        """
+        slots = [int(s) for s in slots]
+        B = len(slots)
+        if B == 0:
+            raise ValueError("decode needs at least one slot")
+        if tokens.numel() != B:
+            raise ValueError(f"{B} slots but {tokens.numel()} tokens")
+        if len(set(slots)) != B:
+            raise ValueError(f"duplicate slots in a decode batch: {slots}")
+        for s in slots:
+            self._check_slot(s)
+            if not self._active[s]:
+                raise ValueError(f"slot {s} is not prefilled")
+            if self.lengths[s] >= self.max_context:
+                raise ContextTooLong(f"sequence in slot {s} reached the context of {self.max_context} tokens",
+                                     self.lengths[s], self.max_context)
+        pos = [self.lengths[s] for s in slots]
+        rope = [p + self.rope_deltas[s] for p, s in zip(pos, slots)]
+        ctx = self._context_bucket(max(pos) + 1)
+        if self.use_cuda_graphs and B <= BATCH_LADDER[-1]:
+            logits = self._decode_graph(slots, tokens, pos, rope, ctx)
+        else:
+            dev = self.device
+            logits = self._decode_step(torch.tensor(slots, device=dev), tokens.to(dev, torch.long).reshape(-1),
+                                       torch.tensor(pos, device=dev), torch.tensor(rope, device=dev), ctx)
+        for s in slots:
+            self.lengths[s] += 1
+        return logits
+
+    def _context_bucket(self, n: int) -> int:
+        """Smallest bucket (MIN_CONTEXT_BUCKET doubling, capped at max_context) holding n positions."""
+        b = MIN_CONTEXT_BUCKET
+        while b < n:
+            b *= 2
+        return min(b, self.max_context)
+
+    def _decode_step(self, slot_idx, tokens, pos, rope_pos, ctx: int) -> torch.Tensor:
+        """One batched decode forward.  slot_idx/tokens/pos/rope_pos: int64 [B] on device; ctx: attention
+        window (static per graph).  Returns fp32 logits [B, V].  Only tensor ops: safe to capture."""
+        h = self._embed(tokens).to(self.dtype)                          # [B, H]
+        cos, sin = self._cos_table[rope_pos], self._sin_table[rope_pos]  # [B, rot]
+        for i, layer in enumerate(self._layers):
+            x = layer.input_layernorm(h)
+            if self._kinds[i] == "linear":
+                x = self._linear_decode(i, layer.linear_attn, slot_idx, x)
+            else:
+                x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._lm_head(self._final_norm(h)).float()
+
+    def _attn_decode(self, i, at, slot_idx, pos, x, cos, sin, ctx):
+        g = self._geo[i]
+        B = x.shape[0]
+        hd, nkv = g["hd"], g["nkv"]
+        q, gate = torch.chunk(at.q_proj(x).view(B, -1, 2 * hd), 2, dim=-1)
+        gate = gate.reshape(B, -1)
+        q = apply_rotary(at.q_norm(q), cos[:, None], sin[:, None])                       # [B, nq, hd]
+        k = apply_rotary(at.k_norm(at.k_proj(x).view(B, -1, hd)), cos[:, None], sin[:, None])  # [B, nkv, hd]
+        v = at.v_proj(x).view(B, -1, hd)
+        heads = torch.arange(nkv, device=x.device)
+        kc, vc = self.k_cache[i], self.v_cache[i]
+        kc.index_put_((slot_idx[:, None], heads[None, :], pos[:, None]), k)
+        vc.index_put_((slot_idx[:, None], heads[None, :], pos[:, None]), v)
+        keys, vals = kc[slot_idx, :, :ctx], vc[slot_idx, :, :ctx]                  # [B, nkv, ctx, hd]
+        mask = (torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]).view(B, 1, 1, ctx)
+        # The query heads of one KV group act as that group's "query positions": no KV head expansion.
+        o = F.scaled_dot_product_attention(q.view(B, nkv, g["groups"], hd), keys, vals, attn_mask=mask,
+                                           scale=g["scale"])
+        o = o.reshape(B, -1) * torch.sigmoid(gate)
+        return at.o_proj(o)
+
+    def _linear_decode(self, i, la, slot_idx, x):
+        g = self._geo[i]
+        B = x.shape[0]
+        dk, dv = g["dk"], g["dv"]
+        qkv = la.in_proj_qkv(x)                                   # [B, C]
+        z = la.in_proj_z(x)
+        b, a = la.in_proj_b(x), la.in_proj_a(x)
+        cs = self.conv_state[i]
+        window = torch.cat([cs[slot_idx], qkv[:, :, None].to(cs.dtype)], dim=-1)  # [B, C, K]
+        cs.index_copy_(0, slot_idx, window[:, :, 1:])
+        w = la.conv1d.weight[:, 0, :]                              # [C, K] depthwise taps
+        mixed = (window.float() * w.float()).sum(-1)
+        mixed = ACT2FN[la.activation](mixed).to(x.dtype)
+        q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
+        rep = g["nv"] // g["nk"]
+        q = l2norm(q.float().view(B, -1, dk)).repeat_interleave(rep, dim=1) * dk ** -0.5  # [B, HV, dk]
+        k = l2norm(k.float().view(B, -1, dk)).repeat_interleave(rep, dim=1)
+        v = v.float().view(B, -1, dv)
+        beta = b.sigmoid().float()                                          # [B, HV]
+        decay = (-la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)).exp()
+        # Gated delta rule, one step (transformers torch_recurrent_gated_delta_rule):
+        # S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+        state = self.rec_state[i][slot_idx] * decay[:, :, None, None]       # [B, HV, dk, dv]
+        kv_mem = torch.einsum("bhk,bhkv->bhv", k, state)
+        delta = (v - kv_mem) * beta[:, :, None]
+        state = state + k[:, :, :, None] * delta[:, :, None, :]
+        o = torch.einsum("bhk,bhkv->bhv", q, state)
+        self.rec_state[i].index_copy_(0, slot_idx, state)
+        core = la.norm(o.to(x.dtype).reshape(-1, dv), z.reshape(-1, dv))
+        return la.out_proj(core.reshape(B, -1))
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def _alloc_static_buffers(self) -> None:
+        n = BATCH_LADDER[-1]
+        dev = self.device
+        self._scratch = self.num_slots
+        self._s_slots = torch.full((n,), self._scratch, dtype=torch.long, device=dev)
+        self._s_tokens = torch.zeros(n, dtype=torch.long, device=dev)
+        self._s_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self._s_rope = torch.zeros(n, dtype=torch.long, device=dev)
+        self._s_out: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _capture(self, bp: int, ctx: int) -> None:
+        """Capture the decode step for padded batch ``bp`` and context bucket ``ctx`` (inputs point at the
+        scratch slot during warm-up and capture, so no live sequence is touched)."""
+        self._s_slots.fill_(self._scratch)
+        self._s_tokens.zero_()
+        self._s_pos.zero_()
+        self._s_rope.zero_()
+        args = (self._s_slots[:bp], self._s_tokens[:bp], self._s_pos[:bp], self._s_rope[:bp], ctx)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_step(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._s_out[(bp, ctx)] = self._decode_step(*args)
+        self._graphs[(bp, ctx)] = graph
+
+    @torch.no_grad()
+    def capture_all(self, batch_sizes: Sequence[int] = BATCH_LADDER, context_buckets: Sequence[int] | None = None):
+        """Capture decode graphs ahead of serving (otherwise each is captured on first use).  Every rank of a
+        tensor-parallel group must call this with the same arguments."""
+        if not self.use_cuda_graphs:
+            return
+        if context_buckets is None:
+            context_buckets, b = [], MIN_CONTEXT_BUCKET
+            while True:
+                context_buckets.append(min(b, self.max_context))
+                if b >= self.max_context:
+                    break
+                b *= 2
+        for bp in batch_sizes:
+            for ctx in context_buckets:
+                if (bp, ctx) not in self._graphs:
+                    self._capture(bp, ctx)
+
+    def _decode_graph(self, slots, tokens, pos, rope, ctx) -> torch.Tensor:
+        B = len(slots)
+        bp = next(b for b in BATCH_LADDER if b >= B)
+        key = (bp, ctx)
+        if key not in self._graphs:
+            self._capture(bp, ctx)
+        pad = bp - B
+        dev = self.device
+        self._s_slots[:bp].copy_(torch.tensor(slots + [self._scratch] * pad), non_blocking=True)
+        self._s_tokens[:B].copy_(tokens.reshape(-1), non_blocking=True)
+        self._s_tokens[B:bp].zero_()
+        self._s_pos[:bp].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
+        self._s_rope[:bp].copy_(torch.tensor(rope + [0] * pad), non_blocking=True)
+        self._graphs[key].replay()
+        return self._s_out[key][:B].clone()

@@ -1,0 +1,148 @@
+"""Batched next-token sampling on the logits' device, with one seeded generator per slot.
+
+Order of operations per row (the OpenAI / vLLM definitions): temperature 0 -> argmax of the raw logits
+(greedy); otherwise presence penalty (subtract ``presence_penalty`` once from the logit of every token already
+generated in this reply) -> divide by temperature -> keep the ``top_k`` largest (0 = all) -> keep the smallest
+set of most likely tokens whose probability mass is >= ``top_p`` (always at least one) -> draw from the
+renormalised distribution.
+
+Randomness: each slot owns a ``torch.Generator`` on the sampler's device, seeded by ``start``.  It fills a block
+of uniforms for that slot alone, and every ``sample`` call consumes exactly one uniform per row (inverse-CDF
+draw), so a slot's tokens depend only on its seed and its logits, never on which other slots share the batch.
+Every rank of a tensor-parallel group therefore samples identical tokens.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from qwen_chat.engine.requests import SamplingParams
+
+#: Uniforms drawn per refill of a slot's block (one per sampled token).
+UNIFORM_BLOCK = 256
+#: Largest top_k handled with ``torch.topk``; rows without top-k (0) use a full sort.
+TOPK_FAST_LIMIT = 1024
+
+
+class Sampler:
+    """Per-slot sampling state: parameters, generator, uniforms and presence flags.
+
+    Args: num_slots (int); vocab_size (int, logits width V); device (where logits live).
+    Memory: a bool [num_slots, V] presence table and a float32 [num_slots, UNIFORM_BLOCK] uniform table.
+    """
+
+    def __init__(self, num_slots: int, vocab_size: int, device):
+        self.num_slots = int(num_slots)
+        self.vocab_size = int(vocab_size)
+        self.device = torch.device(device)
+        dev = self.device
+        self.generators = [torch.Generator(device=dev) for _ in range(self.num_slots)]
+        self.params: list[SamplingParams | None] = [None] * self.num_slots
+        self.presence = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool, device=dev)
+        self._uniform = torch.zeros(self.num_slots, UNIFORM_BLOCK, dtype=torch.float32, device=dev)
+        self._next = [UNIFORM_BLOCK] * self.num_slots
+        self._temperature = torch.zeros(self.num_slots, dtype=torch.float32, device=dev)
+        self._top_p = torch.ones(self.num_slots, dtype=torch.float32, device=dev)
+        self._top_k = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
+        self._penalty = torch.zeros(self.num_slots, dtype=torch.float32, device=dev)
+
+    def start(self, slot: int, params: SamplingParams) -> None:
+        """Begin a new reply in ``slot``: store ``params``, seed the slot's generator with ``params.seed``
+        and clear its presence flags.  Raises ValueError for parameters outside their domain."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise ValueError(f"invalid sampling parameters {params}")
+        self.params[slot] = params
+        self.generators[slot].manual_seed(int(params.seed))
+        self._next[slot] = UNIFORM_BLOCK  # refill from the fresh seed on first use
+        self.presence[slot] = False
+        self._temperature[slot] = float(params.temperature)
+        self._top_p[slot] = float(params.top_p)
+        self._top_k[slot] = int(params.top_k) if 0 < params.top_k < self.vocab_size else 0
+        self._penalty[slot] = float(params.presence_penalty)
+
+    def _uniforms(self, slots: Sequence[int]) -> torch.Tensor:
+        """One uniform in [0, 1) per row, each from its own slot's generator.  float32 [B]."""
+        cols = []
+        for s in slots:
+            if self._next[s] >= UNIFORM_BLOCK:
+                self._uniform[s] = torch.rand(UNIFORM_BLOCK, generator=self.generators[s], device=self.device)
+                self._next[s] = 0
+            cols.append(self._next[s])
+            self._next[s] += 1
+        idx = torch.tensor(list(slots), device=self.device)
+        return self._uniform[idx, torch.tensor(cols, device=self.device)]
+
+    def _nucleus(self, slots: Sequence[int], logits: torch.Tensor):
+        """Penalised, tempered, top-k/top-p filtered distribution of each row, sorted by probability.
+
+        Returns (probs float32 [B, n], token_ids int64 [B, n]); probs rows sum to 1, with zeros for removed
+        tokens; n = V, or the largest top_k of the batch when every row has one.
+        """
+        idx = torch.tensor(list(slots), device=self.device)
+        x = logits.float()
+        penalty = self._penalty[idx]
+        if bool((penalty != 0).any()):
+            x = x - penalty[:, None] * self.presence[idx].float()
+        temp = self._temperature[idx]
+        x = x / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+        ks = [self.params[s].top_k if 0 < self.params[s].top_k < self.vocab_size else 0 for s in slots]
+        if min(ks) > 0 and max(ks) <= TOPK_FAST_LIMIT:
+            vals, ids = torch.topk(x, max(ks), dim=-1)  # sorted descending
+        else:
+            vals, ids = torch.sort(x, dim=-1, descending=True)
+        k = self._top_k[idx]
+        rank = torch.arange(vals.shape[-1], device=self.device)[None, :]
+        vals = vals.masked_fill((k[:, None] > 0) & (rank >= k[:, None]), float("-inf"))
+        probs = torch.softmax(vals, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep = mass_before < self._top_p[idx][:, None]
+        keep[:, 0] = True
+        probs = probs * keep
+        return probs / probs.sum(dim=-1, keepdim=True), ids
+
+    def distribution(self, slots: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """The distribution each row would be sampled from, scattered back to vocabulary order.
+
+        logits: float [B, V].  Returns float32 [B, V] (rows sum to 1); greedy rows are one-hot at the argmax.
+        Does not consume randomness or change presence flags.
+        """
+        self._check(slots, logits)
+        probs, ids = self._nucleus(slots, logits)
+        out = torch.zeros(logits.shape, dtype=torch.float32, device=self.device).scatter_(1, ids, probs)
+        greedy = self._temperature[torch.tensor(list(slots), device=self.device)] == 0
+        if bool(greedy.any()):
+            onehot = torch.zeros_like(out).scatter_(1, logits.float().argmax(-1, keepdim=True), 1.0)
+            out = torch.where(greedy[:, None], onehot, out)
+        return out
+
+    def _check(self, slots: Sequence[int], logits: torch.Tensor) -> None:
+        if logits.dim() != 2 or logits.shape[0] != len(slots) or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be [{len(slots)}, {self.vocab_size}], got {tuple(logits.shape)}")
+        for s in slots:
+            if not 0 <= s < self.num_slots or self.params[s] is None:
+                raise ValueError(f"slot {s} has no sampling parameters (call start first)")
+
+    def sample(self, slots: Sequence[int], logits: torch.Tensor) -> list[int]:
+        """Draw one token per row and mark it as present for its slot.
+
+        slots: B distinct slot ids; logits: float [B, V] on the sampler's device.  Returns B token ids.
+        """
+        slots = [int(s) for s in slots]
+        self._check(slots, logits)
+        u = self._uniforms(slots)
+        idx = torch.tensor(slots, device=self.device)
+        greedy_tok = logits.float().argmax(dim=-1)
+        if all(self.params[s].temperature == 0 for s in slots):
+            tokens = greedy_tok
+        else:
+            probs, ids = self._nucleus(slots, logits)
+            cdf = torch.cumsum(probs, dim=-1)
+            target = (u * cdf[:, -1])[:, None]
+            choice = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+            drawn = ids.gather(1, choice)[:, 0]
+            tokens = torch.where(self._temperature[idx] == 0, greedy_tok, drawn)
+        self.presence[idx, tokens] = True
+        return tokens.tolist()
