@@ -1,0 +1,240 @@
+"""Health and Prometheus metrics: ``/healthz``, ``/metrics`` and the metrics-recording backend wrapper.
+
+Wiring (in the web server)::
+
+    backend = ops.instrument(engine)               # give THIS object to the UI and the API
+    app.include_router(ops.create_router(backend)) # GET /healthz, GET /metrics
+
+``instrument`` wraps any ``ChatBackend`` and records, for every ``stream_chat`` call (UI and API alike), the
+metrics below in its own ``prometheus_client.CollectorRegistry`` (never the global one, so several apps can
+live in one process).  Metric names (Prometheus text format, ``/metrics``):
+
+- ``qwen_chat_requests_total``: chat requests made (every ``stream_chat`` call, plus requests the API
+  rejected before reaching the engine, see ``record_rejection``).
+- ``qwen_chat_errors_total{kind}``: failed requests by ``ChatError.kind`` (``invalid_input``, ``busy``,
+  ``not_ready``...); ``internal`` for unexpected exceptions, ``generation`` for a stream that ended with
+  ``finish_reason == "error"``.
+- ``qwen_chat_finished_total{finish_reason}``: streams that ended, by finish reason (stop/length/cancelled/error).
+- ``qwen_chat_active_streams``: streams being generated now.
+- ``qwen_chat_prompt_tokens_total`` / ``qwen_chat_completion_tokens_total``: tokens, summed over requests.
+- ``qwen_chat_ttft_seconds``: histogram of time to first token (the engine's ``ttft_s`` when it reports one,
+  else wall time from the call to the first update carrying text).
+- ``qwen_chat_decode_tokens_per_second``: histogram of per-request decode speed
+  (``(completion_tokens - 1) / (t_last - t_first)``, measured after the first token, so prefill is excluded).
+- From ``backend.stats()`` if the backend has it, read at scrape time: ``qwen_chat_queue_depth`` (key
+  ``queue_depth``), ``qwen_chat_running_sequences`` (key ``running``), ``qwen_chat_gpu_memory_bytes{rank}``
+  (key ``gpu_memory_bytes``: a list indexed by rank or a {rank: bytes} dict), and any other numeric key ``K``
+  as ``qwen_chat_engine_K``.
+- ``qwen_chat_healthy``: 1 when ``backend.health()["ok"]``, else 0 (read at scrape time).
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any, Iterator, Optional, Sequence
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError, ChatMessage, GenerationSettings, StreamUpdate
+
+log = logging.getLogger(__name__)
+
+# Bucket edges.  TTFT: from ~10 ms (short prompt on a GPU) to minutes (long multimodal prompt, ZeRO-3 offload
+# on CPU).  Decode speed: measured-baselines.md spans well under 1 tok/s (CPU offload) to ~100 tok/s (H200).
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TOKENS_PER_S_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 150.0, 250.0, 500.0)
+
+_METRIC_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class _BackendCollector(Collector):
+    """Reads ``backend.stats()`` and ``backend.health()`` at scrape time and turns them into gauges."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+
+    def collect(self):  # noqa: D401 - prometheus_client interface
+        healthy = GaugeMetricFamily("qwen_chat_healthy", "1 when /healthz would answer 200, else 0")
+        try:
+            healthy.add_metric([], 1.0 if bool(self._backend.health().get("ok")) else 0.0)
+        except Exception:  # a failing health() is itself "unhealthy"
+            healthy.add_metric([], 0.0)
+        yield healthy
+        stats_fn = getattr(self._backend, "stats", None)
+        if not callable(stats_fn):
+            return
+        try:
+            stats = stats_fn() or {}
+        except Exception:
+            log.exception("backend.stats() failed during /metrics scrape")
+            return
+        for key, value in stats.items():
+            if key == "gpu_memory_bytes":
+                per_rank = value.items() if isinstance(value, dict) else enumerate(value or ())
+                fam = GaugeMetricFamily(
+                    "qwen_chat_gpu_memory_bytes", "GPU memory allocated by the model process, per rank", labels=["rank"]
+                )
+                for rank, used in per_rank:
+                    fam.add_metric([str(rank)], float(used))
+                yield fam
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                if key == "queue_depth":
+                    name, doc = "qwen_chat_queue_depth", "requests waiting for a free engine slot"
+                elif key == "running":
+                    name, doc = "qwen_chat_running_sequences", "sequences being decoded now"
+                else:
+                    name, doc = "qwen_chat_engine_" + _METRIC_NAME_RE.sub("_", str(key)), f"engine stat {key}"
+                yield GaugeMetricFamily(name, doc, value=float(value))
+
+
+class InstrumentedBackend:
+    """A ``ChatBackend`` that forwards to ``inner`` and records metrics in ``self.registry``.
+
+    Every attribute other than ``stream_chat``/``record_rejection``/``registry`` is the inner backend's
+    (``info``, ``health``, ``stats``...), so the wrapper can stand in for the engine everywhere.
+    """
+
+    def __init__(self, inner: ChatBackend, registry: Optional[CollectorRegistry] = None):
+        self.inner = inner
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("qwen_chat_requests", "chat requests made (UI and API)", registry=r)
+        self.errors = Counter("qwen_chat_errors", "failed chat requests by error kind", ["kind"], registry=r)
+        self.finished = Counter("qwen_chat_finished", "streams ended, by finish reason", ["finish_reason"], registry=r)
+        self.active = Gauge("qwen_chat_active_streams", "streams being generated now", registry=r)
+        self.prompt_tokens = Counter("qwen_chat_prompt_tokens", "prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("qwen_chat_completion_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("qwen_chat_ttft_seconds", "time to first token", buckets=TTFT_BUCKETS_S, registry=r)
+        self.tokens_per_s = Histogram(
+            "qwen_chat_decode_tokens_per_second", "decode speed per request (after the first token)",
+            buckets=TOKENS_PER_S_BUCKETS, registry=r,
+        )
+        r.register(_BackendCollector(inner))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found on the wrapper itself.
+        return getattr(self.inner, name)
+
+    def record_rejection(self, kind: str) -> None:
+        """Count a chat request refused before it reached the engine (e.g. API parameter validation)."""
+        self.requests.inc()
+        self.errors.labels(kind=kind).inc()
+
+    def health(self) -> dict:
+        """The inner backend's ``health()``."""
+        return self.inner.health()
+
+    def stream_chat(
+        self, messages: Sequence[ChatMessage], settings: GenerationSettings, cancel: CancelToken
+    ) -> Iterator[StreamUpdate]:
+        """Same contract as ``ChatBackend.stream_chat``; closing this generator closes the inner one."""
+        self.requests.inc()
+        self.active.inc()
+        start = time.monotonic()
+        first_at: Optional[float] = None
+        last: Optional[StreamUpdate] = None
+        failed = False
+        inner = None
+        try:
+            inner = iter(self.inner.stream_chat(messages, settings, cancel))
+            for update in inner:
+                now = time.monotonic()
+                if first_at is None and (update.reasoning_delta or update.answer_delta or update.completion_tokens):
+                    first_at = now
+                    self.ttft.observe(update.ttft_s if update.ttft_s is not None else now - start)
+                last = update
+                yield update
+        except ChatError as exc:
+            failed = True
+            self.errors.labels(kind=exc.kind).inc()
+            raise
+        except Exception:
+            failed = True
+            self.errors.labels(kind="internal").inc()
+            raise
+        finally:
+            self.active.dec()
+            if inner is not None and hasattr(inner, "close"):
+                inner.close()
+            if not failed:
+                self._record_end(last, first_at)
+
+    def _record_end(self, last: Optional[StreamUpdate], first_at: Optional[float]) -> None:
+        if last is None:  # closed before any update (client left while queued)
+            self.finished.labels(finish_reason="cancelled").inc()
+            return
+        reason = last.finish_reason or "cancelled"  # closed before the final update: the client went away
+        self.finished.labels(finish_reason=reason).inc()
+        if reason == "error":
+            self.errors.labels(kind="generation").inc()
+        self.prompt_tokens.inc(max(0, last.prompt_tokens))
+        self.completion_tokens.inc(max(0, last.completion_tokens))
+        if first_at is not None and last.completion_tokens >= 2:
+            elapsed = time.monotonic() - first_at
+            if elapsed > 0:
+                self.tokens_per_s.observe((last.completion_tokens - 1) / elapsed)
+
+
+def instrument(backend: ChatBackend, registry: Optional[CollectorRegistry] = None) -> InstrumentedBackend:
+    """Wrap ``backend`` so every ``stream_chat`` is counted; returns it unchanged if already instrumented."""
+    if isinstance(backend, InstrumentedBackend):
+        return backend
+    return InstrumentedBackend(backend, registry)
+
+
+def health_response(backend: ChatBackend) -> JSONResponse:
+    """200 ``{"status": "ok", ...}`` when ``backend.health()["ok"]``, else 503 ``{"status": "unavailable",
+    "reason": ...}``.  Extra keys of ``health()`` (ranks, mode...) are passed through; a ``health()`` that
+    raises is reported as 503 with the exception's class name (no traceback)."""
+    try:
+        report = dict(backend.health())
+    except Exception as exc:
+        log.exception("backend.health() failed")
+        return JSONResponse({"status": "unavailable", "reason": f"health check failed: {type(exc).__name__}"}, 503)
+    ok = bool(report.pop("ok", False))
+    reason = str(report.pop("reason", "") or ("" if ok else "engine not ready"))
+    body = {"status": "ok" if ok else "unavailable"}
+    if reason:
+        body["reason"] = reason
+    body.update({k: v for k, v in report.items() if k not in body and _json_simple(v)})
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+def _json_simple(value: Any) -> bool:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_json_simple(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_simple(v) for k, v in value.items())
+    return False
+
+
+def create_router(backend: ChatBackend) -> APIRouter:
+    """``GET /healthz`` and ``GET /metrics`` for ``backend``.
+
+    Pass the object returned by ``instrument`` so ``/metrics`` shows request metrics; for a plain backend
+    ``/metrics`` only has the scrape-time gauges (health, ``stats()``).  Both endpoints are unauthenticated
+    (they expose no conversation data), like Prometheus targets usually are.
+    """
+    if isinstance(backend, InstrumentedBackend):
+        registry = backend.registry
+    else:
+        registry = CollectorRegistry()
+        registry.register(_BackendCollector(backend))
+    router = APIRouter()
+
+    @router.get("/healthz", tags=["ops"])
+    def healthz() -> JSONResponse:  # sync: FastAPI runs it in the thread pool, health() may block briefly
+        return health_response(backend)
+
+    @router.get("/metrics", tags=["ops"])
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
