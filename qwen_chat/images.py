@@ -258,12 +258,13 @@ def _to_rgb(im: Image.Image) -> tuple[Image.Image, bool]:
     """
     if im.mode.startswith("I"):
         as_int = im.convert("I")
-        grey = as_int.point(lambda v: v / 256, "L")
+        # ``point`` on an "I" image returns "I"; the values are already in 0..255, so convert("L") is exact.
+        grey = as_int.point(lambda v: v / 256).convert("L")
         trns = im.info.get("transparency")
         if isinstance(trns, int):
             equal = ImageMath.lambda_eval(lambda a: a["equal"](a["im"], trns), im=as_int)  # 1 where transparent
             grey = grey.convert("LA")
-            grey.putalpha(equal.point(lambda v: v * -255 + 255, "L"))
+            grey.putalpha(equal.point(lambda v: v * -255 + 255).convert("L"))
         im = grey
     has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
     if not has_alpha:
