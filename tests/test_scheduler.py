@@ -302,3 +302,32 @@ def test_refused_prompt_fails_only_that_request(cleanup):
     assert list(h2) == [] and h2.finish_reason == "error" and h2.error == "prompt refused by the runner"
     assert list(h1) == ref and h1.finish_reason == "length"
     assert sched.healthy
+
+
+def test_real_runner_batched_streams_equal_solo_streams():
+    """With the real ModelRunner and Sampler (small random Qwen3.5 config from test_runner), three requests
+    of different prompt lengths, seeds and limits, decoded together, give exactly their solo token streams."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from qwen_chat.engine.runner import ModelRunner
+    from qwen_chat.engine.sampling import Sampler
+    from tests.test_runner import small_config
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(small_config()).eval()
+    runner = ModelRunner(model, num_slots=3, max_context=256, device="cpu")
+    ex = SpyExecutor(runner, Sampler(3, runner.vocab_size, "cpu"))
+    sched = Scheduler(ex, num_slots=3, max_queue=4, eos_ids=(runner.vocab_size - 1,), max_context=256)
+    try:
+        g = torch.Generator().manual_seed(1)
+        prompts = [PreparedPrompt(input_ids=torch.randint(0, 300, (n,), generator=g)) for n in (5, 17, 9)]
+        sps = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, presence_penalty=0.5, seed=i,
+                              max_new_tokens=12 + 6 * i, stop_token_ids=()) for i in range(3)]
+        solo_runs = [list(sched.submit(p, s, CancelToken())) for p, s in zip(prompts, sps)]
+        assert [len(t) for t in solo_runs] == [12, 18, 24]
+        first = len(ex.plans)
+        handles = [sched.submit(p, s, CancelToken()) for p, s in zip(prompts, sps)]
+        assert [list(h) for h in handles] == solo_runs
+        assert max(len(p.decode_slots) for p in ex.plans[first:]) >= 2
+    finally:
+        sched.shutdown()
