@@ -331,3 +331,20 @@ def test_real_runner_batched_streams_equal_solo_streams():
         assert max(len(p.decode_slots) for p in ex.plans[first:]) >= 2
     finally:
         sched.shutdown()
+
+
+def test_prefill_budget_spreads_long_prompts_over_steps(cleanup):
+    gate = threading.Event()
+    runner = FakeRunner(3)
+    ex = SpyExecutor(runner, FakeSampler(3, VOCAB), gate=gate)
+    sched = Scheduler(ex, num_slots=3, max_queue=4, eos_ids=(EOS,), prefill_token_budget=10)
+    cleanup(sched)
+    h0 = sched.submit(prompt(1), params(max_new=30), CancelToken())
+    assert ex.step_started.wait(10)
+    handles = [sched.submit(prompt(*range(8)), params(max_new=3), CancelToken()) for _ in range(2)]
+    gate.set()
+    for h in [h0] + handles:
+        list(h)
+    sizes = [len(p.prefills) for p in ex.plans if p.prefills]
+    assert sizes == [1, 1, 1]  # 8 + 8 tokens exceed the budget of 10: one long prompt per step
+    assert all(h.finish_reason == "length" for h in handles)

@@ -145,6 +145,8 @@ class Scheduler:
         eos_ids: token ids that end every request (Qwen3.5: ``<|endoftext|>`` 248044, ``<|im_end|>`` 248046,
             qwen3_5-facts.md "Tokens"); each request's ``SamplingParams.stop_token_ids`` are added to them.
         max_context: tokens a sequence may hold (prompt + generated; the runner's ``max_context``), or None.
+        prefill_token_budget: prompt tokens prefilled in one step at most (one prompt always goes, however
+            long); running streams wait for the step's prefills, so this bounds their stall.
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class Scheduler:
         max_queue: int,
         eos_ids: Iterable[int],
         max_context: Optional[int] = None,
+        prefill_token_budget: int = 8192,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -163,6 +166,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.max_context = max_context
+        self.prefill_token_budget = int(prefill_token_budget)
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # slot -> request
@@ -303,8 +307,14 @@ class Scheduler:
             plan.decode_slots = [r.slot for r in decoded]
             plan.decode_tokens = [int(r.last_token) for r in decoded]
             prefilled: list[_Request] = []
+            budget = self.prefill_token_budget
             while self._waiting and self._free_slots:
+                # At least one prefill per step; more only while they fit the budget, so that a burst of long
+                # prompts does not stall the running streams for many prefills in a row.
+                if prefilled and self._waiting[0].prompt.num_tokens > budget:
+                    break
                 req = self._waiting.popleft()
+                budget -= req.prompt.num_tokens
                 req.slot = self._free_slots.pop(0)
                 self._running[req.slot] = req
                 prefilled.append(req)
