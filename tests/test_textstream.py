@@ -197,6 +197,15 @@ def test_control_ids_never_become_text(tok):
     assert decoder.answer == "ab"
 
 
+def test_padding_ids_beyond_the_vocabulary_make_no_text(tok):
+    # The model's logits have 248,320 rows, the tokenizer 248,077 tokens; a random-weight model samples
+    # the padding ids too.
+    ids = encode(tok, "a") + [248100, 248319] + encode(tok, "b")
+    decoder = ReplyDecoder(tok, starts_in_reasoning=False)
+    stream(decoder, ids)
+    assert decoder.answer == "ab" == tok.decode(ids)
+
+
 def test_accepts_processor_and_rejects_push_after_finish(tok):
     processor = SimpleNamespace(tokenizer=tok)
     decoder = ReplyDecoder(processor, starts_in_reasoning=False)

@@ -196,13 +196,20 @@ class ReplyDecoder:
         return self._reasoning.close(), self._answer.close()
 
     def _token_bytes(self, token_id: int) -> bytes:
-        """Raw bytes of one regular token (byte-level BPE: each symbol of the token string is one byte)."""
+        """Raw bytes of one regular token (byte-level BPE: each symbol of the token string is one byte).
+
+        Raises:
+            ValueError: the tokenizer is not byte-level (a token symbol outside GPT-2's byte table).
+        """
         cached = self._bytes_cache.get(token_id)
         if cached is not None:
             return cached
         token = self._tokenizer.convert_ids_to_tokens(token_id)
         if token is None:
-            raise ValueError(f"token id {token_id} is outside the tokenizer's vocabulary")
+            # Padding rows of the embedding (Qwen3.5: ids 248077..248319 of 248,320) have no token; a model
+            # with random weights does sample them.  Like tokenizer.decode, they produce no text.
+            self._bytes_cache[token_id] = b""
+            return b""
         try:
             data = bytes(_UNICODE_TO_BYTE[ch] for ch in token)
         except KeyError:
