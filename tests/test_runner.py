@@ -1,0 +1,213 @@
+"""CPU parity of the engine's ModelRunner against the reference transformers model (fp32, small config).
+
+The reference is a full forward of ``Qwen3_5ForConditionalGeneration`` over the whole sequence so far (prompt,
+image inputs and every token fed in), compared at the last position.  Relative error = max |ours - ref| /
+max |ref| over the vocabulary; the bound 1e-4 is issue 4's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+from qwen_chat.chat_types import ContextTooLong
+from qwen_chat.engine.requests import PreparedPrompt
+from qwen_chat.engine.runner import ModelRunner
+
+IMAGE, VSTART, VEND = 300, 302, 303
+VOCAB = 320
+TOL = 1e-4
+
+
+def small_config() -> Qwen3_5Config:
+    """8 text layers (3 linear + 1 full) x 2, so two full-attention layers; GQA 4/2; linear heads 2 key / 4 value
+    (grouped like the 9B's 16/32); partial interleaved M-RoPE (rotary dim 8 = sections 2+1+1 pairs)."""
+    return Qwen3_5Config(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4, vocab_size=VOCAB,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, attn_output_gate=True, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[2, 1, 1], mrope_interleaved=True),
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, full_attention_interval=4),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           in_channels=3, deepstack_visual_indexes=[]),
+        image_token_id=IMAGE, video_token_id=301, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
+    with torch.no_grad():  # non-trivial norm weights (they initialise to the identity)
+        for name, p in m.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0.0, 0.3)
+    return m
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+class Seq:
+    """One sequence fed to the runner, with what the reference needs to recompute it from scratch."""
+
+    def __init__(self, ids, image=None):
+        self.ids = list(ids)
+        self.image = image  # (pixel_values, grid) or None
+
+    def prompt(self) -> PreparedPrompt:
+        ids = torch.tensor(self.ids)
+        if self.image is None:
+            return PreparedPrompt(input_ids=ids)
+        pv, grid = self.image
+        return PreparedPrompt(input_ids=ids, pixel_values=pv, image_grid_thw=grid,
+                              mm_token_type_ids=(ids == IMAGE).long())
+
+    @torch.no_grad()
+    def reference(self, model) -> torch.Tensor:
+        ids = torch.tensor([self.ids])
+        kw = {}
+        if self.image is not None:
+            kw = dict(pixel_values=self.image[0], image_grid_thw=self.image[1],
+                      mm_token_type_ids=(ids == IMAGE).long())
+        return model(input_ids=ids, **kw).logits[0, -1]
+
+
+def text_ids(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 290, (n,), generator=gen).tolist()
+
+
+def image_seq(gen: torch.Generator, grid=(1, 4, 6)) -> Seq:
+    """Text, one image of grid t x h x w patches (h*w/4 merged tokens), text."""
+    t, h, w = grid
+    pv = torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=gen)
+    n_tok = t * h * w // 4
+    ids = text_ids(gen, 5) + [VSTART] + [IMAGE] * n_tok + [VEND] + text_ids(gen, 7)
+    return Seq(ids, (pv, torch.tensor([list(grid)])))
+
+
+def run_decode_parity(model, seq: Seq, steps: int, gen: torch.Generator) -> list[float]:
+    runner = ModelRunner(model, num_slots=2, max_context=256, device="cpu")
+    errs = [rel_err(runner.prefill(1, seq.prompt()), seq.reference(model))]
+    for _ in range(steps):
+        tok = int(torch.randint(0, 290, (1,), generator=gen))
+        seq.ids.append(tok)
+        errs.append(rel_err(runner.decode([1], torch.tensor([tok]))[0], seq.reference(model)))
+    return errs
+
+
+def test_text_prefill_and_32_decode_steps_match_reference(model):
+    gen = torch.Generator().manual_seed(1)
+    errs = run_decode_parity(model, Seq(text_ids(gen, 37)), 32, gen)
+    assert len(errs) == 33
+    assert max(errs) <= TOL, errs
+
+
+def test_image_prefill_and_32_decode_steps_match_reference(model):
+    gen = torch.Generator().manual_seed(2)
+    seq = image_seq(gen)
+    runner_probe = ModelRunner(model, num_slots=1, max_context=64, device="cpu")
+    runner_probe.prefill(0, seq.prompt())
+    # A 4x6 patch grid merges to 2x3 tokens: the image spans max(2, 3) = 3 positions for 6 tokens -> delta -3.
+    assert runner_probe.rope_deltas[0] == -3
+    errs = run_decode_parity(model, seq, 32, gen)
+    assert max(errs) <= TOL, errs
+
+
+def test_image_changes_logits(model):
+    """The vision path is really used: other pixels, other logits (guards against ignoring the image)."""
+    gen = torch.Generator().manual_seed(3)
+    a = image_seq(gen)
+    b = Seq(a.ids, (torch.randn(a.image[0].shape, generator=gen), a.image[1]))
+    runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
+    la, lb = runner.prefill(0, a.prompt()), runner.prefill(1, b.prompt())
+    assert rel_err(la, lb) > 1e-3
+
+
+def test_batch_of_sequences_joining_and_leaving(model):
+    """Slots of different lengths decode together; sequences join, leave and a freed slot is reused."""
+    gen = torch.Generator().manual_seed(4)
+    runner = ModelRunner(model, num_slots=3, max_context=128, device="cpu")
+    live: dict[int, Seq] = {}
+    errs: list[float] = []
+
+    def join(slot, seq):
+        live[slot] = seq
+        errs.append(rel_err(runner.prefill(slot, seq.prompt()), seq.reference(model)))
+
+    def step(n):
+        for _ in range(n):
+            slots = list(live)
+            toks = torch.randint(0, 290, (len(slots),), generator=gen)
+            for s, t in zip(slots, toks.tolist()):
+                live[s].ids.append(t)
+            out = runner.decode(slots, toks)
+            assert out.shape == (len(slots), VOCAB) and out.dtype == torch.float32
+            errs.extend(rel_err(out[r], live[s].reference(model)) for r, s in enumerate(slots))
+
+    def leave(slot):
+        runner.free(slot)
+        del live[slot]
+
+    join(0, Seq(text_ids(gen, 9)))
+    step(3)
+    join(2, Seq(text_ids(gen, 30)))
+    step(4)
+    join(1, image_seq(gen))
+    step(3)
+    leave(0)
+    step(2)
+    join(0, Seq(text_ids(gen, 4)))  # reuse of a freed slot: no stale KV / conv / recurrent state
+    step(4)
+    leave(2)
+    step(2)
+    assert len(errs) == 4 + 3 + 2 * 4 + 3 * 3 + 2 * 2 + 3 * 4 + 2 * 2
+    assert max(errs) <= TOL, max(errs)
+
+
+def test_decode_batch_order_does_not_matter(model):
+    gen = torch.Generator().manual_seed(5)
+    runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
+    a, b = Seq(text_ids(gen, 6)), Seq(text_ids(gen, 11))
+    runner.prefill(0, a.prompt())
+    runner.prefill(1, b.prompt())
+    runner2 = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
+    runner2.prefill(0, a.prompt())
+    runner2.prefill(1, b.prompt())
+    out = runner.decode([0, 1], torch.tensor([7, 8]))
+    out2 = runner2.decode([1, 0], torch.tensor([8, 7]))
+    assert torch.allclose(out[0], out2[1], atol=1e-5) and torch.allclose(out[1], out2[0], atol=1e-5)
+
+
+def test_context_limits_raise_clear_errors(model):
+    runner = ModelRunner(model, num_slots=1, max_context=16, device="cpu")
+    with pytest.raises(ContextTooLong) as exc:
+        runner.prefill(0, PreparedPrompt(input_ids=torch.arange(16)))
+    assert exc.value.prompt_tokens == 16 and exc.value.context_length == 16
+    runner.prefill(0, PreparedPrompt(input_ids=torch.arange(14)))
+    runner.decode([0], torch.tensor([1]))  # writes position 14
+    runner.decode([0], torch.tensor([2]))  # writes position 15, the last one
+    with pytest.raises(ContextTooLong):
+        runner.decode([0], torch.tensor([3]))
+    runner.free(0)
+    with pytest.raises(ValueError, match="not prefilled"):
+        runner.decode([0], torch.tensor([3]))
+
+
+def test_state_shapes_follow_the_model():
+    """Static state sized from the probed widths: KV [slots+1, kv_heads, max_context, head_dim] in the model
+    dtype for full layers, conv [slots+1, conv_dim, K-1] and fp32 recurrent [slots+1, v_heads, dk, dv]."""
+    torch.manual_seed(0)
+    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
+    runner = ModelRunner(m, num_slots=3, max_context=40, device="cpu")
+    assert runner.vocab_size == VOCAB
+    assert sorted(runner.k_cache) == [3, 7]
+    assert runner.k_cache[3].shape == (4, 2, 40, 32) and runner.k_cache[3].dtype == torch.float32
+    assert runner.conv_state[0].shape == (4, 2 * 2 * 16 + 4 * 16, 3)
+    assert runner.rec_state[0].shape == (4, 4, 16, 16) and runner.rec_state[0].dtype == torch.float32
+    assert runner.use_cuda_graphs is False
