@@ -81,13 +81,15 @@ def test_wrapper_forwards_other_attributes_and_is_idempotent():
 def test_gpu_memory_per_rank_from_a_dict_and_other_stats():
     class Stats(FakeBackend):
         def stats(self):
-            return {"queue_depth": 3, "gpu_memory_bytes": {0: 5.0e9, 1: 4.5e9}, "free slots": 2, "mode": "tp"}
+            return {"queue_depth": 3, "gpu_memory_bytes": {0: 5.0e9, 1: 4.5e9}, "free slots": 2, "mode": "tp",
+                    "decode_steps_total": 17}
 
     m = samples(ops.instrument(Stats()).registry)
     assert m[("qwen_chat_queue_depth", ())] == 3
     assert m[("qwen_chat_gpu_memory_bytes", (("rank", "0"),))] == 5.0e9
     assert m[("qwen_chat_gpu_memory_bytes", (("rank", "1"),))] == 4.5e9
     assert m[("qwen_chat_engine_free_slots", ())] == 2
+    assert m[("qwen_chat_engine_decode_steps_total", ())] == 17
     assert not any(name.endswith("mode") for name, _ in m)  # non-numeric stats are skipped
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import binascii
 import hashlib
 import hmac
@@ -52,10 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
+import anyio
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from qwen_chat.chat_types import (
     CancelToken,
@@ -77,6 +78,7 @@ DISCONNECT_POLL_S = 0.2  # how often a waiting request checks whether its client
 IMAGE_MAX_AGE_S = 24 * 3600.0  # API image files unused this long are deleted
 IMAGE_PRUNE_EVERY_S = 600.0
 REMOTE_FETCH_TIMEOUT_S = 15.0
+API_SPARE_THREADS = 16  # API worker threads beyond max_queue + max_batch (image decoding, requests on their way)
 
 
 class APIRequestError(Exception):
@@ -462,10 +464,13 @@ class _ClientGone(Exception):
     """The client disconnected while its request was waiting for the backend."""
 
 
-async def _await_watching(request: Request, cancel: CancelToken, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` in the thread pool; if the client disconnects meanwhile, cancel and raise ``_ClientGone``
+RunInThread = Callable[..., Any]  # async (fn, *args) -> fn(*args), in a worker thread
+
+
+async def _await_watching(request: Request, cancel: CancelToken, fn: Callable[[], Any], run: RunInThread) -> Any:
+    """Run ``fn`` in a worker thread; if the client disconnects meanwhile, cancel and raise ``_ClientGone``
     once ``fn`` has returned (so the backend generator is never left half-driven)."""
-    task = asyncio.ensure_future(run_in_threadpool(fn))
+    task = asyncio.ensure_future(run(fn))
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
@@ -525,7 +530,7 @@ def _delta_of(update: StreamUpdate, thinking: bool) -> dict:
 
 
 async def _event_stream(stream: _SyncStream, first: Optional[StreamUpdate], cancel: CancelToken, reply: _Reply,
-                        thinking: bool, include_usage: bool) -> AsyncIterator[str]:
+                        thinking: bool, include_usage: bool, run: RunInThread) -> AsyncIterator[str]:
     """SSE body.  Closing it (client gone: Starlette cancels the response task) cancels the generation."""
     try:
         yield reply.chunk({"role": "assistant", "content": ""})
@@ -537,7 +542,7 @@ async def _event_stream(stream: _SyncStream, first: Optional[StreamUpdate], canc
                 yield reply.chunk(delta)
             if update.finish_reason is not None:
                 break
-            update = await run_in_threadpool(stream.next)
+            update = await run(stream.next)
         if last is not None and last.finish_reason == "error":
             message = last.notice or "generation failed; see the service log"
             yield _sse({"error": {"message": message, "type": "generation_error", "param": None, "code": None}})
@@ -597,6 +602,11 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
     )
     started = int(time.time())
     router = APIRouter(prefix="/v1", tags=["openai"])
+    # Worker threads of the API, apart from the shared default pool (40 threads) that Starlette and /healthz
+    # use: a request holds one while it waits for its next update, so up to every queued and running request
+    # can wait here and the engine, not this pool, is what says Busy (429).
+    limiter = anyio.CapacityLimiter(cfg.max_queue + cfg.max_batch + API_SPARE_THREADS)
+    run = functools.partial(anyio.to_thread.run_sync, limiter=limiter)
 
     def record_rejection(kind: str) -> None:
         hook = getattr(backend, "record_rejection", None)
@@ -645,7 +655,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             if not isinstance(body, dict):
                 raise APIRequestError("the request body must be a JSON object")
             settings = settings_from_request(body)
-            messages = await run_in_threadpool(parse_messages, body.get("messages"), cfg, store)
+            messages = await run(parse_messages, body.get("messages"), cfg, store)
         except (APIRequestError, ChatError) as exc:
             record_rejection(exc.kind if isinstance(exc, ChatError) else exc.type)
             return error_response(exc)
@@ -659,9 +669,9 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         wants_stream = bool(body.get("stream", False))
         try:
             if wants_stream:
-                first = await _await_watching(request, cancel, stream.next)
+                first = await _await_watching(request, cancel, stream.next, run)
             else:
-                last = await _await_watching(request, cancel, stream.collect)
+                last = await _await_watching(request, cancel, stream.collect, run)
         except _ClientGone:
             stream.close()
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -675,7 +685,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
 
         if wants_stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-            events = _event_stream(stream, first, cancel, reply, settings.enable_thinking, include_usage)
+            events = _event_stream(stream, first, cancel, reply, settings.enable_thinking, include_usage, run)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

@@ -24,7 +24,7 @@ live in one process).  Metric names (Prometheus text format, ``/metrics``):
 - From ``backend.stats()`` if the backend has it, read at scrape time: ``qwen_chat_queue_depth`` (key
   ``queue_depth``), ``qwen_chat_running_sequences`` (key ``running``), ``qwen_chat_gpu_memory_bytes{rank}``
   (key ``gpu_memory_bytes``: a list indexed by rank or a {rank: bytes} dict), and any other numeric key ``K``
-  as ``qwen_chat_engine_K``.
+  as ``qwen_chat_engine_K`` (a counter when ``K`` ends in ``_total``, else a gauge).
 - ``qwen_chat_healthy``: 1 when ``backend.health()["ok"]``, else 0 (read at scrape time).
 """
 from __future__ import annotations
@@ -34,10 +34,11 @@ import re
 import time
 from typing import Any, Iterator, Optional, Sequence
 
+import anyio
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError, ChatMessage, GenerationSettings, StreamUpdate
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 # on CPU).  Decode speed: measured-baselines.md spans well under 1 tok/s (CPU offload) to ~100 tok/s (H200).
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKENS_PER_S_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 150.0, 250.0, 500.0)
+
+OPS_THREADS = 4  # worker threads reserved for /healthz and /metrics
 
 _METRIC_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -89,7 +92,10 @@ class _BackendCollector(Collector):
                     name, doc = "qwen_chat_running_sequences", "sequences being decoded now"
                 else:
                     name, doc = "qwen_chat_engine_" + _METRIC_NAME_RE.sub("_", str(key)), f"engine stat {key}"
-                yield GaugeMetricFamily(name, doc, value=float(value))
+                if name.endswith("_total"):  # a counter since start (prometheus_client appends _total again)
+                    yield CounterMetricFamily(name[: -len("_total")], doc, value=float(value))
+                else:
+                    yield GaugeMetricFamily(name, doc, value=float(value))
 
 
 class InstrumentedBackend:
@@ -228,13 +234,17 @@ def create_router(backend: ChatBackend) -> APIRouter:
         registry = CollectorRegistry()
         registry.register(_BackendCollector(backend))
     router = APIRouter()
+    # Own worker threads: health() and stats() may block briefly (locks), and a busy shared thread pool must
+    # not make the health check time out.
+    limiter = anyio.CapacityLimiter(OPS_THREADS)
 
     @router.get("/healthz", tags=["ops"])
-    def healthz() -> JSONResponse:  # sync: FastAPI runs it in the thread pool, health() may block briefly
-        return health_response(backend)
+    async def healthz() -> JSONResponse:
+        return await anyio.to_thread.run_sync(health_response, backend, limiter=limiter)
 
     @router.get("/metrics", tags=["ops"])
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics() -> Response:
+        body = await anyio.to_thread.run_sync(generate_latest, registry, limiter=limiter)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return router
