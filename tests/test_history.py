@@ -227,6 +227,43 @@ def test_reply_streaming_when_the_process_died_reads_as_interrupted(store, monke
     assert [m["status"] for m in on_disk["messages"]] == ["complete", "interrupted", "complete"]
 
 
+def _stream_forever(root: str, conv_id: str) -> None:
+    """Save a growing reply as the web layer does while streaming, until killed."""
+    history = HistoryStore(Path(root)).user("local")
+    ref = history.append_message(conv_id, role="assistant", text="", status="streaming")
+    text = ""
+    while True:
+        text += "token 笑 "
+        history.update_message(conv_id, ref, text=text, status="streaming")
+
+
+def test_kill_9_while_a_reply_streams_leaves_a_valid_file(tmp_path):
+    root = tmp_path / "h"
+    history = HistoryStore(root).user("local")
+    conv = history.create()
+    history.append_message(conv.id, role="user", text="Write a 5000-word story")
+    ctx = multiprocessing.get_context("spawn")
+    writer = ctx.Process(target=_stream_forever, args=(str(root), conv.id))
+    writer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while history.load(conv.id).revision < 30:  # poll until the child has saved many times
+            assert writer.is_alive() and time.monotonic() < deadline
+        os.kill(writer.pid, 9)
+    finally:
+        writer.join(timeout=30)
+    assert writer.exitcode == -9
+    loaded = HistoryStore(root).user("local").load(conv.id)  # parses: old or new version, never partial
+    reply = loaded.messages[1]
+    assert reply.status == "interrupted"  # its writer process is gone
+    assert reply.text.startswith("token 笑 token 笑 ") and reply.text.endswith("token 笑 ")
+    assert history.list()[0].n_messages == 2
+    # kill -9 between mkstemp and os.replace may leave one temp file (never listed, removed when stale).
+    names = files_in(history.folder / "conversations")
+    assert [n for n in names if not n.endswith(".tmp")] == [f"{conv.id}.json"]
+    assert len(names) <= 2
+
+
 # --- merge semantics (C22) and message addressing -----------------------------------------------------
 
 def test_stale_page_append_merges_with_newer_history(tmp_path):
@@ -487,3 +524,16 @@ def test_delete_removes_the_conversation_and_images_only_it_used(store):
     with pytest.raises(ConversationNotFound):
         history.delete(drop.id)
     assert files_in(history.folder / "images") == [shared]
+
+
+def test_chat_messages_resolve_images_and_keep_reasoning_apart(store):
+    history = store.user("local")
+    conv = history.create()
+    name = history.put_image((IMAGES / "astronaut.png").read_bytes())
+    history.append_message(conv.id, role="user", text="who is this?", images=[name])
+    history.append_message(conv.id, role="assistant", text="An astronaut.", reasoning="white suit, flag")
+    user, reply = history.chat_messages(history.load(conv.id))
+    assert (user.role, user.text, user.images) == ("user", "who is this?", (str(history.image_path(name)),))
+    assert Path(user.images[0]).read_bytes() == (IMAGES / "astronaut.png").read_bytes()
+    assert (reply.role, reply.text, reply.reasoning) == ("assistant", "An astronaut.", "white suit, flag")
+

@@ -66,6 +66,7 @@ class LockTable:
         self._locks: dict[str, threading.Lock] = {}
 
     def get(self, path: Path) -> threading.Lock:
+        """The thread lock of ``path`` (made on first use, kept for the life of the table)."""
         key = str(path)
         with self._guard:
             lock = self._locks.get(key)

@@ -136,6 +136,7 @@ class StoredMessage:
         return cls(id=new_message_id(), role=role, text=text, **fields)
 
     def to_dict(self) -> dict:
+        """The JSON object of this message (plain dict; ``images`` a list)."""
         return asdict(self)
 
     @classmethod
@@ -180,6 +181,7 @@ class Conversation:
         return None
 
     def to_dict(self) -> dict:
+        """The JSON object of this conversation (schema version 1, see the module docstring)."""
         return {
             "schema_version": self.schema_version,
             "id": self.id,
