@@ -192,7 +192,7 @@ def _open_header(data: bytes) -> ImageFile.ImageFile:
     fmt = sniff_format(data)
     try:
         return _IMAGE_CLASSES[fmt](io.BytesIO(bytes(data)))
-    except Exception as exc:  # noqa: BLE001 - untrusted bytes: Pillow raises many types (SyntaxError, struct.error...)
+    except Exception as exc:  # noqa: BLE001 - untrusted bytes: Pillow raises SyntaxError, struct.error, ...
         log.info("image header rejected (%s): %r", fmt, exc)
         raise _not_valid(f"the {fmt} header is broken") from None
 
@@ -236,7 +236,10 @@ def _plan_shape(long_side: int, short_side: int, max_pixels: int) -> _Plan:
         target = max(1, math.floor(long_side * math.sqrt(max_pixels / (long_side * short_side))))
 
     def canvas(content_long: int) -> tuple[int, int, int]:
-        content_short = short_side if content_long == long_side else max(1, min(short_side, math.floor(content_long / aspect)))
+        if content_long == long_side:
+            content_short = short_side
+        else:
+            content_short = max(1, min(short_side, math.floor(content_long / aspect)))
         canvas_short = max(content_short, MIN_SIDE_PX, math.ceil(content_long / PROCESSOR_MAX_ASPECT))
         return content_short, max(content_long, MIN_SIDE_PX), canvas_short
 
@@ -244,7 +247,7 @@ def _plan_shape(long_side: int, short_side: int, max_pixels: int) -> _Plan:
     # Padding the short side (to 32 px, or to keep the aspect <= 200) can push the canvas over the budget:
     # shrink the long side until it fits.  canvas_short never grows as target shrinks, so this converges.
     while canvas_long * canvas_short > max_pixels:
-        target = min(target - 1, max_pixels // canvas_short)
+        target = max(1, min(target - 1, max_pixels // canvas_short))
         content_short, canvas_long, canvas_short = canvas(target)
     return _Plan(target, content_short, canvas_long, canvas_short)
 
@@ -337,7 +340,7 @@ def normalize_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Normali
         raise
     except Image.DecompressionBombError:
         raise InvalidImage(f"image is too large; max {limits.max_header_pixels / 1e6:g} MP") from None
-    except Exception as exc:  # noqa: BLE001 - untrusted bytes; Pillow raises OSError, SyntaxError, ValueError...
+    except Exception as exc:  # noqa: BLE001 - untrusted bytes: Pillow raises OSError, SyntaxError, ValueError, ...
         log.info("image decode rejected (%s): %r", fmt, exc)
         truncated = isinstance(exc, OSError) and "truncated" in str(exc)
         raise _not_valid("the file is truncated" if truncated else f"the {fmt} data could not be decoded") from None

@@ -17,6 +17,8 @@ from PIL import Image, ImageChops, ImageDraw, ImageStat
 from qwen_chat.chat_types import InvalidImage, InvalidInput
 from qwen_chat.images import (
     ALLOWED_FORMATS,
+    PROCESSOR_MAX_ASPECT,
+    _plan_shape,
     ImageLimits,
     NormalizedImage,
     image_info,
@@ -439,6 +441,7 @@ def test_png_over_pillows_179_megapixel_bomb_limit_gets_our_message():
     assert str(err.value) == "image is too large: 15000x12000 pixels (180.0 MP); max 50 MP"
 
 
+@pytest.mark.slow  # reason: encodes a real 8000x6000 JPEG and loads transformers' image processor (~5-10 s)
 def test_48_megapixel_photo_is_accepted_and_downscaled_to_the_token_budget():
     photo = fixture("rocket.jpg").resize((8000, 6000), Image.Resampling.BILINEAR)
     data = encode(photo, "JPEG", quality=80)
@@ -519,3 +522,30 @@ def test_one_pixel_wide_image_within_aspect_is_padded():
     assert (result.width, result.height) == (32, 150)
     row = [decode(result).getpixel((x, 75)) for x in range(32)]
     assert row.count(BLUE) == 1 and row.count(WHITE) == 31
+
+
+def test_shape_plan_is_always_legal_for_the_qwen_processor():
+    """Over many shapes and budgets the planned canvas satisfies smart_resize (factor 32) and the budget."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    rng = random.Random(7)
+    shapes = [(690, 15420), (31, 639), (5, 5), (1, 200), (250, 50_000), (8000, 6000), (1, 1), (33, 6600)]
+    shapes += [(rng.randint(1, 300), rng.randint(1, 60_000)) for _ in range(400)]
+    shapes += [(rng.randint(1, 9000), rng.randint(1, 9000)) for _ in range(400)]
+    for short, long in shapes:
+        short, long = min(short, long), max(short, long)
+        if long / short > PROCESSOR_MAX_ASPECT:
+            continue  # refused before planning
+        for budget in (1, 64, 256, 1024, 16384):
+            plan = _plan_shape(long, short, budget * 1024)
+            shape = (long, short, budget, plan)
+            assert plan.canvas_long * plan.canvas_short <= budget * 1024, shape
+            assert min(plan.canvas_long, plan.canvas_short) >= 32, shape
+            assert plan.canvas_long / plan.canvas_short <= PROCESSOR_MAX_ASPECT, shape
+            assert plan.content_long <= min(long, plan.canvas_long), shape
+            assert plan.content_short <= min(short, plan.canvas_short), shape
+            if plan.canvas_long == plan.content_long and plan.canvas_short == plan.content_short:
+                assert abs(plan.content_long / plan.content_short - long / short) <= long / short * 0.05 + 1 / short
+            h, w = smart_resize(plan.canvas_long, plan.canvas_short, factor=32, min_pixels=32 * 32,
+                                max_pixels=budget * 1024)
+            assert h % 32 == 0 and w % 32 == 0 and h * w <= budget * 1024, shape
