@@ -1,0 +1,48 @@
+"""The one FastAPI application of the service: ``/healthz``, ``/metrics``, ``/v1/...`` and the Gradio UI at ``/``.
+
+``build_app(cfg, backend, store) -> FastAPI`` is called by ``app.py`` on rank 0 only (worker ranks never
+serve).  The backend is wrapped once by ``ops.instrument`` and that one object is shared by the UI and the API,
+so metrics count both.  Login (``cfg.login_enabled``) protects the UI through Gradio's ``auth=`` with
+``auth.UserDB.verify``; the API has its own keys (``cfg.api_keys``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+import gradio as gr
+
+from qwen_chat.chat_types import ChatBackend
+from qwen_chat.config import ServiceConfig
+from qwen_chat.images import ImageLimits
+from qwen_chat.web import api, auth, ops
+from qwen_chat.web.handlers import ChatController
+from qwen_chat.web.ui import CSS, build_ui
+
+
+def image_limits(cfg: ServiceConfig) -> ImageLimits:
+    """Upload limits of the UI from the config (``--max-upload-mb`` in MB, ``--image-token-budget`` tokens)."""
+    return ImageLimits(max_file_bytes=int(cfg.max_upload_mb * 1024 * 1024), token_budget=cfg.image_token_budget)
+
+
+def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
+    """Assemble the server around an already started backend and a ``HistoryStore``.
+
+    Raises ``auth.UsersFileError`` when login is on and the users file cannot be read.
+    """
+    served = ops.instrument(backend)
+    app = FastAPI(title="Qwen3.5 chat", docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(ops.create_router(served))
+    app.include_router(api.create_router(served, cfg))
+    controller = ChatController(served, store, limits=image_limits(cfg),
+                                max_images_per_turn=cfg.max_images_per_turn)
+    page = build_ui(controller, max_queue=cfg.max_queue)
+    login = None
+    if cfg.login_enabled:
+        users = auth.UserDB.from_file(cfg.users_file)
+        login = users.verify
+    return gr.mount_gradio_app(
+        app, page, path="/", auth=login, auth_message="Qwen3.5 chat: please log in",
+        max_file_size=int(cfg.max_upload_mb * 1024 * 1024), footer_links=["api"], css=CSS, ssr_mode=False,
+    )

@@ -1,0 +1,237 @@
+"""The Gradio Blocks page: layout (``_render_*``) and event wiring (``_wire``), behaviour in ``handlers.py``.
+
+``build_ui(controller, login_enabled) -> gr.Blocks``.  Only the controller (backend + history store) is
+shared between users; everything per user is in ``gr.State`` (the ``Session`` with the Stop token) or in the
+page itself (the hidden conversation-id box, so a page that outlives a server restart still appends to the
+right conversation on disk).  Every event that touches history resolves the user from ``gr.Request``:
+``request.username`` with login on, ``"local"`` with login off.
+
+Rendering is safe by construction: the Chatbot has ``sanitize_html`` on, LaTeX off (dollar amounts stay
+text), ``allow_tags`` off, and every text passes ``handlers.safe_markdown`` first.
+"""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import gradio as gr
+
+from qwen_chat.chat_types import (
+    MAX_NEW_TOKENS_RANGE,
+    PRESENCE_PENALTY_RANGE,
+    TEMPERATURE_RANGE,
+    TOP_K_RANGE,
+    TOP_P_RANGE,
+    ChatError,
+    GenerationSettings,
+)
+from qwen_chat.web.handlers import LOCAL_USER, ChatController, Session, build_settings, preset_values
+
+log = logging.getLogger(__name__)
+
+# Case-insensitive in Gradio's server-side check and in the browser's file picker (C05).
+IMAGE_FILE_TYPES = [".jpg", ".jpeg", ".png", ".gif", ".webp"]
+DEMO_BADGE = "**demo model: random weights** - answers are gibberish; start with a real checkpoint for real answers"
+
+CSS = """
+#demo-badge {background: #fde68a; color: #78350f; border-radius: 6px; padding: 2px 10px; width: fit-content;}
+#notice {min-height: 1.5em;}
+"""
+
+
+def user_of(request: Optional[gr.Request]) -> str:
+    """The history owner of a request: the logged-in user name, or ``"local"`` when login is off."""
+    name = getattr(request, "username", None) if request is not None else None
+    return name or LOCAL_USER
+
+
+def _render_sidebar(c: SimpleNamespace) -> None:
+    with gr.Sidebar(open=True, label="Conversations"):
+        c.new_btn = gr.Button("New chat", variant="secondary", elem_id="new-chat")
+        c.conv_list = gr.Radio(choices=[], value=None, label="Saved conversations", elem_id="conv-list")
+        c.title_box = gr.Textbox(label="Title", max_lines=1, elem_id="title-box")
+        with gr.Row():
+            c.rename_btn = gr.Button("Rename", size="sm", elem_id="rename")
+            c.delete_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="delete")
+        c.export_btn = gr.Button("Export as zip", size="sm", elem_id="export")
+        c.export_file = gr.File(label="Export", interactive=False, elem_id="export-file")
+
+
+def _render_chat(c: SimpleNamespace, demo: bool, model_name: str) -> None:
+    gr.Markdown(f"## Qwen3.5 chat  \n`{model_name}`")
+    c.badge = gr.Markdown(DEMO_BADGE, visible=demo, elem_id="demo-badge")
+    c.chatbot = gr.Chatbot(
+        label="Chat", elem_id="chatbot", height=520, latex_delimiters=[], sanitize_html=True,
+        render_markdown=True, allow_tags=False, feedback_options=None, group_consecutive_messages=False,
+    )
+    c.notice = gr.Markdown("", elem_id="notice")
+    c.msg = gr.MultimodalTextbox(
+        placeholder="Ask something, or attach images (JPEG, PNG, GIF, WEBP)", file_types=IMAGE_FILE_TYPES,
+        file_count="multiple", show_label=False, submit_btn=False, elem_id="msg", sources=["upload"],
+    )
+    with gr.Row():
+        c.send_btn = gr.Button("Send", variant="primary", elem_id="send")
+        c.stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+        c.regen_btn = gr.Button("Regenerate", elem_id="regenerate")
+
+
+def _render_settings(c: SimpleNamespace) -> None:
+    preset = GenerationSettings.preset(True)
+    with gr.Accordion("Settings", open=False):
+        c.system_prompt = gr.Textbox(label="System prompt", lines=2, elem_id="system-prompt")
+        c.thinking = gr.Checkbox(label="Thinking (reasoning shown in a collapsible block)", value=True,
+                                 elem_id="thinking")
+        c.max_new_tokens = gr.Slider(*MAX_NEW_TOKENS_RANGE, value=preset.max_new_tokens, step=1,
+                                     label="Max new tokens")
+        c.temperature = gr.Slider(*TEMPERATURE_RANGE, value=preset.temperature, step=0.05,
+                                  label="Temperature (0 = greedy)")
+        c.top_p = gr.Slider(*TOP_P_RANGE, value=preset.top_p, step=0.01, label="Top-p")
+        c.top_k = gr.Slider(*TOP_K_RANGE, value=preset.top_k, step=1, label="Top-k")
+        c.presence_penalty = gr.Slider(*PRESENCE_PENALTY_RANGE, value=preset.presence_penalty, step=0.05,
+                                       label="Presence penalty")
+        c.seed = gr.Number(label="Seed (empty: random)", value=None, precision=0, elem_id="seed")
+
+
+def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
+    sampling = [c.thinking, c.max_new_tokens, c.temperature, c.top_p, c.top_k, c.presence_penalty, c.seed]
+    stream_outputs = [c.chatbot, c.conv_id, c.notice, c.msg, c.session, c.conv_list]
+
+    def choices(user: str, selected: Optional[str]) -> Any:
+        return gr.update(choices=ctl.conversation_choices(user), value=selected or None)
+
+    def on_disk(user: str, conv_id: str, notice: str, session: Session):
+        messages = ctl.open(user, conv_id)[0] if conv_id else []
+        return messages, conv_id, notice, gr.skip(), session, choices(user, conv_id)
+
+    def run(turns, user: str, conv_id: str, session: Session):
+        """Relay ``TurnView``s; a ChatError shows as a notice + toast and the chat shows what is on disk."""
+        cleared = False
+        try:
+            for view in turns:
+                box = gr.skip() if cleared else gr.update(value=None)
+                listed = choices(user, view.conv_id) if (not cleared or view.done) else gr.skip()
+                cleared = True
+                yield view.messages, view.conv_id, view.notice, box, session, listed
+        except ChatError as e:
+            gr.Warning(str(e))
+            yield on_disk(user, conv_id, str(e), session)
+            return
+        if not cleared:  # nothing to send (blank message): change nothing on the page (C15)
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), session, gr.skip()
+
+    def send(message, conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
+             presence_penalty, seed, request: gr.Request):
+        session = session or Session()
+        user = user_of(request)
+        message = message or {}
+        try:
+            settings = build_settings(thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed)
+        except ChatError as e:
+            gr.Warning(str(e))
+            yield gr.skip(), gr.skip(), str(e), gr.skip(), session, gr.skip()
+            return
+        turns = ctl.send(user, conv_id or None, message.get("text"), message.get("files") or [],
+                         system_prompt or "", settings, session)
+        yield from run(turns, user, conv_id, session)
+
+    def regenerate(conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
+                   presence_penalty, seed, request: gr.Request):
+        session = session or Session()
+        user = user_of(request)
+        try:
+            settings = build_settings(thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed)
+        except ChatError as e:
+            gr.Warning(str(e))
+            yield gr.skip(), gr.skip(), str(e), gr.skip(), session, gr.skip()
+            return
+        yield from run(ctl.regenerate(user, conv_id or None, system_prompt or "", settings, session),
+                       user, conv_id, session)
+
+    def stop(session):
+        ctl.stop(session)
+
+    def new_chat(request: gr.Request):
+        return [], "", "", gr.update(value=None), choices(user_of(request), None), ""
+
+    def open_conv(conv_id, request: gr.Request):
+        if not conv_id:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        try:
+            messages, cid, system_prompt = ctl.open(user_of(request), conv_id)
+        except ChatError as e:
+            gr.Warning(str(e))
+            return gr.skip(), gr.skip(), str(e), gr.skip(), gr.skip()
+        title = dict((v, k) for k, v in ctl.conversation_choices(user_of(request))).get(cid, "")
+        return messages, cid, "", system_prompt, title
+
+    def rename(conv_id, title, request: gr.Request):
+        user = user_of(request)
+        try:
+            ctl.rename(user, conv_id, title)
+        except ChatError as e:
+            gr.Warning(str(e))
+            return gr.skip(), str(e)
+        return choices(user, conv_id), f"Renamed to: {title.strip()}"
+
+    def delete(conv_id, request: gr.Request):
+        user = user_of(request)
+        try:
+            ctl.delete(user, conv_id)
+        except ChatError as e:
+            gr.Warning(str(e))
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), str(e)
+        return [], "", choices(user, None), "", "Conversation deleted."
+
+    def export(conv_id, request: gr.Request):
+        try:
+            return ctl.export(user_of(request), conv_id), ""
+        except ChatError as e:
+            gr.Warning(str(e))
+            return None, str(e)
+
+    def refresh(conv_id, request: gr.Request):
+        return choices(user_of(request), conv_id or None)
+
+    send_inputs = [c.msg, c.conv_id, c.session, c.system_prompt, *sampling]
+    ev_submit = c.msg.submit(send, send_inputs, stream_outputs, api_name="send", concurrency_limit=None,
+                             show_progress="hidden")
+    ev_click = c.send_btn.click(send, send_inputs, stream_outputs, api_visibility="private",
+                                concurrency_limit=None, show_progress="hidden")
+    ev_regen = c.regen_btn.click(regenerate, [c.conv_id, c.session, c.system_prompt, *sampling],
+                                 stream_outputs, api_name="regenerate", concurrency_limit=None,
+                                 show_progress="hidden")
+    # Stop: flip the session's cancel token at once (unqueued) and cancel the Gradio event, which closes the
+    # streaming generator; either way the engine stops within one decode step and the turn is saved "stopped".
+    c.stop_btn.click(stop, [c.session], None, api_name="stop", queue=False,
+                     cancels=[ev_submit, ev_click, ev_regen])
+    c.new_btn.click(new_chat, None, [c.chatbot, c.conv_id, c.notice, c.msg, c.conv_list, c.title_box],
+                    api_name="new_chat", cancels=[ev_submit, ev_click, ev_regen])
+    c.conv_list.input(open_conv, [c.conv_list], [c.chatbot, c.conv_id, c.notice, c.system_prompt, c.title_box],
+                      api_name="open")
+    c.rename_btn.click(rename, [c.conv_id, c.title_box], [c.conv_list, c.notice], api_name="rename")
+    c.delete_btn.click(delete, [c.conv_id], [c.chatbot, c.conv_id, c.conv_list, c.title_box, c.notice],
+                       api_name="delete")
+    c.export_btn.click(export, [c.conv_id], [c.export_file, c.notice], api_name="export")
+    c.thinking.change(lambda t: preset_values(t), [c.thinking],
+                      [c.temperature, c.top_p, c.top_k, c.presence_penalty], api_visibility="private")
+    c.page.load(refresh, [c.conv_id], [c.conv_list], api_name="conversations")
+
+
+def build_ui(controller: ChatController, max_queue: int = 64) -> gr.Blocks:
+    """Build the chat page around ``controller``; the caller mounts it (``server.build_app``).
+
+    ``max_queue`` bounds Gradio's queue (further events are refused with a "queue is full" message).
+    """
+    info = controller.backend.info
+    c = SimpleNamespace()
+    with gr.Blocks(title="Qwen3.5 chat", analytics_enabled=False) as page:
+        c.page = page
+        c.session = gr.State(None)
+        c.conv_id = gr.Textbox(value="", visible=False, elem_id="conv-id")
+        _render_sidebar(c)
+        _render_chat(c, info.demo, info.name)
+        _render_settings(c)
+        _wire(c, controller)
+    page.queue(max_size=max_queue, default_concurrency_limit=None)
+    return page
