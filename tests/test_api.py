@@ -187,6 +187,18 @@ def test_system_and_multi_turn_messages(server, client):
     assert all(m.reasoning == "" for m in sent)  # the earlier reasoning is never sent back
 
 
+def test_leading_system_messages_are_merged_and_numbers_normalised(server):
+    resp = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "m", "stream": None, "max_tokens": 100.0, "top_k": 5.0,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
+                     {"role": "user", "content": "hi"}]})
+    assert resp.status_code == 200, resp.text
+    call = server.backend.calls[-1]
+    assert [(m.role, m.text) for m in call.messages] == [("system", "Be brief.\n\nBe kind."), ("user", "hi")]
+    assert type(call.settings.max_new_tokens) is int and call.settings.max_new_tokens == 100
+    assert type(call.settings.top_k) is int and call.settings.top_k == 5
+
+
 def test_image_question_with_data_url(server, client, tmp_path):
     png = (FIXTURES / "coffee.png").read_bytes()
     content = [{"type": "text", "text": "What is in this picture?"},
@@ -262,6 +274,9 @@ def test_out_of_range_parameters_are_400_with_the_range(server, client, params, 
     ([{"role": "user", "content": "\u200b"}], "empty"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "last message"),
     ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "role 'tool'"),
+    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}, {"role": "user", "content": "x"}],
+     "system message may only come"),
+    ([{"role": "user", "content": "\u200d\ufeff "}], "empty"),
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
      "not supported"),
     ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},

@@ -49,7 +49,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
@@ -308,13 +308,27 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
         for url, param in urls:
             paths.append(_load_image(url, param, cfg, max_bytes, images))
         out.append(ChatMessage(role=role, text=text, images=tuple(paths)))
+    # Qwen3.5's chat template accepts one system message, first: merge leading ones, refuse later ones.
+    lead = 0
+    while lead < len(out) and out[lead].role == "system":
+        lead += 1
+    if lead > 1:
+        out[:lead] = [ChatMessage(role="system", text="\n\n".join(m.text for m in out[:lead]))]
+        lead = 1
+    for i, msg in enumerate(out[lead:], start=lead):
+        if msg.role == "system":
+            raise APIRequestError("a system message may only come before the conversation (first)",
+                                  param=f"messages[{i + len(raw) - len(out)}].role")
     if out[-1].role != "user":
         raise APIRequestError("the last message must be a user message", param=f"messages[{len(out) - 1}].role")
     last = out[-1]
-    if not last.images and not last.text.replace("\u200b", "").strip():
+    if not last.images and not last.text.translate(_INVISIBLE).strip():
         raise APIRequestError("the last user message is empty (no text and no image)",
                               param=f"messages[{len(out) - 1}].content")
     return out
+
+
+_INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff"))  # zero-width characters
 
 
 def _load_image(url: str, param: str, cfg: ServiceConfig, max_bytes: int, images: ApiImageStore) -> str:
@@ -369,7 +383,7 @@ def settings_from_request(body: dict) -> GenerationSettings:
         overrides["stop"] = tuple(stop)
     settings = GenerationSettings.preset(thinking, **overrides)
     try:
-        return settings.validate()
+        settings.validate()
     except InvalidInput as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]
@@ -378,6 +392,10 @@ def settings_from_request(body: dict) -> GenerationSettings:
             message = api_field + message[len(field):]
         known = field in ("max_new_tokens", "temperature", "top_p", "top_k", "presence_penalty", "seed", "stop")
         raise APIRequestError(message, param=api_field if known else None, code="out_of_range") from None
+    # JSON numbers like 100.0 passed validate() as whole numbers; the engine gets ints.
+    return replace(settings, max_new_tokens=int(settings.max_new_tokens), top_k=int(settings.top_k),
+                   temperature=float(settings.temperature), top_p=float(settings.top_p),
+                   presence_penalty=float(settings.presence_penalty))
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -399,7 +417,7 @@ def _refuse_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise refuse("response_format", "a response_format other than text")
-    if not isinstance(body.get("stream", False), bool):
+    if body.get("stream") not in (None, True, False):
         raise APIRequestError("stream must be true or false", param="stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
