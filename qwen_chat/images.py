@@ -257,7 +257,8 @@ def _to_rgb(im: Image.Image) -> tuple[Image.Image, bool]:
 
     Handles 1, L, P, RGB, CMYK, YCbCr, I;16 / I (16-bit greyscale PNG, scaled 0..65535 -> 0..255 because
     Pillow's own ``convert`` clips at 255), LA, PA, RGBA and the tRNS transparency of P, L, RGB and 16-bit
-    greyscale.  Returns ``(rgb_image, had_transparency)``.
+    greyscale.  Returns ``(rgb_image, had_transparency)``; ``had_transparency`` is True only when some pixel
+    was not fully opaque.
     """
     if im.mode.startswith("I"):
         as_int = im.convert("I")
@@ -273,8 +274,11 @@ def _to_rgb(im: Image.Image) -> tuple[Image.Image, bool]:
     if not has_alpha:
         return (im if im.mode == "RGB" else im.convert("RGB")), False
     rgba = im.convert("RGBA")
+    alpha = rgba.getchannel("A")
+    if alpha.getextrema()[0] == 255:  # an alpha channel, but every pixel opaque (common for screenshots)
+        return rgba.convert("RGB"), False
     background = Image.new("RGB", rgba.size, WHITE)
-    background.paste(rgba, mask=rgba.getchannel("A"))
+    background.paste(rgba, mask=alpha)
     return background, True
 
 
@@ -291,19 +295,21 @@ def _frame_count(im: ImageFile.ImageFile) -> int:
             pass
 
 
-def _apply_exif_orientation(im: Image.Image) -> Image.Image:
-    """Return ``im`` turned upright per its EXIF Orientation tag (values 2-8), or ``im`` itself if upright.
+def _apply_exif_orientation(im: Image.Image) -> tuple[Image.Image, int]:
+    """Turn ``im`` upright per its EXIF Orientation tag with ``ImageOps.exif_transpose``.
 
-    Uses ``ImageOps.exif_transpose``.  A malformed EXIF block is ignored (the pixels are still valid).
+    Returns ``(image, orientation)``: ``orientation`` is the applied tag value 2-8 (5-8 swap width and
+    height), or 1 with ``im`` itself when there was nothing to do.  A malformed EXIF block is ignored (the
+    pixels are still valid).
     """
     try:
         orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
         if orientation not in (2, 3, 4, 5, 6, 7, 8):
-            return im
-        return ImageOps.exif_transpose(im)
+            return im, 1
+        return ImageOps.exif_transpose(im), orientation
     except Exception as exc:  # noqa: BLE001 - broken metadata must not reject a decodable image
         log.info("EXIF orientation ignored: %r", exc)
-        return im
+        return im, 1
 
 
 def normalize_image(data: bytes, limits: ImageLimits = ImageLimits()) -> NormalizedImage:
@@ -376,9 +382,10 @@ def _normalize_opened(im: ImageFile.ImageFile, fmt: str, limits: ImageLimits) ->
         im.draft(None, (math.ceil(width * scale), math.ceil(height * scale)))
     im.load()  # first frame only; raises OSError("image file is truncated") for truncated data
 
-    upright = _apply_exif_orientation(im)
-    if upright is not im:
+    upright, orientation = _apply_exif_orientation(im)
+    if orientation != 1:
         notes.append("rotated upright (EXIF orientation)")
+    shown_size = (height, width) if orientation in (5, 6, 7, 8) else (width, height)  # as viewers show it
     rgb, had_alpha = _to_rgb(upright)
     if had_alpha:
         notes.append("transparent areas shown on white")
@@ -389,7 +396,7 @@ def _normalize_opened(im: ImageFile.ImageFile, fmt: str, limits: ImageLimits) ->
         rgb = rgb.resize(target, Image.Resampling.LANCZOS, reducing_gap=3.0)
     w, h = rgb.size
     if plan.content_long < long_side:
-        notes.append(f"downscaled from {width}x{height} to {w}x{h}")
+        notes.append(f"downscaled from {shown_size[0]}x{shown_size[1]} to {w}x{h}")
     canvas_size = (plan.canvas_long, plan.canvas_short) if w >= h else (plan.canvas_short, plan.canvas_long)
     if canvas_size != (w, h):
         canvas = Image.new("RGB", canvas_size, WHITE)

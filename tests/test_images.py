@@ -307,6 +307,29 @@ def test_exif_orientation_gives_an_upright_card(orientation):
     assert ("rotated upright" in result.note) == (orientation != 1)
 
 
+@pytest.mark.parametrize("orientation", [6, 8])
+def test_exif_orientation_of_a_large_jpeg_that_is_also_downscaled(orientation):
+    """The JPEG draft (reduced-scale decode) and the downscale keep the orientation right."""
+    upright = make_card().resize((CARD_W * 20, CARD_H * 20), Image.Resampling.NEAREST)  # 2400x1600
+    op = VIEWER_OP[orientation]
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(upright.transpose(INVERSE[op]), "JPEG", quality=90, exif=exif.tobytes())
+    result = normalize_image(data, ImageLimits(token_budget=64))
+    out = decode(result)
+    assert result.width > result.height  # landscape again, as the viewer shows it
+    assert result.width * result.height <= 64 * 1024
+    assert mean_abs_diff(out, make_card().resize(out.size, Image.Resampling.LANCZOS)) < 8
+    assert result.note == f"rotated upright (EXIF orientation); downscaled from 2400x1600 to {out.width}x{out.height}"
+
+
+def test_opaque_rgba_screenshot_gets_no_transparency_note():
+    im = fixture("coffee.png").convert("RGBA")
+    result = normalize_image(encode(im, "PNG"))
+    assert result.note == ""
+    assert decode(result).tobytes() == fixture("coffee.png").tobytes()
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "WEBP"])
 def test_exif_orientation_in_png_and_webp(fmt):
     out = decode(normalize_image(stored_with_orientation(6, fmt)))
