@@ -1,0 +1,277 @@
+"""Several ranks behind one web front: rank info, the gloo control group, step-plan broadcast, the worker loop.
+
+Only rank 0 talks to users.  It validates and preprocesses every request before any collective (bad input
+fails on rank 0 alone), then, for every engine step, broadcasts the whole ``StepPlan`` (op, CPU tensors,
+sampling settings and seeds, which slots to free = Stop) to the other ranks over a **gloo** group and runs it
+itself; each worker runs the identical plan, so every rank executes the same forward passes (the collectives
+inside TP / ZeRO-3 layers line up) and samples the same tokens from the same seeds.
+
+Waiting for requests happens on gloo, never on NCCL (NCCL's watchdog kills a process whose collective waited
+longer than its timeout).  The gloo group has a long timeout (``--collective-timeout-s``, default 7 days) and
+rank 0 sends a ``ping`` plan whenever it has been silent for ``heartbeat_interval(timeout)`` seconds, so an idle
+worker never reaches the timeout while rank 0 lives, and notices a dead rank 0 within that timeout at most
+(usually at once: the TCP connection breaks).
+
+Failure policy (a rank that raised inside a collective cannot recover): a ``ChatError`` from the runner (it
+checks its input before any state change or collective, identically on every rank) fails only the affected
+requests; any other exception while broadcasting or executing a plan is logged and the process leaves with ``os._exit(1)`` within seconds; the siblings see a
+broken gloo connection or are ended by the DeepSpeed launcher, which exits non-zero, and Supervisor restarts
+the whole group.  A clean shutdown is an ``exit`` plan from rank 0 (``DistributedExecutor.close``), after which
+every worker exits 0.
+
+Usage::
+
+    group = init_process_groups(info, device, timeout_s)        # every rank
+    # rank 0
+    executor = DistributedExecutor(LocalExecutor(runner, sampler), group, timeout_s)
+    executor.execute(plan)   # broadcast + run locally; executor.close() broadcasts "exit"
+    # other ranks
+    worker_loop(LocalExecutor(runner, sampler), group)          # returns after "exit"
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from qwen_chat.chat_types import ChatError, NotReady
+from qwen_chat.engine.requests import StepPlan
+
+log = logging.getLogger(__name__)
+
+#: Ops that only the distributed layer uses on top of the executor's ("step", "selfcheck", "exit").
+PING_OP = "ping"
+EXIT_OP = "exit"
+
+#: Longest silence of rank 0 on the control group before it sends a ping (seconds).  Short enough that a
+#: dead worker is noticed by rank 0 within seconds even when no one is chatting.
+MAX_HEARTBEAT_S = 5.0
+
+#: Seconds a worker waits, after SIGTERM from the launcher, for rank 0's exit plan before it leaves on its own
+#: (below the DeepSpeed launcher's 30 s grace before SIGKILL).
+WORKER_SIGTERM_GRACE_S = 20.0
+
+#: Exit code of a rank that left because of a failure (Supervisor restarts the group on any non-zero code).
+FAILURE_EXIT_CODE = 1
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds of rank-0 silence after which it pings: a quarter of the collective timeout, at most
+    ``MAX_HEARTBEAT_S`` (so at least three pings fit into one timeout window)."""
+    return max(0.05, min(MAX_HEARTBEAT_S, float(timeout_s) / 4.0))
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in the group, from the launcher's environment.
+
+    ``rank``: global rank (0 serves the web port).  ``local_rank``: index on this host (the GPU it drives).
+    ``world_size``: number of ranks.  Without a launcher: rank 0, local rank 0, world size 1.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None, local_rank_arg: int = -1) -> "RankInfo":
+        """Read ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (set by deepspeed / torchrun); ``local_rank_arg`` is
+        the ``--local_rank`` the DeepSpeed launcher appends (used when ``LOCAL_RANK`` is missing).
+
+        Raises: ValueError for inconsistent values (rank outside the world).
+        """
+        env = os.environ if env is None else env
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        local = int(env.get("LOCAL_RANK", local_rank_arg if local_rank_arg >= 0 else rank))
+        if world < 1 or not (0 <= rank < world) or local < 0:
+            raise ValueError(f"inconsistent launcher environment: RANK={rank} LOCAL_RANK={local} WORLD_SIZE={world}")
+        return cls(rank=rank, local_rank=local, world_size=world)
+
+
+def init_process_groups(info: RankInfo, device: torch.device, timeout_s: float,
+                        need_default_group: bool = False) -> Optional[dist.ProcessGroup]:
+    """Initialise ``torch.distributed`` and create the gloo control group.
+
+    The default group carries the model's own collectives (TP all-reduce/gather, ZeRO-3 all-gather): NCCL on
+    CUDA, gloo on CPU, from the launcher's ``MASTER_ADDR``/``MASTER_PORT`` (``env://``).  DeepSpeed reuses it.
+    The control group is a separate gloo group with timeout ``timeout_s`` (seconds) on which workers wait for
+    plans.  At world size 1 no control group is needed; the default group is still created (in-process, one
+    rank) when ``need_default_group`` is True, since DeepSpeed modes need one.
+
+    Returns: the control group, or None at world size 1.
+    """
+    if info.world_size == 1 and not need_default_group:
+        return None
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if info.world_size == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=info.rank, world_size=info.world_size)
+    if info.world_size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=float(timeout_s)))
+
+
+def die(message: str, code: int = FAILURE_EXIT_CODE) -> None:
+    """Log ``message`` (with the current exception, if any) and leave the process at once with ``code``.
+
+    ``os._exit`` skips atexit handlers and thread joins, which could block forever on a broken collective.
+    """
+    if code == 0:
+        log.info(message)
+    elif sys.exc_info()[0] is not None:
+        log.critical(message, exc_info=True)
+    else:
+        log.critical(message)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def broadcast_plan(plan: Optional[StepPlan], group: dist.ProcessGroup) -> StepPlan:
+    """Rank 0 passes ``plan``; the others pass None and get rank 0's plan (pickled, tensors on CPU).
+
+    Raises: whatever gloo raises (peer gone, timeout) - callers treat it as fatal.
+    """
+    box = [plan]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class DistributedExecutor:
+    """Rank 0's executor when several ranks run: broadcast each plan, then execute it locally.
+
+    Args:
+        local: the ``LocalExecutor`` of rank 0 (``execute(StepPlan) -> {slot: token}``).
+        group: the gloo control group from ``init_process_groups``.
+        timeout_s: the control group's timeout (seconds); rank 0 pings after ``heartbeat_interval(timeout_s)``
+            seconds of silence.
+
+    Thread safety: ``execute``, the heartbeat thread and ``close`` serialise on one lock, so a plan is never
+    interleaved with a ping or the exit message.  Any failure inside a broadcast or a step ends the process
+    (``die``): the other ranks are inside the same collectives and cannot be brought back in step.
+    """
+
+    def __init__(self, local, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self.local = local
+        self.group = group
+        self.interval = heartbeat_interval(timeout_s)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="rank0-heartbeat", daemon=True)
+        self._thread.start()
+
+    def execute(self, plan: StepPlan) -> dict[int, int]:
+        """Broadcast ``plan`` to every rank and run it here; returns {slot: sampled token id}.
+
+        Raises: NotReady once ``close`` has sent the exit message.  Exits the process on any other failure.
+        """
+        with self._lock:
+            if self._closed:
+                raise NotReady("the engine is shutting down")
+            try:
+                broadcast_plan(plan, self.group)
+                self._last = time.monotonic()
+                return self.local.execute(plan)
+            except ChatError:
+                # The runner refused this plan's input before touching any state or collective; every rank got
+                # the same plan and refuses it the same way, so the group stays in step (the scheduler fails
+                # only the affected requests).
+                raise
+            except BaseException:  # noqa: BLE001 - the group is out of step: leave, Supervisor restarts it
+                die(f"rank 0: engine step ({plan.op}) failed; exiting so the whole group restarts")
+                raise  # not reached
+
+    def health(self) -> dict:
+        """{"ok": bool, "reason": str} for /healthz: not ok once closed."""
+        return {"ok": not self._closed, "reason": "shut down" if self._closed else "all ranks in step"}
+
+    def close(self) -> None:
+        """Send the ``exit`` plan (workers leave with code 0) and stop the heartbeat.  Idempotent; waits for a
+        step in progress to finish first."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
+            try:
+                broadcast_plan(StepPlan(op=EXIT_OP), self.group)
+                log.info("rank 0: exit sent to %d worker rank(s)", dist.get_world_size(self.group) - 1)
+            except Exception:  # noqa: BLE001 - a worker is already gone; nothing left to stop cleanly
+                log.warning("rank 0: could not send exit to the worker ranks", exc_info=True)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.interval / 2):
+            if time.monotonic() - self._last < self.interval or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self._closed:
+                    return
+                try:
+                    broadcast_plan(StepPlan(op=PING_OP), self.group)
+                    self._last = time.monotonic()
+                except BaseException:  # noqa: BLE001
+                    die("rank 0: a worker rank stopped answering on the control group; exiting")
+            finally:
+                self._lock.release()
+
+
+def worker_loop(local_executor, group: dist.ProcessGroup) -> None:
+    """Run on every rank but 0: receive each plan, execute it, discard the tokens; return on ``exit``.
+
+    A broadcast that fails (rank 0 gone, or silent longer than the control group's timeout) or a step that
+    raises ends the process with ``FAILURE_EXIT_CODE``.  SIGTERM (the launcher stopping the group) is held off
+    for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit plan can arrive; after that the worker leaves
+    with 128 + SIGTERM.
+    """
+    rank = dist.get_rank()
+
+    def on_sigterm(signum, frame):
+        log.info("rank %d: SIGTERM; waiting up to %.0f s for rank 0's exit message", rank, WORKER_SIGTERM_GRACE_S)
+        timer = threading.Timer(WORKER_SIGTERM_GRACE_S, die,
+                                args=(f"rank {rank}: no exit message after SIGTERM", 128 + signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    steps = 0
+    while True:
+        try:
+            plan = broadcast_plan(None, group)
+        except BaseException:  # noqa: BLE001
+            die(f"rank {rank}: lost rank 0 on the control group; exiting")
+        if plan.op == PING_OP:
+            continue
+        if plan.op == EXIT_OP:
+            log.info("rank %d: exit message after %d steps; leaving cleanly", rank, steps)
+            return
+        try:
+            local_executor.execute(plan)
+        except ChatError as exc:
+            # Same plan, same deterministic input check as on rank 0 (see DistributedExecutor.execute).
+            log.info("rank %d: step input refused like on rank 0 (%s)", rank, exc)
+        except BaseException:  # noqa: BLE001
+            die(f"rank {rank}: engine step ({plan.op}) failed; exiting so the whole group restarts")
+        steps += 1

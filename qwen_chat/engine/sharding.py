@@ -1,0 +1,271 @@
+"""DeepSpeed sharding of a loaded Qwen3.5 model: tensor parallel (AutoTP) or ZeRO-3, from ``ds_config.json``.
+
+This is the only module of the service that imports ``deepspeed``.  Modes (``ShardingPlan.mode``):
+
+- ``single``: no DeepSpeed; every rank holds the whole model (the default when no config is given).
+- ``tp``: ``deepspeed.initialize(model, config={"tensor_parallel": {"autotp_size": N}, "zero_optimization":
+  {"stage": 0}, ...})`` then ``engine.module.eval()``.  DeepSpeed reads transformers' ``base_model_tp_plan`` of
+  Qwen3.5 (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel with one all-reduce; the Gated
+  DeltaNet projections ``colwise_gather_output``; the vision tower replicated).  Needs deepspeed >= 0.19.6 and
+  transformers >= 5.13 (older versions silently fall back to name heuristics that split Gated DeltaNet
+  wrongly: ../shared/design/deepspeed-notes.md).  N must divide the KV heads (4 on the 9B): N in {1, 2, 4}.
+- ``zero3`` / ``zero3-offload``: ZeRO stage 3; ``HfDeepSpeedConfig`` is created before ``from_pretrained``
+  (so the weights are partitioned while loading) and kept alive for the life of the process (transformers
+  holds it weakly); optional ``offload_param`` to CPU with pinned memory.  Small tensors (norms, ``A_log``,
+  ``dt_bias``, the depthwise conv) stay resident through ``stage3_param_persistence_threshold``.
+
+Usage (what ``qwen_chat.engine.bootstrap`` does on every rank)::
+
+    plan = read_plan(cfg.ds_config, world_size, device.type)
+    check_tp_degree(text_config, plan.tp_size)
+    prepare_loading(plan)                    # ZeRO-3: HfDeepSpeedConfig before from_pretrained
+    loaded = load_model(path, device, dtype=plan.dtype, place_on_device=not plan.uses_deepspeed)
+    model = shard_model(loaded.model, plan, device)
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from qwen_chat.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODES = ("single", "tp", "zero3", "zero3-offload")
+
+#: Minimum versions for AutoTP through transformers' tp_plan (deepspeed-notes.md "Tensor parallel").
+MIN_DEEPSPEED = (0, 19, 6)
+MIN_TRANSFORMERS = (5, 13)
+
+#: Parameters with fewer elements than this stay resident (not partitioned) under ZeRO-3 when the config
+#: gives no value.  The largest small tensor of the 9B that the engine reads directly is the depthwise conv of
+#: a Gated DeltaNet layer: (2 x 16 x 128 + 32 x 128) channels x width 4 = 32,768 elements
+#: (qwen3_5-facts.md "Shape"); norms are 4,096, ``A_log``/``dt_bias`` 32.
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+
+# Objects that must live as long as the process: HfDeepSpeedConfig (held weakly by transformers; once
+# collected, ZeRO-3 loading and synced generation silently turn off) and the DeepSpeed engines (they own the
+# ZeRO-3 parameter coordinator whose hooks gather weights at every forward).
+_KEEP_ALIVE: list = []
+
+
+class ShardingError(ConfigError):
+    """The DeepSpeed config or the TP degree cannot work with this model or world size (start-up error)."""
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """How this process group shards the model.
+
+    ``mode``: one of ``MODES``.  ``tp_size``: tensor-parallel degree (1 unless ``mode == "tp"``).
+    ``world_size``: ranks in the group.  ``ds_config``: the dict handed to ``deepspeed.initialize`` (None for
+    ``single``), already adapted to the device (bf16 switched off on CPU).  ``dtype``: weight dtype to load
+    with (bf16 on CUDA when the config enables it, else fp32 on CPU; None lets the loader choose).
+    ``source``: the file the config came from (None when built in code).
+    """
+
+    mode: str
+    tp_size: int
+    world_size: int
+    ds_config: Optional[Mapping[str, Any]] = None
+    dtype: Optional[torch.dtype] = None
+    source: Optional[Path] = None
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.mode != "single"
+
+    @property
+    def is_zero3(self) -> bool:
+        return self.mode in ("zero3", "zero3-offload")
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. ``tp (autotp_size=2, world 2, bf16, ds_config.json)``."""
+        dtype = str(self.dtype).replace("torch.", "") if self.dtype is not None else "default dtype"
+        src = str(self.source) if self.source is not None else "built-in"
+        if self.mode == "tp":
+            detail = f"autotp_size={self.tp_size}"
+        elif self.is_zero3:
+            zo = self.ds_config["zero_optimization"]
+            detail = (f"stage 3, offload_param={zo.get('offload_param', {}).get('device', 'none')}, "
+                      f"persistence_threshold={zo.get('stage3_param_persistence_threshold')}")
+        else:
+            detail = "no DeepSpeed, full model on every rank"
+        return f"{self.mode} ({detail}, world {self.world_size}, {dtype}, {src})"
+
+
+def default_tp_config(world_size: int) -> dict:
+    """The tensor-parallel DeepSpeed config used when several ranks run without ``--ds-config``."""
+    return {
+        "tensor_parallel": {"autotp_size": int(world_size)},
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": True},
+        "train_micro_batch_size_per_gpu": 1,
+    }
+
+
+def read_plan(path: Optional[Path], world_size: int, device_type: str) -> ShardingPlan:
+    """Build the ``ShardingPlan`` from a DeepSpeed JSON config.
+
+    Args:
+        path: the ``--ds-config`` file, or None (world size 1: ``single``; several ranks: TP over all of them).
+        world_size: number of ranks the launcher started.
+        device_type: ``"cuda"`` or ``"cpu"``; on CPU bf16 is switched off (fp32 weights, exact comparisons)
+            and ``offload_param`` is dropped (the weights already live in host memory).
+
+    ``tensor_parallel.autotp_size`` may be ``"auto"`` or absent: it then equals the world size.  A TP degree
+    must equal the world size (the service runs no data-parallel replicas).
+
+    Raises:
+        ShardingError: unreadable JSON, unsupported ZeRO stage, or a TP degree that differs from the world size.
+    """
+    if path is None:
+        if world_size == 1:
+            return ShardingPlan(mode="single", tp_size=1, world_size=1)
+        raw, source = default_tp_config(world_size), None
+    else:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ShardingError(f"cannot read DeepSpeed config {path}: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ShardingError(f"DeepSpeed config {path} must be a JSON object")
+        source = Path(path)
+    ds = copy.deepcopy(raw)
+    ds.setdefault("train_micro_batch_size_per_gpu", 1)  # required by deepspeed.initialize, even for inference
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    stage = int(zero.get("stage", 0))
+    tp_section = ds.get("tensor_parallel") or {}
+
+    if device_type != "cuda":
+        ds["bf16"] = {"enabled": False}
+        ds.pop("fp16", None)
+        if "offload_param" in zero:
+            log.info("CPU ranks: dropping zero_optimization.offload_param (the weights already live in host memory)")
+            zero.pop("offload_param")
+    bf16 = bool((ds.get("bf16") or {}).get("enabled", False))
+    fp16 = bool((ds.get("fp16") or {}).get("enabled", False))
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+    if stage == 3:
+        if tp_section.get("autotp_size") not in (None, "auto", 1):
+            raise ShardingError(f"{source or 'DeepSpeed config'}: combine either ZeRO-3 or tensor_parallel, not both")
+        ds.pop("tensor_parallel", None)
+        zero.setdefault("stage3_param_persistence_threshold", DEFAULT_PERSISTENCE_THRESHOLD)
+        offload = (zero.get("offload_param") or {}).get("device", "none")
+        mode = "zero3-offload" if offload == "cpu" else "zero3"
+        return ShardingPlan(mode=mode, tp_size=1, world_size=world_size, ds_config=ds, dtype=dtype, source=source)
+    if stage != 0:
+        raise ShardingError(
+            f"{source or 'DeepSpeed config'}: zero_optimization.stage {stage} is not an inference mode; "
+            "use stage 0 with tensor_parallel (TP) or stage 3 (ZeRO-3)"
+        )
+    size = tp_section.get("autotp_size", "auto")
+    tp_size = world_size if size in ("auto", None) else int(size)
+    if tp_size != world_size:
+        raise ShardingError(
+            f"tensor_parallel.autotp_size is {tp_size} but the launcher started {world_size} ranks; they must be "
+            f"equal (set NUM_GPUS={tp_size}, or \"autotp_size\": \"auto\")"
+        )
+    ds["tensor_parallel"] = {**tp_section, "autotp_size": tp_size}
+    if tp_size == 1 and world_size == 1:
+        return ShardingPlan(mode="single", tp_size=1, world_size=1, dtype=dtype, source=source)
+    return ShardingPlan(mode="tp", tp_size=tp_size, world_size=world_size, ds_config=ds, dtype=dtype, source=source)
+
+
+def check_tp_degree(text_config, tp_size: int) -> None:
+    """Refuse a TP degree that does not split every head group of ``text_config`` evenly.
+
+    Checked: ``num_key_value_heads`` (4 on the 9B), ``num_attention_heads`` (16), ``linear_num_key_heads`` (16)
+    and ``linear_num_value_heads`` (32) must all be divisible by ``tp_size`` (qwen3_5-facts.md "Shape").
+
+    Raises:
+        ShardingError: naming the head count and the TP degrees that would work.
+    """
+    if tp_size <= 1:
+        return
+    kv = int(text_config.num_key_value_heads)
+    counts = {
+        "num_key_value_heads": kv,
+        "num_attention_heads": int(text_config.num_attention_heads),
+        "linear_num_key_heads": int(getattr(text_config, "linear_num_key_heads", kv) or kv),
+        "linear_num_value_heads": int(getattr(text_config, "linear_num_value_heads", kv) or kv),
+    }
+    for name, n in counts.items():
+        if n % tp_size:
+            ok = [d for d in (1, 2, 4, 8) if all(v % d == 0 for v in counts.values())]
+            raise ShardingError(
+                f"tensor parallel degree {tp_size} does not divide {name} = {n} of this model; "
+                f"use one of {ok} (NUM_GPUS / autotp_size), or ZeRO-3 (deploy/ds_config.zero3.json)"
+            )
+
+
+def check_versions() -> None:
+    """Raise ``ShardingError`` when deepspeed < 0.19.6 or transformers < 5.13 (AutoTP would split wrongly)."""
+    import deepspeed
+    import transformers
+
+    if _version_tuple(deepspeed.__version__) < MIN_DEEPSPEED:
+        raise ShardingError(f"tensor parallel needs deepspeed >= 0.19.6, found {deepspeed.__version__}")
+    if _version_tuple(transformers.__version__) < MIN_TRANSFORMERS:
+        raise ShardingError(f"tensor parallel needs transformers >= 5.13, found {transformers.__version__}")
+
+
+def prepare_loading(plan: ShardingPlan) -> None:
+    """Before ``from_pretrained``: for ZeRO-3, create the ``HfDeepSpeedConfig`` and keep it for the process.
+
+    With it alive, ``from_pretrained`` builds the model under ``deepspeed.zero.Init`` so no rank ever holds
+    all weights.  No-op for other modes.
+    """
+    if not plan.is_zero3:
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    _KEEP_ALIVE.append(HfDeepSpeedConfig(dict(plan.ds_config)))
+
+
+def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device) -> torch.nn.Module:
+    """Apply ``plan`` to a loaded model and return the module to run (eval mode).
+
+    ``single``: moves the model to ``device``.  ``tp``: AutoTP replaces the nn.Linear layers named by the tp_plan
+    in place with sharded DeepSpeed layers (weights moved to the rank's device).  ``zero3*``: wraps the model
+    already partitioned at load time.  Every rank must call this at the same time (collectives inside).
+
+    Raises:
+        ShardingError: versions too old for AutoTP.
+    """
+    if not plan.uses_deepspeed:
+        return model.to(device).eval()
+    import deepspeed
+
+    if plan.mode == "tp":
+        check_versions()
+    engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
+    _KEEP_ALIVE.append(engine)
+    return engine.module.eval()
+
+
+def local_parameter_count(model: torch.nn.Module) -> int:
+    """Parameters this rank holds (elements): ZeRO-3 partitions count their local slice (``ds_tensor``),
+    AutoTP shards their local width, replicated tensors in full."""
+    total = 0
+    for p in model.parameters():
+        part = getattr(p, "ds_tensor", None)
+        total += int(part.numel()) if part is not None else int(p.numel())
+    return total

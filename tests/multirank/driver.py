@@ -1,0 +1,112 @@
+"""Test driver for the multi-rank engine: every rank calls ``bootstrap.start_engine``; rank 0 runs a scenario.
+
+Run under a launcher (or alone for the single-process reference)::
+
+    deepspeed --num_gpus 2 tests/multirank/driver.py --scenario S.json --out R.json -- --model tiny ...
+
+Everything after ``--`` is the service's own command line (``ServiceConfig``).  The scenario is a JSON list of
+steps executed in order on rank 0 (the web layer is not involved):
+
+- ``{"op": "greedy", "name": N, "text": T, "images": [paths], "max_new_tokens": K}``: greedy token ids
+  (temperature 0) of one user turn, recorded under N;
+- ``{"op": "stop", "name": N, "after": K}``: a long greedy generation cancelled after K streamed updates;
+  records the finish reason and the completion tokens;
+- ``{"op": "expect_error", "name": N, "text": T, "images": [paths]}``: ``stream_chat`` must raise a
+  ``ChatError`` before streaming; records its class and message;
+- ``{"op": "idle", "seconds": S}``: rank 0 stays idle (workers wait on the control group);
+- ``{"op": "hold"}``: write the results, then keep serving (heartbeats) until killed or SIGTERM.
+
+Results go to ``--out`` (JSON) once the scenario ends (or before ``hold``); rank 0 then closes the engine,
+which sends the exit message to the workers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from qwen_chat.chat_types import CancelToken, ChatError, ChatMessage, GenerationSettings  # noqa: E402
+from qwen_chat.config import ServiceConfig  # noqa: E402
+
+
+def greedy_settings(max_new_tokens: int) -> GenerationSettings:
+    return GenerationSettings.preset(False, temperature=0.0, top_k=1, top_p=1.0, presence_penalty=0.0, seed=0,
+                                     max_new_tokens=max_new_tokens)
+
+
+def run_step(engine, step: dict) -> dict:
+    op = step["op"]
+    msgs = [ChatMessage(role="user", text=step.get("text", "Hello"), images=tuple(step.get("images", ())))]
+    if op == "greedy":
+        settings = greedy_settings(int(step.get("max_new_tokens", 64)))
+        prompt = engine.prepare(msgs, settings)
+        params = engine.sampling_params(settings, prompt)
+        handle = engine.scheduler.submit(prompt, params, CancelToken())
+        ids = list(handle)
+        return {"tokens": ids, "finish": handle.finish_reason, "prompt_tokens": prompt.num_tokens}
+    if op == "stop":
+        cancel = CancelToken()
+        n = 0
+        last = None
+        t0 = time.monotonic()
+        for last in engine.stream_chat(msgs, greedy_settings(int(step.get("max_new_tokens", 4096))), cancel):
+            n += 1
+            if n == int(step.get("after", 3)):
+                cancel.cancel()
+        return {"finish": last.finish_reason, "completion_tokens": last.completion_tokens,
+                "seconds": time.monotonic() - t0}
+    if op == "expect_error":
+        try:
+            stream = engine.stream_chat(msgs, greedy_settings(64), CancelToken())
+        except ChatError as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"error": None, "finish": [u.finish_reason for u in stream][-1]}
+    if op == "idle":
+        time.sleep(float(step["seconds"]))
+        return {"slept": float(step["seconds"])}
+    raise ValueError(f"unknown scenario op {op!r}")
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    own, service = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--scenario", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1)  # appended by the deepspeed launcher
+    args, rest = parser.parse_known_args(own)
+    service = rest + service
+    if args.local_rank >= 0:
+        service.append(f"--local_rank={args.local_rank}")
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = ServiceConfig.from_argv(service).validate()
+
+    from qwen_chat.engine import bootstrap
+
+    engine = bootstrap.start_engine(cfg)  # worker ranks never return
+    results = {"pid": os.getpid(), "info": {"world_size": engine.info.world_size, "mode": engine.info.mode},
+               "health": engine.health(), "steps": {}}
+    steps = json.loads(args.scenario.read_text())
+    for i, step in enumerate(steps):
+        if step["op"] == "hold":
+            break
+        results["steps"][step.get("name", f"{i}:{step['op']}")] = run_step(engine, step)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results))
+    os.replace(tmp, args.out)
+    if steps and steps[-1]["op"] == "hold":
+        while True:
+            time.sleep(1)
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
