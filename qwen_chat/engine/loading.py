@@ -106,9 +106,14 @@ def resolve_checkpoint(model: str, cache_dir: Optional[Path] = None) -> Path:
         return Path(snapshot_download(model, allow_patterns=HUB_ALLOW_PATTERNS))
     except LocalEntryNotFoundError as exc:
         raise ModelUnavailable(f"Model {model!r} is not in the local Hugging Face cache and cannot be downloaded "
-                               f"now (offline?): {exc}. {hint}") from exc
+                               f"now (offline?): {_first_line(exc)} {hint}") from exc
     except (HfHubHTTPError, HFValidationError, OSError) as exc:
-        raise ModelUnavailable(f"Cannot download model {model!r}: {exc}. {hint}") from exc
+        raise ModelUnavailable(f"Cannot download model {model!r}: {_first_line(exc)} {hint}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
+    return line + "."
 
 
 def load_processor(path: Path):
