@@ -101,7 +101,11 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         return gr.update(choices=ctl.conversation_choices(user), value=selected or None)
 
     def on_disk(user: str, conv_id: str, notice: str, session: Session):
-        messages = ctl.open(user, conv_id)[0] if conv_id else []
+        """The conversation as saved (after a refused turn); an unknown/foreign id leaves the page empty."""
+        try:
+            messages = ctl.open(user, conv_id)[0] if conv_id else []
+        except ChatError:
+            messages, conv_id = [], ""
         return messages, conv_id, notice, gr.skip(), session, choices(user, conv_id)
 
     def run(turns, user: str, conv_id: str, session: Session):
