@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import weakref
 from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sequence
@@ -109,7 +108,6 @@ class ChatEngine:
                                    max_context=self.max_context)
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure
         self._closed = False
-        self._lock = threading.Lock()
 
     # ---- ChatBackend -------------------------------------------------------------------------------------
     def stream_chat(
@@ -256,9 +254,13 @@ class ChatEngine:
         return self._self_check == ""
 
     def close(self) -> None:
-        """Cancel everything queued or running and stop the scheduler thread."""
+        """Cancel everything queued or running, stop the scheduler thread, then close the executor if it has a
+        ``close`` (``DistributedExecutor`` sends the worker ranks their exit).  Idempotent."""
         self._closed = True
         self.scheduler.shutdown()
+        executor_close = getattr(self.executor, "close", None)
+        if callable(executor_close):
+            executor_close()
 
     def __enter__(self) -> "ChatEngine":
         return self
@@ -310,7 +312,7 @@ class ChatEngine:
             elif finish == "error":
                 final_notice.append(f"generation failed: {handle.error or 'engine error'}")
             yield update(r_tail, a_tail, finish_reason=finish, notice="; ".join(final_notice))
-            log.info(
+            log.debug(  # the scheduler logs TTFT and tokens/s of every request at INFO
                 "reply %d: %s, prompt %d tok, completion %d tok, TTFT %s s", handle.request_id, finish, n_prompt,
                 handle.completion_tokens, f"{handle.ttft_s:.3f}" if handle.ttft_s is not None else "-",
             )
