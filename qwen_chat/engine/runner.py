@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from qwen_chat.chat_types import ContextTooLong, InvalidInput
+from qwen_chat.engine.kernels import apply_rotary, glue_functions
 from qwen_chat.engine.requests import PreparedPrompt
 
 log = logging.getLogger(__name__)
@@ -53,24 +54,6 @@ def _resolve_chunk_rule() -> tuple[Callable, str]:
         return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule"
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (transformers ``qwen3_5.l2norm``, aligned with fla)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary embedding on the first ``cos.shape[-1]`` channels of ``x`` (rotate-half convention).
-
-    x: [..., heads, n, head_dim]; cos/sin: broadcastable to [..., heads, n, rotary_dim].  Same as
-    transformers ``qwen3_5.apply_rotary_pos_emb`` for one tensor.
-    """
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
-
-
 def _is_zero3(model: torch.nn.Module) -> bool:
     """True when DeepSpeed ZeRO-3 has partitioned the parameters (they carry a ``ds_id``)."""
     return any(hasattr(p, "ds_id") for p in model.parameters())
@@ -87,6 +70,8 @@ class ModelRunner:
         device: torch device of the model.
         dtype: dtype of activations and KV cache; default: the dtype of the model's parameters.
         use_cuda_graphs: capture the decode step in CUDA graphs; None = on for CUDA unless ZeRO-3.
+        compile_glue: fuse the decode step's element-wise glue with ``torch.compile`` (qwen_chat.engine.kernels);
+            None = same as ``use_cuda_graphs``.
 
     Attributes: ``num_slots``, ``max_context``, ``vocab_size`` (logits width), ``impl`` (dict: which
     implementation each op resolved to, for the start-up log).
@@ -97,7 +82,7 @@ class ModelRunner:
     """
 
     def __init__(self, model, *, num_slots: int, max_context: int, device, dtype=None,
-                 use_cuda_graphs: Optional[bool] = None):
+                 use_cuda_graphs: Optional[bool] = None, compile_glue: Optional[bool] = None):
         if num_slots < 1 or max_context < 1:
             raise ValueError(f"num_slots and max_context must be >= 1 (got {num_slots}, {max_context})")
         self.model = model
@@ -110,6 +95,9 @@ class ModelRunner:
         if use_cuda_graphs and (self.device.type != "cuda" or zero3):
             raise ValueError("CUDA graphs need a CUDA device and cannot be used under ZeRO-3")
         self.use_cuda_graphs = bool(use_cuda_graphs)
+        if compile_glue is None:
+            compile_glue = self.use_cuda_graphs
+        self._glue = glue_functions(bool(compile_glue))
 
         core = model.model
         lm = core.language_model
@@ -123,7 +111,8 @@ class ModelRunner:
         self._embed, self._final_norm, self._lm_head = lm.embed_tokens, lm.norm, model.lm_head
         self._chunk_rule, chunk_name = _resolve_chunk_rule()
         self.impl = {"chunk_delta_rule": chunk_name, "recurrent_delta_rule": "torch", "conv1d": "torch",
-                     "attention": "torch.sdpa", "cuda_graphs": self.use_cuda_graphs}
+                     "attention": "torch.sdpa", "cuda_graphs": self.use_cuda_graphs,
+                     "decode_glue": "torch.compile" if compile_glue else "eager"}
 
         self._build_state(tc)
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
@@ -133,6 +122,8 @@ class ModelRunner:
         probe = torch.zeros(1, 1, tc.hidden_size, device=self.device, dtype=self.dtype)
         cos, sin = lm.rotary_emb(probe, pos)
         self._cos_table, self._sin_table = cos[0].contiguous(), sin[0].contiguous()  # [T, rotary_dim]
+        self._ctx_range = torch.arange(self.max_context, device=self.device)
+        self._kv_heads = {i: torch.arange(self._geo[i]["nkv"], device=self.device) for i in self.k_cache}
 
         self.lengths = [0] * (self.num_slots + 1)      # tokens in each slot's cache (python ints)
         self.rope_deltas = [0] * (self.num_slots + 1)  # M-RoPE position shift of each slot
@@ -349,69 +340,46 @@ class ModelRunner:
     def _decode_step(self, slot_idx, tokens, pos, rope_pos, ctx: int) -> torch.Tensor:
         """One batched decode forward.  slot_idx/tokens/pos/rope_pos: int64 [B] on device; ctx: attention
         window (static per graph).  Returns fp32 logits [B, V].  Only tensor ops: safe to capture."""
+        k = self._glue
         h = self._embed(tokens).to(self.dtype)                          # [B, H]
         cos, sin = self._cos_table[rope_pos], self._sin_table[rope_pos]  # [B, rot]
+        x = self._layers[0].input_layernorm(h)
+        n = len(self._layers)
         for i, layer in enumerate(self._layers):
-            x = layer.input_layernorm(h)
             if self._kinds[i] == "linear":
                 x = self._linear_decode(i, layer.linear_attn, slot_idx, x)
             else:
                 x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
-            h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self._lm_head(self._final_norm(h)).float()
+            h, x = k["add_norm"](h, x, layer.post_attention_layernorm)
+            x = layer.mlp(x)
+            nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
+            h, x = k["add_norm"](h, x, nxt)
+        return self._lm_head(x).float()
 
     def _attn_decode(self, i, at, slot_idx, pos, x, cos, sin, ctx):
         g = self._geo[i]
         B = x.shape[0]
-        hd, nkv = g["hd"], g["nkv"]
-        q, gate = torch.chunk(at.q_proj(x).view(B, -1, 2 * hd), 2, dim=-1)
-        gate = gate.reshape(B, -1)
-        q = apply_rotary(at.q_norm(q), cos[:, None], sin[:, None])                       # [B, nq, hd]
-        k = apply_rotary(at.k_norm(at.k_proj(x).view(B, -1, hd)), cos[:, None], sin[:, None])  # [B, nkv, hd]
-        v = at.v_proj(x).view(B, -1, hd)
-        heads = torch.arange(nkv, device=x.device)
+        q, k, v, gate = self._glue["attn_pre"](at.q_proj(x), at.k_proj(x), at.v_proj(x), at.q_norm, at.k_norm,
+                                               cos, sin, g["hd"], g["nkv"])
+        heads = self._kv_heads[i]
         kc, vc = self.k_cache[i], self.v_cache[i]
         kc.index_put_((slot_idx[:, None], heads[None, :], pos[:, None]), k)
         vc.index_put_((slot_idx[:, None], heads[None, :], pos[:, None]), v)
         keys, vals = kc[slot_idx, :, :ctx], vc[slot_idx, :, :ctx]                  # [B, nkv, ctx, hd]
-        mask = (torch.arange(ctx, device=x.device)[None, :] <= pos[:, None]).view(B, 1, 1, ctx)
+        mask = (self._ctx_range[:ctx][None, :] <= pos[:, None]).view(B, 1, 1, ctx)
         # The query heads of one KV group act as that group's "query positions": no KV head expansion.
-        o = F.scaled_dot_product_attention(q.view(B, nkv, g["groups"], hd), keys, vals, attn_mask=mask,
-                                           scale=g["scale"])
-        o = o.reshape(B, -1) * torch.sigmoid(gate)
-        return at.o_proj(o)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"])
+        return at.o_proj(self._glue["attn_post"](o, gate))
 
     def _linear_decode(self, i, la, slot_idx, x):
         g = self._geo[i]
-        B = x.shape[0]
-        dk, dv = g["dk"], g["dv"]
-        qkv = la.in_proj_qkv(x)                                   # [B, C]
-        z = la.in_proj_z(x)
-        b, a = la.in_proj_b(x), la.in_proj_a(x)
-        cs = self.conv_state[i]
-        window = torch.cat([cs[slot_idx], qkv[:, :, None].to(cs.dtype)], dim=-1)  # [B, C, K]
-        cs.index_copy_(0, slot_idx, window[:, :, 1:])
-        w = la.conv1d.weight[:, 0, :]                              # [C, K] depthwise taps
-        mixed = (window.float() * w.float()).sum(-1)
-        mixed = ACT2FN[la.activation](mixed).to(x.dtype)
-        q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
-        rep = g["nv"] // g["nk"]
-        q = l2norm(q.float().view(B, -1, dk)).repeat_interleave(rep, dim=1) * dk ** -0.5  # [B, HV, dk]
-        k = l2norm(k.float().view(B, -1, dk)).repeat_interleave(rep, dim=1)
-        v = v.float().view(B, -1, dv)
-        beta = b.sigmoid().float()                                          # [B, HV]
-        decay = (-la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)).exp()
-        # Gated delta rule, one step (transformers torch_recurrent_gated_delta_rule):
-        # S <- S * exp(g);  S <- S + k (beta (v - S^T k))^T;  o = S^T q
-        state = self.rec_state[i][slot_idx] * decay[:, :, None, None]       # [B, HV, dk, dv]
-        kv_mem = torch.einsum("bhk,bhkv->bhv", k, state)
-        delta = (v - kv_mem) * beta[:, :, None]
-        state = state + k[:, :, :, None] * delta[:, :, None, :]
-        o = torch.einsum("bhk,bhkv->bhv", q, state)
+        core, window, state = self._glue["gdn_step"](
+            la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x), la.in_proj_a(x), self.conv_state[i],
+            self.rec_state[i], slot_idx, la.conv1d.weight[:, 0, :], la.A_log, la.dt_bias, la.norm,
+            la.activation, g["key_dim"], g["dk"], g["dv"])
+        self.conv_state[i].index_copy_(0, slot_idx, window)
         self.rec_state[i].index_copy_(0, slot_idx, state)
-        core = la.norm(o.to(x.dtype).reshape(-1, dv), z.reshape(-1, dv))
-        return la.out_proj(core.reshape(B, -1))
+        return la.out_proj(core)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _alloc_static_buffers(self) -> None:

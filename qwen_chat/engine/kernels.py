@@ -1,0 +1,107 @@
+"""The element-wise glue of one decode step, as pure functions that ``torch.compile`` can fuse.
+
+Between the projections (which stay eager module calls, so sharded and hooked modules keep working) a decode
+step is dozens of tiny element-wise ops per layer; in a CUDA graph each is still one kernel of a few
+microseconds.  On CUDA the runner wraps these functions with ``torch.compile`` (Inductor fuses each into a few
+Triton kernels) before capturing its graphs; on CPU they run as plain PyTorch, so the CPU parity tests check
+exactly this code.  Formulas: transformers ``models/qwen3_5/modeling_qwen3_5.py`` (Qwen3_5Attention,
+Qwen3_5GatedDeltaNet, torch_recurrent_gated_delta_rule, l2norm, apply_rotary_pos_emb).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (transformers ``qwen3_5.l2norm``, aligned with fla)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary embedding on the first ``cos.shape[-1]`` channels of ``x`` (rotate-half convention).
+
+    x: [..., n, head_dim]; cos/sin broadcastable to [..., n, rotary_dim].  Same as transformers
+    ``qwen3_5.apply_rotary_pos_emb`` for one tensor.
+    """
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    return torch.cat((x_rot * cos + rotated * sin, x_pass), dim=-1)
+
+
+def add_norm(h: torch.Tensor, x: torch.Tensor, norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then the next RMSNorm: returns (h + x, norm(h + x)), both [B, hidden] in h's dtype."""
+    h = h + x
+    return h, norm(h)
+
+
+def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
+             k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, kv_heads: int):
+    """Split the gated query, apply q/k RMSNorm and rotary for one decode token per row.
+
+    qg: [B, 2 * nq * hd] (q_proj output: per head [query | gate]); kx, vx: [B, nkv * hd]; cos/sin: [B, rot].
+    Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head), k [B, nkv, hd], v [B, nkv, hd],
+    gate [B, nq * hd].
+    """
+    B = qg.shape[0]
+    q, gate = torch.chunk(qg.view(B, -1, 2 * head_dim), 2, dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    q = apply_rotary(q_norm(q), c, s)
+    k = apply_rotary(k_norm(kx.view(B, -1, head_dim)), c, s)
+    return q.reshape(B, kv_heads, -1, head_dim), k, vx.view(B, -1, head_dim), gate.reshape(B, -1)
+
+
+def attn_post(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Output gate of Qwen3.5 attention: o [B, nkv, groups, hd] -> [B, nq * hd] * sigmoid(gate)."""
+    return o.reshape(gate.shape) * torch.sigmoid(gate)
+
+
+def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_buf: torch.Tensor,
+             rec_buf: torch.Tensor, slot_idx: torch.Tensor, conv_w: torch.Tensor, A_log: torch.Tensor,
+             dt_bias: torch.Tensor, norm: torch.nn.Module, activation: str, key_dim: int, dk: int, dv: int):
+    """One Gated DeltaNet decode token per row, from the projections to the gated RMSNorm.
+
+    qkv: [B, C] (in_proj_qkv output, C = 2 * key_dim + value_dim); z: [B, value_dim]; b, a: [B, HV];
+    conv_buf: [slots, C, K-1] previous conv inputs (model dtype); rec_buf: [slots, HV, dk, dv] fp32 recurrent
+    state; slot_idx: int64 [B]; conv_w: [C, K] depthwise taps; A_log, dt_bias: [HV].
+    Returns (core [B, value_dim] in the model dtype, new conv window [B, C, K-1], new state [B, HV, dk, dv] fp32);
+    the caller scatters the last two back to ``slot_idx``.
+
+    Maths: causal conv1d over [previous K-1 inputs, this one] + activation; q, k l2-normalised (fp32), q scaled
+    by dk^-1/2; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); S <- S * exp(g);
+    S <- S + k (beta (v - S^T k))^T; o = S^T q; then norm(o, z) (gated RMSNorm).
+    """
+    B = qkv.shape[0]
+    window = torch.cat([conv_buf[slot_idx], qkv[:, :, None].to(conv_buf.dtype)], dim=-1)  # [B, C, K]
+    mixed = ACT2FN[activation]((window.float() * conv_w.float()).sum(-1)).to(qkv.dtype)
+    q, k, v = torch.split(mixed, [key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    hv = b.shape[-1]
+    rep = hv // (key_dim // dk)
+    q = l2norm(q.float().view(B, -1, dk)).repeat_interleave(rep, dim=1) * dk ** -0.5   # [B, HV, dk]
+    k = l2norm(k.float().view(B, -1, dk)).repeat_interleave(rep, dim=1)
+    v = v.float().view(B, hv, dv)
+    beta = b.sigmoid().float()
+    decay = (-A_log.float().exp() * F.softplus(a.float() + dt_bias)).exp()               # [B, HV]
+    state = rec_buf[slot_idx] * decay[:, :, None, None]
+    kv_mem = torch.einsum("bhk,bhkv->bhv", k, state)
+    delta = (v - kv_mem) * beta[:, :, None]
+    state = state + k[:, :, :, None] * delta[:, :, None, :]
+    o = torch.einsum("bhk,bhkv->bhv", q, state)
+    core = norm(o.to(qkv.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(B, -1)
+    return core, window[:, :, 1:], state
+
+
+GLUE = {"add_norm": add_norm, "attn_pre": attn_pre, "attn_post": attn_post, "gdn_step": gdn_step}
+
+
+def glue_functions(compile: bool) -> dict[str, Callable]:
+    """The glue functions, wrapped with ``torch.compile`` (Inductor, shapes dynamic after the first
+    recompile) when ``compile`` is true.  Compilation happens lazily on the first call."""
+    if not compile:
+        return dict(GLUE)
+    return {name: torch.compile(fn, fullgraph=True) for name, fn in GLUE.items()}
