@@ -74,8 +74,9 @@ USER = [{"role": "user", "content": "hello there"}]
 
 def test_models_list(client):
     models = client.models.list().data
-    assert [m.id for m in models] == ["fake-qwen"]
-    assert client.models.retrieve("fake-qwen").id == "fake-qwen"
+    assert [m.id for m in models] == ["fake"]  # --model as given
+    assert models[0].root == "fake-qwen" and models[0].max_model_len == 256
+    assert client.models.retrieve("fake").id == "fake"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
 
@@ -83,7 +84,7 @@ def test_models_list(client):
 def test_text_chat_reasoning_separate_and_usage(server, client):
     reply = client.chat.completions.create(model="anything", messages=USER, seed=7)
     choice = reply.choices[0]
-    assert reply.model == "fake-qwen"
+    assert reply.model == "fake"
     assert choice.finish_reason == "stop"
     assert choice.message.role == "assistant"
     assert choice.message.content.startswith("You said: hello there [0 image(s)] [1 messages]")
@@ -305,6 +306,29 @@ def test_bad_images_are_400(server, client, url, needle):
     assert "messages[0].content[1].image_url" in err.message
     # the server stays usable
     assert server.client().chat.completions.create(model="m", messages=USER).choices[0].finish_reason == "stop"
+
+
+def test_remote_images_when_allowed(tmp_path):
+    import functools
+    import http.server
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(FIXTURES))
+    handler.log_message = lambda *a: None
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    try:
+        with Server(FakeBackend(), ServiceConfig(history_dir=tmp_path, allow_remote_images=True)) as srv:
+            client = srv.client()
+            part = {"type": "image_url", "image_url": {"url": base + "/coffee.png"}}
+            reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": [part]}])
+            with Image.open(FIXTURES / "coffee.png") as im:
+                assert f"[1 image(s) {im.size[0]}x{im.size[1]}]" in reply.choices[0].message.content
+            missing = {"type": "image_url", "image_url": {"url": base + "/missing.png"}}
+            err = bad_request(client, messages=[{"role": "user", "content": [missing]}])
+            assert "HTTP 404" in err.message
+    finally:
+        files.shutdown()
 
 
 def test_too_many_images_is_400(tmp_path):

@@ -54,7 +54,9 @@ def test_health_and_models(served, client):
     url, engine = served
     health = httpx.get(url + "/healthz")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    assert [m.id for m in client.models.list().data] == [engine.info.name]
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].max_model_len == 2048
 
 
 def test_greedy_text_chat_streamed_equals_non_streamed(client):

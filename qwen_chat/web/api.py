@@ -15,8 +15,8 @@ Requests go through the same ``ChatBackend`` (engine queue, rank-0 broadcast) as
   ``seed``, ``stop`` (string or list of up to 4), ``stream``, ``stream_options.include_usage``,
   ``chat_template_kwargs.enable_thinking`` (default true, like the model).  Unset sampling values take the
   Qwen3.5 model-card preset of the mode (``GenerationSettings.preset``); out-of-range values are refused with
-  400 naming the allowed range (never clamped; public case C13).  ``model`` may be any string: the one loaded
-  model answers and its id is returned.
+  400 naming the allowed range (never clamped; public case C13).  The model id is ``--model`` as given
+  (``/v1/models``); ``model`` in a request may be any string: the one loaded model answers.
 - Unsupported OpenAI features are refused with 400 rather than ignored: ``n`` > 1, ``tools``, ``logprobs``,
   non-zero ``frequency_penalty``, non-empty ``logit_bias``, ``response_format`` other than text.
 
@@ -601,9 +601,10 @@ def _check_key(request: Request, cfg: ServiceConfig) -> None:
         raise APIRequestError("invalid API key", status=401, type="authentication_error", code="invalid_api_key")
 
 
-def _model_name(backend: ChatBackend, cfg: ServiceConfig) -> str:
-    info = getattr(backend, "info", None)
-    return getattr(info, "name", None) or cfg.model
+def _model_id(cfg: ServiceConfig) -> str:
+    """The model id the API shows and echoes: ``--model`` as given (hub id, local path or ``tiny``), like vLLM's
+    default served model name; the display name (``ModelInfo.name``) is the card's ``root``."""
+    return str(cfg.model)
 
 
 def create_router(backend: ChatBackend, cfg: ServiceConfig,
@@ -633,8 +634,9 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
 
     def model_card() -> dict:
         info = getattr(backend, "info", None)
-        card = {"id": _model_name(backend, cfg), "object": "model", "created": started, "owned_by": "qwen_chat"}
-        if info is not None and getattr(info, "context_length", None):
+        card = {"id": _model_id(cfg), "object": "model", "created": started, "owned_by": "qwen_chat"}
+        if info is not None:
+            card["root"] = info.name
             card["max_model_len"] = info.context_length
         return card
 
@@ -683,7 +685,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
 
         cancel = CancelToken()
         stream = _SyncStream(lambda: backend.stream_chat(messages, settings, cancel))
-        reply = _Reply(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=_model_name(backend, cfg))
+        reply = _Reply(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=_model_id(cfg))
         wants_stream = bool(body.get("stream", False))
         try:
             if wants_stream:
