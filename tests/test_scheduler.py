@@ -7,6 +7,7 @@ caught by comparing each concurrent stream with its solo run.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -348,3 +349,27 @@ def test_prefill_budget_spreads_long_prompts_over_steps(cleanup):
     sizes = [len(p.prefills) for p in ex.plans if p.prefills]
     assert sizes == [1, 1, 1]  # 8 + 8 tokens exceed the budget of 10: one long prompt per step
     assert all(h.finish_reason == "length" for h in handles)
+
+
+def test_twenty_stop_cycles_leave_no_slot_or_state_behind(cleanup):
+    """Public case C19: Stop (cancel) or a closed consumer, 20 times in a row; every slot and every runner
+    state is released afterwards and a normal request still gets its full reply."""
+    sched, ex, runner = make(num_slots=2, max_queue=2)
+    cleanup(sched)
+    for i in range(20):
+        cancel = CancelToken()
+        h = sched.submit(prompt(i, 1), params(max_new=10**6), cancel)
+        stream = iter(h)
+        next(stream), next(stream)
+        cancel.cancel() if i % 2 else h.close()
+        list(stream)
+        assert h.finish_reason == "cancelled"
+    h = sched.submit(prompt(7), params(max_new=6), CancelToken())
+    assert len(list(h)) == 6
+    deadline = time.monotonic() + 10
+    while runner.seqs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert runner.seqs == {}  # every slot freed in the runner, not just in the scheduler
+    stats = sched.stats()
+    assert stats["active"] == 0 and stats["queued"] == 0
+    assert stats["totals"]["finished"] == {"stop": 0, "length": 1, "cancelled": 20, "error": 0}
