@@ -61,12 +61,12 @@ def runner_and_sampler(tiny_loaded):
 def make_engine(tiny_loaded, runner_and_sampler):
     engines = []
 
-    def make(num_slots=2, max_queue=4, gate=None):
+    def make(num_slots=2, max_queue=4, gate=None, max_context=MAX_CONTEXT):
         runner, sampler = runner_and_sampler
         for slot in range(runner.num_slots):
             runner.free(slot)
         ex = SpyExecutor(runner, sampler, gate=gate)
-        engine = ChatEngine(tiny_loaded, runner, ex, image_token_budget=64, max_context=MAX_CONTEXT,
+        engine = ChatEngine(tiny_loaded, runner, ex, image_token_budget=64, max_context=max_context,
                             max_queue=max_queue, num_slots=num_slots)
         engines.append(engine)
         return engine, ex
@@ -272,3 +272,29 @@ def test_stop_string_cuts_the_answer(make_engine, tiny_loaded):
     assert "".join(u.answer_delta for u in updates) == "one, two, "
     assert all("thr" not in u.answer for u in updates)
     wait_until(lambda: engine.stats()["running"] == 0)
+
+
+def test_top_k_1_equals_greedy(engine):
+    """Public case C13: top_k=1 keeps only the most likely token, so at any temperature it is greedy."""
+    g = run(engine, user("Name a colour."), greedy())[-1]
+    k1 = run(engine, user("Name a colour."),
+             GenerationSettings.preset(False, temperature=1.5, top_k=1, top_p=0.1, presence_penalty=0.0,
+                                       max_new_tokens=64, seed=5))[-1]
+    assert k1.answer == g.answer and k1.completion_tokens == g.completion_tokens
+
+
+def test_context_policy_notice_and_clamped_reply(make_engine):
+    engine, _ = make_engine(max_context=300)
+    long_turn = "word " * 60
+    msgs = []
+    for i in range(4):
+        msgs += [ChatMessage(role="user", text=f"{i} {long_turn}"), ChatMessage(role="assistant", text=long_turn)]
+    msgs.append(ChatMessage(role="user", text="And now?"))
+    prepared = engine.prepare(msgs, greedy(max_new_tokens=200))
+    assert prepared.dropped_turns > 0 and prepared.notice
+    updates = run(engine, msgs, greedy(max_new_tokens=200))
+    assert all(u.notice.startswith(prepared.notice) for u in updates)
+    last = updates[-1]
+    assert last.prompt_tokens == prepared.num_tokens
+    assert last.prompt_tokens + last.completion_tokens <= 300
+    assert last.completion_tokens <= prepared.max_new_tokens
