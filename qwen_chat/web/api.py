@@ -560,7 +560,9 @@ async def _event_stream(stream: _SyncStream, first: Optional[StreamUpdate], canc
                 yield reply.chunk(delta)
             if update.finish_reason is not None:
                 break
-            update = await run(stream.next)
+            # abandon_on_cancel: a client that hangs up cancels at once (finally below), without waiting for
+            # the update in progress; the worker thread finishes that next() on its own.
+            update = await run(stream.next, abandon_on_cancel=True)
         if last is not None and last.finish_reason == "error":
             message = last.notice or "generation failed; see the service log"
             yield _sse({"error": {"message": message, "type": "generation_error", "param": None, "code": None}})
