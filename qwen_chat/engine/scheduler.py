@@ -262,7 +262,13 @@ class Scheduler:
                 if not (plan.free_slots or plan.prefills or plan.decode_slots):
                     continue
                 try:
-                    tokens = self.executor.execute(plan)
+                    try:
+                        tokens = self.executor.execute(plan)
+                    except BaseException:
+                        # The step may have stopped before its frees ran; freeing a slot twice is harmless.
+                        with self._cond:
+                            self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
+                        raise
                 except ChatError as exc:
                     if not prefilled:  # a decode step refused its input: nothing local to blame, treat as fatal
                         log.exception("decode step refused its input; failing %d request(s)", len(decoded))
