@@ -55,14 +55,14 @@ def _render_sidebar(c: SimpleNamespace) -> None:
             c.rename_btn = gr.Button("Rename", size="sm", elem_id="rename")
             c.delete_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="delete")
         c.export_btn = gr.Button("Export as zip", size="sm", elem_id="export")
-        c.export_file = gr.File(label="Export", interactive=False, elem_id="export-file")
+        c.export_file = gr.File(label="Export", interactive=False, height=90, elem_id="export-file")
 
 
 def _render_chat(c: SimpleNamespace, demo: bool, model_name: str) -> None:
     gr.Markdown(f"## Qwen3.5 chat  \n`{model_name}`")
     c.badge = gr.Markdown(DEMO_BADGE, visible=demo, elem_id="demo-badge")
     c.chatbot = gr.Chatbot(
-        label="Chat", elem_id="chatbot", height=520, latex_delimiters=[], sanitize_html=True,
+        label="Chat", elem_id="chatbot", height=420, latex_delimiters=[], sanitize_html=True,
         render_markdown=True, allow_tags=False, feedback_options=None, group_consecutive_messages=False,
     )
     c.notice = gr.Markdown("", elem_id="notice")

@@ -1,0 +1,160 @@
+"""Real-browser tests: headless Debian chromium driven by playwright against the real server (scripted backend).
+
+1. Upload tests/fixtures/images/chelsea.png with a question, watch the reply stream in, reload the page,
+   reopen the conversation from the sidebar and see the image and the reply (screenshots in docs/).
+2. C25: HTML/JS typed into the chat (and echoed by the "model") never runs: no dialog fires, no injected
+   element or javascript: link exists, the literal text is visible, also after reopening from history.
+
+Needs /usr/bin/chromium (``bash deploy/install.sh --test`` installs Debian's package).
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from qwen_chat.config import ServiceConfig
+from qwen_chat.history.store import HistoryStore
+from qwen_chat.web.server import build_app
+from tests.scripted_backend import RunningServer, ScriptedBackend
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+REPO = Path(__file__).resolve().parent.parent
+CHELSEA = REPO / "tests" / "fixtures" / "images" / "chelsea.png"
+DOCS = REPO / "docs"
+ANSWER = "A tabby cat looks at the camera; it has green eyes, long white whiskers and striped fur."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("history")
+    backend = ScriptedBackend(answer=ANSWER, reasoning="The photo shows a cat.", step_delay_s=0.12)
+    cfg = ServiceConfig(history_dir=root)
+    with RunningServer(build_app(cfg, backend, HistoryStore(root))) as running:
+        yield running, backend
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if shutil.which(CHROMIUM) is None:
+        pytest.skip("Debian chromium is not installed (run: bash deploy/install.sh --test)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    pg.dialogs = []
+    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+    yield pg
+    context.close()
+
+
+def bot_text(pg) -> str:
+    return "\n".join(pg.locator("#chatbot [data-testid=bot]").all_inner_texts())
+
+
+def open_app(pg, url: str) -> None:
+    pg.goto(url)
+    pg.wait_for_selector("#msg textarea", timeout=60_000)
+
+
+def send(pg, text: str, image: Path | None = None) -> None:
+    if image is not None:
+        pg.locator("#msg input[type=file]").set_input_files(str(image))
+        pg.wait_for_selector("#msg img", timeout=30_000)  # the upload's thumbnail
+    pg.locator("#msg textarea").fill(text)
+    pg.locator("#msg textarea").press("Enter")
+
+
+def wait_for(predicate, timeout_s: float = 60.0, every_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"condition not met within {timeout_s} s")
+
+
+def reopen_from_sidebar(pg, url: str, title: str) -> None:
+    pg.reload()
+    pg.wait_for_selector("#msg textarea", timeout=60_000)
+    assert pg.locator("#chatbot [data-testid=bot]").count() == 0  # a fresh page shows no chat
+    pg.locator("#conv-list label", has_text=title).first.click()
+
+
+def test_image_question_streams_and_reopens_after_reload(server, page):
+    running, backend = server
+    open_app(page, running.url)
+    assert page.locator("#demo-badge").inner_text().startswith("demo model: random weights")
+    send(page, "What animal is in this photo?", image=CHELSEA)
+
+    seen: list[str] = []
+
+    def finished() -> bool:
+        seen.append(bot_text(page))
+        return ANSWER in seen[-1]
+
+    wait_for(finished)
+    partial = [t for t in seen if "A tabby" in t and ANSWER not in t]
+    assert partial, "the reply never showed up partially: it did not stream"
+    assert page.locator("#chatbot [data-testid=user] img").count() == 1
+    assert backend.calls[-1].messages[-1].text == "What animal is in this photo?"
+    assert len(backend.calls[-1].messages[-1].images) == 1
+    DOCS.mkdir(exist_ok=True)
+    page.screenshot(path=str(DOCS / "screenshot.png"))
+
+    reopen_from_sidebar(page, running.url, "What animal is in this photo?")
+    wait_for(lambda: ANSWER in bot_text(page))
+    img = page.locator("#chatbot [data-testid=user] img").first
+    wait_for(lambda: img.evaluate("el => el.complete && el.naturalWidth") > 0)
+    assert "What animal is in this photo?" in page.locator("#chatbot [data-testid=user]").last.inner_text()
+    page.screenshot(path=str(DOCS / "screenshot-reopened.png"))
+
+
+ATTACKS = [
+    "<img src=x onerror=alert(document.domain)>",
+    "Explain this code: <script>alert('hi')</script>",
+    "[click me](javascript:alert(1))",
+    "<iframe src=https://example.com></iframe> costs $5 and $10",
+]
+
+
+def test_html_and_script_text_never_runs_and_stays_visible(server, page):
+    running, backend = server
+    backend.answer = "{last_user}"  # the "model" writes the same HTML back
+    open_app(page, running.url)
+    text = " ".join(ATTACKS)
+    send(page, text)
+    wait_for(lambda: "costs $5 and $10" in bot_text(page))
+
+    def check() -> None:
+        chat = page.locator("#chatbot")
+        visible = chat.inner_text()
+        for literal in ("<img src=x onerror=alert(document.domain)>", "<script>alert('hi')</script>",
+                        "<iframe src=https://example.com></iframe>", "costs $5 and $10"):
+            assert visible.count(literal) >= 2, literal  # in the user bubble and in the reply
+        assert chat.locator("img[src='x'], iframe, script").count() == 0
+        assert chat.locator("a[href^='javascript' i]").count() == 0
+        assert chat.locator(".katex").count() == 0  # dollar amounts were not typeset
+        assert page.dialogs == []
+
+    check()
+    time.sleep(0.5)  # give an injected handler a chance to fire before checking dialogs again
+    check()
+    reopen_from_sidebar(page, running.url, "<img src=x onerror=alert(document.domain)>")
+    wait_for(lambda: "costs $5 and $10" in bot_text(page))
+    check()
