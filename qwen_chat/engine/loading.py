@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from transformers.utils import is_torchvision_available
 
 from qwen_chat.chat_types import ModelInfo
 from qwen_chat.engine.tiny import DEMO_CONFIG_KEY, DEMO_MARKER_FILE, build_tiny_checkpoint
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path("~/.cache/qwen_chat")
 
@@ -122,7 +125,11 @@ def load_processor(path: Path):
     Returns a ``Qwen3VLProcessor`` (or ``ImageTextProcessor`` where torchvision is not installed).
     """
     if is_torchvision_available():
-        return AutoProcessor.from_pretrained(path)
+        try:
+            return AutoProcessor.from_pretrained(path)
+        except (ImportError, OSError, ValueError, TypeError) as exc:
+            # Only the video half can be at fault here when the image+text half loads below.
+            log.warning("AutoProcessor failed (%s); using the image+text processor without video", exc)
     return ImageTextProcessor.from_pretrained(path)
 
 

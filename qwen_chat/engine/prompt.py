@@ -13,9 +13,11 @@ How the ids are made (``build_prompt``):
 3. Each ``<|image_pad|>`` id is expanded, in order, to the image's number of visual tokens,
    ``grid_t * grid_h * grid_w / merge_size**2`` (one per 32x32 px block), as ``Qwen3VLProcessor`` does.
 For ordinary text the ids equal what ``processor.apply_chat_template`` + ``processor(...)`` give for the same
-messages (tests/test_prompt.py checks this).  Texts are trimmed the way the template trims them (the tiny
-model's template, like Qwen3.5's, trims each message content) and an assistant text keeps only what follows
-its last ``</think>``; ``ChatMessage.reasoning`` is never sent back to the model (case C17).
+messages (tests/test_prompt.py checks this).  Because the template only ever sees the sentinels, the text
+transformations it would apply are done here, exactly as the tiny model's template does them: each content
+is trimmed (only on the right when images precede the text) and an assistant text keeps only what follows
+its last ``</think>``.  ``ChatMessage.reasoning`` is never sent back to the model (case C17).  With a
+checkpoint whose template does not trim, only whitespace around a message can differ from its own ids.
 
 Images: each path is opened with Pillow (the files are already normalised RGB, see ``qwen_chat.images``)
 and run through the image processor with ``longest_edge = image_token_budget * 1024`` pixels (facts file:
