@@ -201,3 +201,50 @@ def test_load_model_under_zero3_config(tiny_checkpoint):
     # Weights were partitioned by ZeRO-3 while loading (empty local tensors), and the model still runs.
     assert "PARTITIONED True (0,) True" in result.stdout
     assert "LOGITS (1, 2, 248320)" in result.stdout
+
+
+def _fake_writer(out):
+    (out / "config.json").write_text("{}")
+    (out / "QWEN_CHAT_DEMO").write_text("demo\n")
+
+
+def test_build_replaces_an_incomplete_folder(tmp_path, monkeypatch):
+    from qwen_chat.engine import tiny
+
+    monkeypatch.setattr(tiny, "_write_checkpoint", _fake_writer)
+    target = tiny.tiny_checkpoint_dir(tmp_path)
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # interrupted old copy: no marker file
+    assert tiny.build_tiny_checkpoint(tmp_path) == target
+    assert (target / "QWEN_CHAT_DEMO").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    from qwen_chat.engine import tiny
+
+    def broken(out):
+        (out / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tiny, "_write_checkpoint", broken)
+    with pytest.raises(OSError, match="disk full"):
+        tiny.build_tiny_checkpoint(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_that_loses_a_race_returns_the_winner(tmp_path, monkeypatch):
+    from qwen_chat.engine import tiny
+
+    target = tiny.tiny_checkpoint_dir(tmp_path)
+
+    def racing(out):  # another rank finishes first while this one is still writing
+        _fake_writer(out)
+        target.mkdir()
+        _fake_writer(target)
+        (target / "winner").write_text("1")
+
+    monkeypatch.setattr(tiny, "_write_checkpoint", racing)
+    assert tiny.build_tiny_checkpoint(tmp_path) == target
+    assert (target / "winner").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]

@@ -98,3 +98,15 @@ def test_checkpoint_tokenizer_loads_with_same_ids(tokenizer, tiny_checkpoint):
         assert loaded(text, add_special_tokens=False).input_ids == tokenizer(text, add_special_tokens=False).input_ids
     assert loaded.convert_tokens_to_ids("<|image_pad|>") == 248056
     assert "<|im_start|>" in (loaded.chat_template or "")
+
+
+def test_nfc_normaliser_is_what_fixes_bare_combining_marks(tokenizer, package_encoder):
+    """The facts file's one known mismatch (a string starting with a bare combining mark) appears without
+    NFC and is gone with the normaliser the built tokenizer carries."""
+    from tokenizers import Tokenizer
+
+    text = "\u0301e\u0301 bare"
+    raw = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    raw.normalizer = None
+    assert raw.encode(text, add_special_tokens=False).ids != package_encoder.encode(text)
+    assert tokenizer(text, add_special_tokens=False).input_ids == package_encoder.encode(text)

@@ -11,10 +11,11 @@ Sources:
 - conversion to a ``tokenizers`` BPE model with transformers' ``TikTokenConverter``;
 - NFC normalisation, as the package's ``QwenTokenizer.encode`` and transformers' ``Qwen3_5Tokenizer`` apply.
 
-Known difference from the package's own tiktoken encoder: a text that *starts* with a bare combining mark
-(e.g. U+0301 then ``e`` U+0301) can split differently, because the ``tokenizers`` regex engine and tiktoken's
-treat a leading ``\\p{M}`` not preceded by a letter differently. Every other sample in
-``tests/test_tokenizer.py`` (CJK, emoji, ZWJ sequences, Arabic, digits, code) gives identical ids.
+Bare combining marks: the facts file reports one mismatch against the package's encoder, a string starting
+with a bare combining mark (U+0301 then ``e`` U+0301).  It comes from a missing NFC step: the package
+NFC-normalises before encoding (``e`` U+0301 becomes ``é``), a converter output without a normaliser does
+not.  With the NFC normaliser set here, that string and every other sample in ``tests/test_tokenizer.py``
+(CJK, emoji and ZWJ sequences, Arabic, Hebrew, Devanagari, Tamil, digits, code, U+FFFD) give identical ids.
 
 Run ``python -m qwen_chat.engine.tokenizer_build OUT_DIR`` to write the tokenizer files to a folder.
 """
