@@ -248,3 +248,11 @@ def test_build_that_loses_a_race_returns_the_winner(tmp_path, monkeypatch):
     assert tiny.build_tiny_checkpoint(tmp_path) == target
     assert (target / "winner").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_display_name_of_hub_snapshot_and_local_folder(tmp_path):
+    from qwen_chat.engine.loading import display_name
+
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3.5-9B" / "snapshots" / "0123abcd"
+    assert display_name(snapshot) == "Qwen/Qwen3.5-9B"
+    assert display_name(tmp_path / "my-checkpoint") == "my-checkpoint"

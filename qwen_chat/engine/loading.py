@@ -145,6 +145,15 @@ def is_demo_checkpoint(path: Path, config: Any = None) -> bool:
         return False
 
 
+def display_name(path: Path) -> str:
+    """A readable model name for a checkpoint folder: ``owner/name`` for a Hugging Face cache snapshot
+    (``.../models--owner--name/snapshots/<commit>``), else the folder name."""
+    path = Path(path)
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name[len("models--"):].replace("--", "/")
+    return path.name
+
+
 def default_dtype(device: str) -> torch.dtype:
     """bf16 on CUDA (the published weights' dtype), fp32 elsewhere."""
     return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
@@ -176,7 +185,7 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
     demo = is_demo_checkpoint(path, model.config)
     text_config = model.config.get_text_config()
     info = ModelInfo(
-        name=name or ("qwen3.5-tiny (demo)" if demo else path.name),
+        name=name or ("qwen3.5-tiny (demo)" if demo else display_name(path)),
         demo=demo,
         context_length=int(text_config.max_position_embeddings),
     )
