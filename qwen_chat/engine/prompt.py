@@ -71,10 +71,9 @@ def is_blank(text: str) -> bool:
 
 @dataclass
 class _Turn:
-    """Messages of one turn (a user message and the assistant replies after it) and their token cost."""
+    """Messages of one turn: a user message and the assistant replies after it."""
 
     messages: list[ChatMessage]
-    tokens: int = 0
 
 
 @dataclass
@@ -282,7 +281,7 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
     offset = 1 if system else 0
 
     image_tokens = {path: _visual_tokens(image_processor, path, kwargs)
-                    for turn in turns for message in turn.messages for path in message.images}
+                    for message in messages for path in message.images}
     encoded = _encode(processor, system, turns, enable_thinking, image_tokens)
 
     dropped = 0
