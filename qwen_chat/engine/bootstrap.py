@@ -24,6 +24,7 @@ import logging
 import math
 import signal
 import threading
+import time
 from dataclasses import replace
 from typing import Optional
 
@@ -69,11 +70,11 @@ def resolve_device(cfg: ServiceConfig, info: qdist.RankInfo) -> torch.device:
     return device
 
 
-def _resolve_checkpoint_in_order(cfg: ServiceConfig, info: qdist.RankInfo, group):
+def _resolve_checkpoint_in_order(cfg: ServiceConfig, info: qdist.RankInfo, groups: Optional[qdist.Groups]):
     """Rank 0 resolves (download / tiny build) first; the others follow once it succeeded (same cache)."""
     from qwen_chat.engine.loading import resolve_checkpoint
 
-    if group is None:
+    if groups is None:
         return resolve_checkpoint(cfg.model, cfg.cache_dir)
     outcome = [None]
     path = None
@@ -83,7 +84,7 @@ def _resolve_checkpoint_in_order(cfg: ServiceConfig, info: qdist.RankInfo, group
             outcome = ["ok"]
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             outcome = [f"{type(exc).__name__}: {exc}"]
-    dist.broadcast_object_list(outcome, src=0, group=group)
+    dist.broadcast_object_list(outcome, src=0, group=groups.startup)
     if outcome[0] != "ok":
         raise StartupError(f"cannot resolve model {cfg.model!r}: {outcome[0]}")
     return path if info.is_main else resolve_checkpoint(cfg.model, cfg.cache_dir)
@@ -133,13 +134,14 @@ def compare_self_checks(results: list[dict]) -> Optional[str]:
     return None
 
 
-def _self_check_across_ranks(local_executor, tokenizer, group, info: qdist.RankInfo) -> None:
+def _self_check_across_ranks(local_executor, tokenizer, groups: Optional[qdist.Groups],
+                             info: qdist.RankInfo) -> None:
     result = run_self_check(local_executor, tokenizer)
-    if group is None:
+    if groups is None:
         results = [result]
     else:
         results = [None] * info.world_size
-        dist.all_gather_object(results, result, group=group)
+        dist.all_gather_object(results, result, group=groups.startup)
     problem = compare_self_checks(results)
     if problem:
         raise StartupError(f"sharding self-check failed: {problem}")
@@ -179,10 +181,10 @@ def start_engine(cfg: ServiceConfig):
         plan = sharding.read_plan(cfg.ds_config, info.world_size, device.type)
     except (ValueError, ConfigError) as exc:
         raise StartupError(str(exc)) from exc
-    group = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
-                                      need_default_group=plan.uses_deepspeed)
+    groups = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
+                                       need_default_group=plan.uses_deepspeed)
     try:
-        engine_or_none = _start(cfg, info, device, plan, group)
+        engine_or_none = _start(cfg, info, device, plan, groups)
     except StartupError:
         log.error("rank %d: start-up failed", info.rank, exc_info=True)
         raise
@@ -194,26 +196,32 @@ def start_engine(cfg: ServiceConfig):
     return engine_or_none
 
 
-def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan: sharding.ShardingPlan, group):
+def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan: sharding.ShardingPlan,
+           groups: Optional[qdist.Groups]):
     from transformers import AutoConfig
 
     from qwen_chat.engine.executor import LocalExecutor
     from qwen_chat.engine.loading import describe_kernels, load_model
     from qwen_chat.engine.service import build_engine, build_runner
 
-    path = _resolve_checkpoint_in_order(cfg, info, group)
+    path = _resolve_checkpoint_in_order(cfg, info, groups)
     try:
         sharding.check_tp_degree(AutoConfig.from_pretrained(path).get_text_config(), plan.tp_size)
     except sharding.ShardingError as exc:
         raise StartupError(str(exc)) from exc
+    t0 = time.monotonic()
+    log.info("rank %d: loading %s (%s)", info.rank, path, plan.mode)
     sharding.prepare_loading(plan)
     loaded = load_model(path, str(device), dtype=plan.dtype, place_on_device=not plan.uses_deepspeed,
                         name="qwen3.5-tiny (demo)" if cfg.model == "tiny" else None)
+    t1 = time.monotonic()
     loaded.model = sharding.shard_model(loaded.model, plan, device)
+    t2 = time.monotonic()
     mode = plan.mode if plan.uses_deepspeed else "single"
     loaded.info = replace(loaded.info, world_size=info.world_size, mode=mode)
-    log.info("rank %d/%d: device %s, parameters held %.4g M, %s", info.rank, info.world_size, device,
-             sharding.local_parameter_count(loaded.model) / 1e6, _memory_report(device))
+    log.info("rank %d/%d: device %s, parameters held %.4g M, %s, load %.1f s + shard %.1f s", info.rank,
+             info.world_size, device, sharding.local_parameter_count(loaded.model) / 1e6, _memory_report(device),
+             t1 - t0, t2 - t1)
     if info.is_main:
         log.info("sharding: %s", plan.describe())
         for op, impl in describe_kernels().items():
@@ -222,18 +230,19 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     if not info.is_main:
         runner, sampler = build_runner(loaded, cfg)
         local = LocalExecutor(runner, sampler)
-        _self_check_across_ranks(local, loaded.tokenizer, group, info)
+        _self_check_across_ranks(local, loaded.tokenizer, groups, info)
         log.info("rank %d: ready, waiting for plans from rank 0", info.rank)
-        qdist.worker_loop(local, group)
+        qdist.worker_loop(local, groups.control)
+        log.info("rank %d: stopping; %s", info.rank, _memory_report(device))
         return None
 
     def executor_factory(runner, sampler):
         local = LocalExecutor(runner, sampler)
         log.info("runner implementation: %s", runner.impl)
-        _self_check_across_ranks(local, loaded.tokenizer, group, info)
-        if group is None:
+        _self_check_across_ranks(local, loaded.tokenizer, groups, info)
+        if groups is None:
             return local
-        executor = qdist.DistributedExecutor(local, group, cfg.collective_timeout_s)
+        executor = qdist.DistributedExecutor(local, groups.control, cfg.collective_timeout_s)
         atexit.register(executor.close)
         _install_sigterm(executor)
         return executor

@@ -21,12 +21,12 @@ every worker exits 0.
 
 Usage::
 
-    group = init_process_groups(info, device, timeout_s)        # every rank
+    groups = init_process_groups(info, device, timeout_s)       # every rank
     # rank 0
-    executor = DistributedExecutor(LocalExecutor(runner, sampler), group, timeout_s)
+    executor = DistributedExecutor(LocalExecutor(runner, sampler), groups.control, timeout_s)
     executor.execute(plan)   # broadcast + run locally; executor.close() broadcasts "exit"
     # other ranks
-    worker_loop(LocalExecutor(runner, sampler), group)          # returns after "exit"
+    worker_loop(LocalExecutor(runner, sampler), groups.control) # returns after "exit"
 """
 from __future__ import annotations
 
@@ -102,17 +102,35 @@ class RankInfo:
         return cls(rank=rank, local_rank=local, world_size=world)
 
 
+@dataclass(frozen=True)
+class Groups:
+    """The gloo groups of a multi-rank run.
+
+    ``control``: plans and pings, timeout ``--collective-timeout-s`` (what an idle worker waits on).
+    ``startup``: the one-off start-up exchanges (checkpoint resolved, self-check results), timeout
+    ``STARTUP_TIMEOUT_S``, since ranks may finish downloading or loading minutes apart.
+    """
+
+    control: dist.ProcessGroup
+    startup: dist.ProcessGroup
+
+
+#: Timeout of the start-up group (seconds): long enough for rank 0 to download or build a checkpoint while the
+#: other ranks wait for it.
+STARTUP_TIMEOUT_S = 2 * 3600.0
+
+
 def init_process_groups(info: RankInfo, device: torch.device, timeout_s: float,
-                        need_default_group: bool = False) -> Optional[dist.ProcessGroup]:
-    """Initialise ``torch.distributed`` and create the gloo control group.
+                        need_default_group: bool = False) -> Optional[Groups]:
+    """Initialise ``torch.distributed`` and create the gloo groups.
 
     The default group carries the model's own collectives (TP all-reduce/gather, ZeRO-3 all-gather): NCCL on
     CUDA, gloo on CPU, from the launcher's ``MASTER_ADDR``/``MASTER_PORT`` (``env://``).  DeepSpeed reuses it.
     The control group is a separate gloo group with timeout ``timeout_s`` (seconds) on which workers wait for
-    plans.  At world size 1 no control group is needed; the default group is still created (in-process, one
+    plans.  At world size 1 no gloo group is needed; the default group is still created (in-process, one
     rank) when ``need_default_group`` is True, since DeepSpeed modes need one.
 
-    Returns: the control group, or None at world size 1.
+    Returns: the ``Groups``, or None at world size 1.
     """
     if info.world_size == 1 and not need_default_group:
         return None
@@ -124,7 +142,9 @@ def init_process_groups(info: RankInfo, device: torch.device, timeout_s: float,
             dist.init_process_group(backend, init_method="env://", rank=info.rank, world_size=info.world_size)
     if info.world_size == 1:
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=float(timeout_s)))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=float(timeout_s)))
+    startup = dist.new_group(backend="gloo", timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    return Groups(control=control, startup=startup)
 
 
 def die(message: str, code: int = FAILURE_EXIT_CODE) -> None:
@@ -177,6 +197,7 @@ class DistributedExecutor:
         self.interval = heartbeat_interval(timeout_s)
         self._lock = threading.Lock()
         self._closed = False
+        self.steps = 0  # plans broadcast (pings and exit excluded); workers log the same count at exit
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat, name="rank0-heartbeat", daemon=True)
@@ -193,6 +214,7 @@ class DistributedExecutor:
             try:
                 broadcast_plan(plan, self.group)
                 self._last = time.monotonic()
+                self.steps += 1
                 return self.local.execute(plan)
             except ChatError:
                 # The runner refused this plan's input before touching any state or collective; every rank got
@@ -217,7 +239,8 @@ class DistributedExecutor:
             self._stop.set()
             try:
                 broadcast_plan(StepPlan(op=EXIT_OP), self.group)
-                log.info("rank 0: exit sent to %d worker rank(s)", dist.get_world_size(self.group) - 1)
+                log.info("rank 0: exit sent to %d worker rank(s) after %d steps",
+                         dist.get_world_size(self.group) - 1, self.steps)
             except Exception:  # noqa: BLE001 - a worker is already gone; nothing left to stop cleanly
                 log.warning("rank 0: could not send exit to the worker ranks", exc_info=True)
 

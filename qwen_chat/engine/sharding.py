@@ -258,7 +258,35 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
         check_versions()
     engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
     _KEEP_ALIVE.append(engine)
-    return engine.module.eval()
+    module = engine.module.eval()
+    if plan.is_zero3:
+        _gather_persistent(module)
+    return module
+
+
+def _gather_persistent(module: torch.nn.Module) -> None:
+    """ZeRO-3: gather the parameters marked persistent (numel <= stage3_param_persistence_threshold) once.
+
+    DeepSpeed marks them at ``initialize`` but gathers each only at the first forward of its module; the
+    engine's runner reads some directly (the Gated DeltaNet ``conv1d.weight``, ``A_log``, ``dt_bias``) without
+    calling their module, so they must be whole from the start and stay whole.
+
+    DeepSpeed 0.19.8 releases even persistent parameters after a module's forward while its trace of the module
+    order is incomplete (``PartitionedParameterCoordinator.release_sub_module``), and the trace never completes
+    here because the runner calls submodules, not the root module.  Flagging them ``is_external_param`` is the
+    flag that the coordinator's release path honours, so they are never partitioned again.  Collective: every
+    rank runs this with the same model.
+    """
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    persistent = [p for p in module.parameters() if getattr(p, "ds_persist", False)]
+    pending = [p for p in persistent if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    if pending:
+        pending[0].all_gather(param_list=pending)
+    for p in persistent:
+        p.is_external_param = True
+    log.info("ZeRO-3: %d persistent parameters (%.3g M elements) resident on every rank", len(persistent),
+             sum(p.ds_numel for p in persistent) / 1e6)
 
 
 def local_parameter_count(model: torch.nn.Module) -> int:

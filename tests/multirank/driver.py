@@ -8,7 +8,7 @@ Everything after ``--`` is the service's own command line (``ServiceConfig``).  
 steps executed in order on rank 0 (the web layer is not involved):
 
 - ``{"op": "greedy", "name": N, "text": T, "images": [paths], "max_new_tokens": K}``: greedy token ids
-  (temperature 0) of one user turn, recorded under N;
+  (temperature 0) of one user turn, recorded under N (K may be below the UI minimum of 64);
 - ``{"op": "stop", "name": N, "after": K}``: a long greedy generation cancelled after K streamed updates;
   records the finish reason and the completion tokens;
 - ``{"op": "expect_error", "name": N, "text": T, "images": [paths]}``: ``stream_chat`` must raise a
@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -44,12 +45,17 @@ def run_step(engine, step: dict) -> dict:
     op = step["op"]
     msgs = [ChatMessage(role="user", text=step.get("text", "Hello"), images=tuple(step.get("images", ())))]
     if op == "greedy":
-        settings = greedy_settings(int(step.get("max_new_tokens", 64)))
+        settings = greedy_settings(64)
         prompt = engine.prepare(msgs, settings)
-        params = engine.sampling_params(settings, prompt)
+        params = replace(engine.sampling_params(settings, prompt), max_new_tokens=int(step.get("max_new_tokens", 64)))
+        t0 = time.monotonic()
         handle = engine.scheduler.submit(prompt, params, CancelToken())
         ids = list(handle)
-        return {"tokens": ids, "finish": handle.finish_reason, "prompt_tokens": prompt.num_tokens}
+        seconds = time.monotonic() - t0
+        ttft = handle.ttft_s
+        decode = (len(ids) - 1) / (seconds - ttft) if ttft is not None and len(ids) > 1 and seconds > ttft else None
+        return {"tokens": ids, "finish": handle.finish_reason, "prompt_tokens": prompt.num_tokens,
+                "ttft_s": ttft, "seconds": seconds, "decode_tok_s": decode}
     if op == "stop":
         cancel = CancelToken()
         n = 0
@@ -98,6 +104,11 @@ def main() -> int:
         if step["op"] == "hold":
             break
         results["steps"][step.get("name", f"{i}:{step['op']}")] = run_step(engine, step)
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        results["rank0_gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
+        results["rank0_gpu_allocated_bytes"] = torch.cuda.memory_allocated()
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(results))
     os.replace(tmp, args.out)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Start the chat service on every local GPU through the DeepSpeed launcher (what Supervisor runs).
+#
+#   bash start.sh --model Qwen/Qwen3.5-9B --host 0.0.0.0 ...     # all visible GPUs, ds_config.json (TP)
+#   NUM_GPUS=2 bash start.sh ...                                  # the first 2 visible GPUs
+#   QWEN_CHAT_DS_CONFIG=deploy/ds_config.zero3-offload.json bash start.sh ...   # ZeRO-3 + CPU offload
+#   HOSTFILE=/etc/deepspeed/hostfile bash start.sh ...            # several machines (docs/sharding.md)
+#   NUM_CPU_RANKS=2 bash start.sh --model tiny                    # no GPU: 2 CPU ranks over gloo
+#
+# Every argument is passed to app.py (the launcher adds --local_rank=N, which app.py accepts).  Only rank 0
+# binds the web port; the other ranks serve rank 0's engine steps.  Environment:
+#   NUM_GPUS             ranks on this machine (default: every visible GPU; CUDA_VISIBLE_DEVICES applies)
+#   NUM_CPU_RANKS        without GPUs: run this many CPU ranks (gloo) instead of one plain process
+#   QWEN_CHAT_DS_CONFIG  DeepSpeed config (default ds_config.json: tensor parallel over all ranks); --ds-config wins
+#   MASTER_PORT          rendezvous port of the launcher (default 29500)
+#   HOSTFILE             DeepSpeed hostfile for multi-node runs (passwordless ssh between the machines)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$here"
+export QWEN_CHAT_DS_CONFIG="${QWEN_CHAT_DS_CONFIG:-$here/ds_config.json}"
+export PYTHONUNBUFFERED=1
+port="${MASTER_PORT:-29500}"
+py="${PYTHON:-python3}"
+
+if [[ -n "${HOSTFILE:-}" ]]; then
+    exec deepspeed --hostfile "$HOSTFILE" --master_port "$port" app.py "$@"
+fi
+
+gpus="$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)"
+if [[ "$gpus" -gt 0 ]]; then
+    n="${NUM_GPUS:-$gpus}"
+    exec deepspeed --num_gpus "$n" --master_port "$port" app.py "$@"
+fi
+
+if [[ -n "${NUM_CPU_RANKS:-}" && "${NUM_CPU_RANKS}" -gt 1 ]]; then
+    # DeepSpeed's CPU accelerator: gloo process groups, one process per rank on this machine.
+    export DS_ACCELERATOR=cpu
+    exec deepspeed --num_gpus "$NUM_CPU_RANKS" --master_port "$port" app.py --device cpu "$@"
+fi
+exec "$py" app.py --device cpu "$@"
