@@ -158,3 +158,29 @@ def test_html_and_script_text_never_runs_and_stays_visible(server, page):
     reopen_from_sidebar(page, running.url, "<img src=x onerror=alert(document.domain)>")
     wait_for(lambda: "costs $5 and $10" in bot_text(page))
     check()
+
+
+def test_stop_button_and_thinking_presets(server, page):
+    running, backend = server
+    backend.answer = " ".join(f"word{i}" for i in range(300))
+    open_app(page, running.url)
+    page.locator("#msg textarea").fill("Write a 5000-word story")
+    page.locator("#send").click()
+    wait_for(lambda: "word3" in bot_text(page))
+    page.locator("#stop").click()
+    wait_for(lambda: "[stopped by the user]" in bot_text(page), timeout_s=30)
+    call = backend.calls[-1]
+    wait_for(lambda: call.finish_reason is not None, timeout_s=30)
+    assert call.finish_reason in ("cancelled", "closed") and call.steps < 250
+    # the queue is free again: the next message is answered
+    backend.answer, backend.step_delay_s = "done", 0.0
+    send(page, "next")
+    wait_for(lambda: bot_text(page).rstrip().endswith("done"))
+    backend.step_delay_s = 0.12
+
+    # switching Thinking off loads Qwen's non-thinking preset into the sliders
+    page.locator("text=Settings").first.click()
+    temperature = page.locator("input[type=number][aria-label*='Temperature' i]").first
+    wait_for(lambda: temperature.input_value() == "1")
+    page.locator("#thinking input[type=checkbox]").click()
+    wait_for(lambda: temperature.input_value() == "0.7")

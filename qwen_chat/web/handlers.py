@@ -474,6 +474,20 @@ class ChatController:
         yield TurnView(chatbot_messages(conv.messages, history.image_path), conv_id,
                        " ".join(x for x in (notes, last.notice, error_text) if x), done=True)
 
+    def settled(self, user_id: str, conv_id: str, timeout_s: float = 10.0) -> list[dict]:
+        """Chatbot messages of the conversation once its last reply is no longer ``streaming`` (after Stop).
+
+        Polls the saved file every 50 ms for at most ``timeout_s`` seconds (the stopped generator saves its
+        final state as it closes), then returns what is saved.  Raises ``InvalidInput`` for a foreign id.
+        """
+        history = self.store.user(user_id)
+        deadline = time.monotonic() + timeout_s
+        conv = history.load(conv_id)
+        while conv.messages and _status_of(conv.messages[-1]) == STATUS_STREAMING and time.monotonic() < deadline:
+            time.sleep(0.05)
+            conv = history.load(conv_id)
+        return chatbot_messages(conv.messages, history.image_path)
+
     def stop(self, session: Optional[Session]) -> None:
         """Ask the reply streaming in this session (if any) to stop at the next decode step."""
         if session is not None and session.cancel is not None:

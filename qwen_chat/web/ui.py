@@ -155,6 +155,15 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
     def stop(session):
         ctl.stop(session)
 
+    def show_saved(conv_id, request: gr.Request):
+        """After Stop: show the reply as saved (the cancelled event's last update never reaches the page)."""
+        if not conv_id:
+            return gr.skip()
+        try:
+            return ctl.settled(user_of(request), conv_id)
+        except ChatError:
+            return gr.skip()
+
     def new_chat(request: gr.Request):
         return [], "", "", gr.update(value=None), choices(user_of(request), None), ""
 
@@ -208,7 +217,8 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
     # Stop: flip the session's cancel token at once (unqueued) and cancel the Gradio event, which closes the
     # streaming generator; either way the engine stops within one decode step and the turn is saved "stopped".
     c.stop_btn.click(stop, [c.session], None, api_name="stop", queue=False,
-                     cancels=[ev_submit, ev_click, ev_regen])
+                     cancels=[ev_submit, ev_click, ev_regen]).then(
+        show_saved, [c.conv_id], [c.chatbot], api_visibility="private", show_progress="hidden")
     c.new_btn.click(new_chat, None, [c.chatbot, c.conv_id, c.notice, c.msg, c.conv_list, c.title_box],
                     api_name="new_chat", cancels=[ev_submit, ev_click, ev_regen])
     c.conv_list.input(open_conv, [c.conv_list], [c.chatbot, c.conv_id, c.notice, c.system_prompt, c.title_box],
