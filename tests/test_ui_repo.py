@@ -19,8 +19,9 @@ def code_block_lines(markdown: str) -> list[str]:
 
 
 def test_readme_has_exactly_the_two_setup_commands():
-    lines = code_block_lines((REPO / "README.md").read_text())
-    assert lines == [INSTALL_AND_START, INSTALL_AND_TEST]
+    readme = (REPO / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    assert code_block_lines(setup) == [INSTALL_AND_START, INSTALL_AND_TEST]
 
 
 def test_ci_runs_the_readme_test_command_and_fails_on_no_tests(tmp_path):
