@@ -165,6 +165,42 @@ def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, g
             "median_step_ms": statistics.median(decode_times) * 1e3, "sampling": sample}
 
 
+def profile_decode(runner, dev, batch: int, prompt_len: int, steps: int, gen) -> dict:
+    """GPU kernel time of ``steps`` decode steps (CUDA graph replays) by kernel name, from torch.profiler:
+    shows where a step's time goes (weight GEMVs vs element-wise glue vs attention/state traffic)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    slots = list(range(batch))
+    for s in slots:
+        runner.free(s)
+        runner.prefill(s, PreparedPrompt(input_ids=random_ids(prompt_len, gen)))
+    tokens = torch.zeros(batch, dtype=torch.long, device=dev)
+    runner.decode(slots, tokens)
+    sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            runner.decode(slots, tokens)
+        sync(dev)
+    wall = (time.perf_counter() - t0) / steps
+    for s in slots:
+        runner.free(s)
+    rows, total, count = [], 0.0, 0
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        rows.append((t, e.count, e.key))
+    kernels = [r for r in rows if not r[2].startswith(("cudaGraph", "Memcpy", "Memset"))]
+    total = sum(r[0] for r in kernels)
+    count = sum(r[1] for r in kernels)
+    kernels.sort(reverse=True)
+    return {"batch": batch, "steps": steps, "wall_ms_per_step": wall * 1e3,
+            "kernel_ms_per_step": total / 1e3 / steps, "kernels_per_step": count / steps,
+            "top": [{"name": k[:120], "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
+                    for t, c, k in kernels[:25]]}
+
+
 def ttft(runner, sampler, dev, prompt: PreparedPrompt, repeats: int) -> dict:
     """Prefill + first sampled token, synchronised; first run is a warm-up."""
     sampler.start(0, SamplingParams(seed=1, max_new_tokens=8, stop_token_ids=(), **PRESET))
@@ -282,6 +318,10 @@ def table(doc) -> str:
         row("greedy agreement (positions)", f"{g['position_agreement'] * 100:.1f}%")
         row("greedy mean matching prefix (of 32)", f"{g['mean_matching_prefix']:.1f}")
         row("prefill logits rel err vs transformers", f"{g['prefill_logits_rel_err_prompt0']:.2e}")
+    for key in [k for k in s if k.startswith("profile_")]:
+        p = s[key]
+        row(f"{key}: kernel ms/step (wall ms)", f"{p['kernel_ms_per_step']:.2f} ({p['wall_ms_per_step']:.2f})")
+        row(f"{key}: kernels per step", f"{p['kernels_per_step']:.0f}")
     if "peak_memory_gb" in doc:
         row("peak GPU memory (GB)", f"{doc['peak_memory_gb']:.1f}")
     for name in doc["errors"]:
@@ -385,7 +425,10 @@ def main(argv=None) -> int:
         run.section(f"capture_{name}", warm)
         res = run.section(f"batch1_{name}", lambda: engine_decode(runner, sampler, dev, 1, P["prompt"],
                                                                    P["b1_new"], gen))
+        run.section(f"profile_{name}_b1", lambda: profile_decode(runner, dev, 1, P["prompt"], 5, gen))
         if name == "compiled":
+            run.section(f"profile_{name}_b32", lambda: profile_decode(runner, dev, max(P["streams"]), P["prompt"],
+                                                                      3, gen))
             run.section("greedy", lambda: greedy_agreement(model, runner, dev, P["greedy_n"], P["greedy_len"],
                                                            P["greedy_new"], gen))
             run.section("ttft_1k", lambda: ttft(runner, sampler, dev,

@@ -63,21 +63,25 @@ def attn_post(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_buf: torch.Tensor,
              rec_buf: torch.Tensor, slot_idx: torch.Tensor, conv_w: torch.Tensor, A_log: torch.Tensor,
-             dt_bias: torch.Tensor, norm: torch.nn.Module, activation: str, key_dim: int, dk: int, dv: int):
-    """One Gated DeltaNet decode token per row, from the projections to the gated RMSNorm.
+             dt_bias: torch.Tensor, norm: torch.nn.Module, activation: str, key_dim: int, dk: int,
+             dv: int) -> torch.Tensor:
+    """One Gated DeltaNet decode token per row, from the projections to the gated RMSNorm; updates the slots'
+    conv and recurrent state in place.
 
     qkv: [B, C] (in_proj_qkv output, C = 2 * key_dim + value_dim); z: [B, value_dim]; b, a: [B, HV];
     conv_buf: [slots, C, K-1] previous conv inputs (model dtype); rec_buf: [slots, HV, dk, dv] fp32 recurrent
-    state; slot_idx: int64 [B]; conv_w: [C, K] depthwise taps; A_log, dt_bias: [HV].
-    Returns (core [B, value_dim] in the model dtype, new conv window [B, C, K-1], new state [B, HV, dk, dv] fp32);
-    the caller scatters the last two back to ``slot_idx``.
+    state; slot_idx: int64 [B] (rows with the same slot, i.e. padding rows, must not matter); conv_w: [C, K]
+    depthwise taps; A_log, dt_bias: [HV].  Returns core [B, value_dim] in the model dtype.
 
     Maths: causal conv1d over [previous K-1 inputs, this one] + activation; q, k l2-normalised (fp32), q scaled
     by dk^-1/2; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); S <- S * exp(g);
-    S <- S + k (beta (v - S^T k))^T; o = S^T q; then norm(o, z) (gated RMSNorm).
+    S <- S + k (beta (v - S^T k))^T; o = S^T q; then norm(o, z) (gated RMSNorm).  The products are written as
+    broadcast-and-sum (as transformers' torch_recurrent_gated_delta_rule) so Inductor can fuse the state
+    gather, decay, update and both reductions instead of calling batched matmuls on materialised copies.
     """
     B = qkv.shape[0]
     window = torch.cat([conv_buf[slot_idx], qkv[:, :, None].to(conv_buf.dtype)], dim=-1)  # [B, C, K]
+    conv_buf[slot_idx] = window[:, :, 1:]
     mixed = ACT2FN[activation]((window.float() * conv_w.float()).sum(-1)).to(qkv.dtype)
     q, k, v = torch.split(mixed, [key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
     hv = b.shape[-1]
@@ -87,13 +91,13 @@ def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tenso
     v = v.float().view(B, hv, dv)
     beta = b.sigmoid().float()
     decay = (-A_log.float().exp() * F.softplus(a.float() + dt_bias)).exp()               # [B, HV]
-    state = rec_buf[slot_idx] * decay[:, :, None, None]
-    kv_mem = torch.einsum("bhk,bhkv->bhv", k, state)
+    state = rec_buf[slot_idx] * decay[:, :, None, None]                                  # [B, HV, dk, dv]
+    kv_mem = (state * k[:, :, :, None]).sum(dim=-2)
     delta = (v - kv_mem) * beta[:, :, None]
     state = state + k[:, :, :, None] * delta[:, :, None, :]
-    o = torch.einsum("bhk,bhkv->bhv", q, state)
-    core = norm(o.to(qkv.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(B, -1)
-    return core, window[:, :, 1:], state
+    o = (state * q[:, :, :, None]).sum(dim=-2)
+    rec_buf[slot_idx] = state
+    return norm(o.to(qkv.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(B, -1)
 
 
 GLUE = {"add_norm": add_norm, "attn_pre": attn_pre, "attn_post": attn_post, "gdn_step": gdn_step}

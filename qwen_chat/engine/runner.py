@@ -373,12 +373,10 @@ class ModelRunner:
 
     def _linear_decode(self, i, la, slot_idx, x):
         g = self._geo[i]
-        core, window, state = self._glue["gdn_step"](
+        core = self._glue["gdn_step"](
             la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x), la.in_proj_a(x), self.conv_state[i],
             self.rec_state[i], slot_idx, la.conv1d.weight[:, 0, :], la.A_log, la.dt_bias, la.norm,
             la.activation, g["key_dim"], g["dk"], g["dv"])
-        self.conv_state[i].index_copy_(0, slot_idx, window)
-        self.rec_state[i].index_copy_(0, slot_idx, state)
         return la.out_proj(core)
 
     # ------------------------------------------------------------------ CUDA graphs
