@@ -136,6 +136,11 @@ def compare_self_checks(results: list[dict]) -> Optional[str]:
 
 def _self_check_across_ranks(local_executor, tokenizer, groups: Optional[qdist.Groups],
                              info: qdist.RankInfo) -> None:
+    runner_device = getattr(local_executor.runner, "device", None)
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
+        torch.cuda.is_initialized() else None
+    if runner_device is not None and expected is not None and runner_device.type != expected.type:
+        raise StartupError(f"rank {info.rank}: the runner was placed on {runner_device}, expected {expected}")
     result = run_self_check(local_executor, tokenizer)
     if groups is None:
         results = [result]
@@ -152,14 +157,15 @@ def _self_check_across_ranks(local_executor, tokenizer, groups: Optional[qdist.G
 
 def _install_sigterm(executor) -> None:
     """Rank 0: SIGTERM sends the exit message to the workers, then leaves with code 0 (SystemExit, so that
-    app.py's cleanup still runs).  uvicorn captures SIGTERM while serving and re-raises it here after its
-    graceful shutdown."""
+    app.py's cleanup still runs), or at once with code 1 when a worker was already gone.  uvicorn captures
+    SIGTERM while serving and re-raises it here after its graceful shutdown."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def on_sigterm(signum, frame):
         log.info("rank 0: SIGTERM; stopping all ranks")
-        executor.close()
+        if not executor.close():
+            qdist.die("rank 0: a worker rank was already gone at shutdown")
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)

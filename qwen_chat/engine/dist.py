@@ -197,6 +197,7 @@ class DistributedExecutor:
         self.interval = heartbeat_interval(timeout_s)
         self._lock = threading.Lock()
         self._closed = False
+        self._exit_sent = False
         self.steps = 0  # plans broadcast (pings and exit excluded); workers log the same count at exit
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -229,20 +230,26 @@ class DistributedExecutor:
         """{"ok": bool, "reason": str} for /healthz: not ok once closed."""
         return {"ok": not self._closed, "reason": "shut down" if self._closed else "all ranks in step"}
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Send the ``exit`` plan (workers leave with code 0) and stop the heartbeat.  Idempotent; waits for a
-        step in progress to finish first."""
+        step in progress to finish first.
+
+        Returns: True when the exit message reached every rank (or was sent by an earlier call), False when a
+        worker was already gone.
+        """
         with self._lock:
             if self._closed:
-                return
+                return self._exit_sent
             self._closed = True
             self._stop.set()
             try:
                 broadcast_plan(StepPlan(op=EXIT_OP), self.group)
+                self._exit_sent = True
                 log.info("rank 0: exit sent to %d worker rank(s) after %d steps",
                          dist.get_world_size(self.group) - 1, self.steps)
             except Exception:  # noqa: BLE001 - a worker is already gone; nothing left to stop cleanly
                 log.warning("rank 0: could not send exit to the worker ranks", exc_info=True)
+            return self._exit_sent
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.interval / 2):

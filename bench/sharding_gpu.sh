@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sharding benchmark on one 2-GPU host (what produced bench/results/*-h200x2-sharding.json):
+#   bash bench/sharding_gpu.sh OUTDIR [WHEELS_DIR]
+# 1. random bf16 checkpoint of the full Qwen3.5-9B config (bench/sharding_bench.py checkpoint);
+# 2. the same scenario (bench/sharding_scenario.json: 2 text prompts + 1 image prompt, 32 greedy tokens each,
+#    and a ~4k-token prompt) through bootstrap.start_engine in four modes: one GPU (reference), TP=2 (ds_config.json),
+#    ZeRO-3 (deploy/ds_config.zero3.json) and ZeRO-3 + CPU offload (deploy/ds_config.zero3-offload.json);
+# 3. one JSON with per-rank memory, load time, TTFT, decode tok/s and greedy agreement (sharding_bench.py collect).
+set -uo pipefail
+out="${1:?OUTDIR}"; wheels="${2:-}"
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
+if [[ -n "$wheels" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+ckpt=/tmp/ckpt9b
+proc="${PROCESSOR_DIR:-$wheels/processor}"
+[[ -f "$proc/tokenizer.json.gz" && ! -f "$proc/tokenizer.json" ]] && { mkdir -p /tmp/proc && cp "$proc"/* /tmp/proc/ && gunzip -f /tmp/proc/tokenizer.json.gz && proc=/tmp/proc; }
+python3 bench/sharding_bench.py checkpoint  --processor "$proc" --out $ckpt 2>&1 | tail -n 3
+common=(--model $ckpt --device cuda --max-batch 2 --max-context 8192 --collective-timeout-s 600)
+drv=(tests/multirank/driver.py --scenario bench/sharding_scenario.json)
+run() {  # mode seconds launcher-args...
+    local mode=$1 secs=$2; shift 2
+    echo "== $mode $(date +%T)"
+    timeout -k 10 "$secs" "$@" > "$out/$mode.log" 2>&1; echo "$mode exit $?"
+}
+run single "${T_SINGLE:-100}" python3 "${drv[@]}" --out "$out/single.out.json" -- "${common[@]}"
+run tp "${T_TP:-110}" deepspeed --num_gpus 2 --master_port 29701 "${drv[@]}" --out "$out/tp.out.json" -- "${common[@]}" --ds-config ds_config.json
+run zero3 "${T_Z3:-130}" deepspeed --num_gpus 2 --master_port 29702 "${drv[@]}" --out "$out/zero3.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3.json
+run zero3-offload "${T_OFF:-130}" deepspeed --num_gpus 2 --master_port 29703 "${drv[@]}" --out "$out/zero3-offload.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3-offload.json
+python3 bench/sharding_bench.py collect --logs "$out" --out "$out/$(date +%F)-h200x2-sharding.json" --command "bash bench/sharding_gpu.sh OUT .whl-dist"
+rm -f "$out"/*.out.json
