@@ -298,3 +298,32 @@ def test_context_policy_notice_and_clamped_reply(make_engine):
     assert last.prompt_tokens == prepared.num_tokens
     assert last.prompt_tokens + last.completion_tokens <= 300
     assert last.completion_tokens <= prepared.max_new_tokens
+
+
+def test_self_check_and_health(engine):
+    assert engine.health()["ok"] is False and "self-check not run" in engine.health()["reason"]
+    assert engine.self_check() is True
+    h = engine.health()
+    assert h["ok"] is True and h["self_check"] == "passed" and h["active"] == 0
+
+
+def test_engine_failure_mid_stream_ends_with_error_not_exception(make_engine):
+    engine, ex = make_engine()
+    assert engine.self_check()
+    original = ex.execute
+
+    def failing(plan):
+        if plan.decode_slots and len(ex.plans) > 6:
+            ex.plans.append(plan)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return original(plan)
+
+    ex.execute = failing
+    updates = run(engine, user("Tell me a story"), greedy())
+    last = updates[-1]
+    assert last.finish_reason == "error"
+    assert last.notice.startswith("generation failed: the engine failed while generating (RuntimeError)")
+    assert "illegal memory access" not in last.notice  # internals stay in the server log
+    health = engine.health()
+    assert health["ok"] is False and "illegal memory access" in health["reason"]
+    assert engine.stats()["finished_error_total"] == 1
