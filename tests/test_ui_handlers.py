@@ -228,3 +228,20 @@ def test_concurrent_sessions_do_not_mix(ctl):
         answer = view.messages[-1]["content"][0]["text"]
         assert answer == f"You said: I am {name} (0 image(s))"
     assert len({v.conv_id for v in results.values()}) == 3
+
+
+def test_second_send_while_streaming_is_refused_until_stopped(ctl):
+    ctl.backend.step_delay_s = 0.01
+    ctl.backend.answer = " ".join(f"w{i}" for i in range(300))
+    session = Session()
+    running = ctl.send("local", None, "long", [], "", GenerationSettings.preset(False), session)
+    first = next(running)
+    next(running)
+    with pytest.raises(InvalidInput, match="still being written"):
+        run_turn(ctl, "another", session=session)
+    ctl.stop(session)
+    views = run_turn(ctl, "another", session=session)  # allowed once Stop was pressed
+    assert ctl.store.user("local").load(views[-1].conv_id).messages[-1].status == "complete"
+    running.close()
+    assert session.cancel is None
+    assert first.conv_id == ""  # a new conversation gets its id once the backend accepted the turn

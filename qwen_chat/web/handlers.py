@@ -345,6 +345,7 @@ class ChatController:
         text = "" if is_blank(text) else (text or "").strip()
         if not text and not files:
             return
+        self._check_idle(session)
         settings = settings.validate()
         images = self.prepare_images(files)
         history = self.store.user(user_id)
@@ -371,6 +372,7 @@ class ChatController:
         """
         if not conv_id:
             raise InvalidInput("nothing to regenerate yet")
+        self._check_idle(session)
         settings = settings.validate()
         history = self.store.user(user_id)
         conv = history.load(conv_id)
@@ -386,6 +388,12 @@ class ChatController:
 
         yield from self._generate(history, conv_id, conv.messages[: last_user + 1], system_prompt, settings,
                                   session, "", save_turn)
+
+    @staticmethod
+    def _check_idle(session: Session) -> None:
+        """One reply at a time per browser tab: a second Send/Regenerate while one streams is refused."""
+        if session.cancel is not None and not session.cancel.cancelled:
+            raise InvalidInput("a reply is still being written: wait for it or press Stop")
 
     @staticmethod
     def _settings_dict(settings: GenerationSettings, system_prompt: str) -> dict:
@@ -425,7 +433,8 @@ class ChatController:
             stream = iter(self.backend.stream_chat(prompt, settings, cancel))
             first = next(stream, None)  # engines raise ChatError here at the latest (before any token)
         except BaseException:
-            session.cancel = None
+            if session.cancel is cancel:
+                session.cancel = None
             getattr(stream, "close", lambda: None)()
             raise
         conv_id = save_turn()
@@ -466,10 +475,14 @@ class ChatController:
             status, error_text = "error", f"{type(e).__name__}: {e}"
         finally:
             getattr(stream, "close", lambda: None)()
-            session.cancel = None
+            if session.cancel is cancel:
+                session.cancel = None
             notice = " ".join(x for x in (notes, last.notice, error_text) if x)
-            history.update_message(conv_id, reply, text=last.answer, reasoning=last.reasoning, status=status,
-                                   notice=notice)
+            try:
+                history.update_message(conv_id, reply, text=last.answer, reasoning=last.reasoning, status=status,
+                                       notice=notice)
+            except ChatError as e:  # the conversation was deleted meanwhile: nothing left to save into
+                log.warning("reply of conversation %s not saved: %s", conv_id, e)
         conv = history.load(conv_id)
         yield TurnView(chatbot_messages(conv.messages, history.image_path), conv_id,
                        " ".join(x for x in (notes, last.notice, error_text) if x), done=True)

@@ -11,6 +11,7 @@ text), ``allow_tags`` off, and every text passes ``handlers.safe_markdown`` firs
 """
 from __future__ import annotations
 
+import html
 import logging
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -26,7 +27,14 @@ from qwen_chat.chat_types import (
     ChatError,
     GenerationSettings,
 )
-from qwen_chat.web.handlers import LOCAL_USER, ChatController, Session, build_settings, preset_values
+from qwen_chat.web.handlers import (
+    LOCAL_USER,
+    ChatController,
+    Session,
+    build_settings,
+    preset_values,
+    safe_markdown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +52,13 @@ def user_of(request: Optional[gr.Request]) -> str:
     """The history owner of a request: the logged-in user name, or ``"local"`` when login is off."""
     name = getattr(request, "username", None) if request is not None else None
     return name or LOCAL_USER
+
+
+def warn(message: str) -> str:
+    """Show ``message`` as a warning toast (as literal text: toasts render HTML) and return it as safe Markdown
+    for the notice line (messages can quote user input, e.g. an uploaded file's name)."""
+    gr.Warning(html.escape(message))
+    return safe_markdown(message)
 
 
 def _render_sidebar(c: SimpleNamespace) -> None:
@@ -65,7 +80,7 @@ def _render_chat(c: SimpleNamespace, demo: bool, model_name: str) -> None:
         label="Chat", elem_id="chatbot", height=420, latex_delimiters=[], sanitize_html=True,
         render_markdown=True, allow_tags=False, feedback_options=None, group_consecutive_messages=False,
     )
-    c.notice = gr.Markdown("", elem_id="notice")
+    c.notice = gr.Markdown("", elem_id="notice", latex_delimiters=[])
     c.msg = gr.MultimodalTextbox(
         placeholder="Ask something, or attach images (JPEG, PNG, GIF, WEBP)", file_types=IMAGE_FILE_TYPES,
         file_count="multiple", show_label=False, submit_btn=False, elem_id="msg", sources=["upload"],
@@ -116,10 +131,9 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
                 box = gr.skip() if cleared else gr.update(value=None)
                 listed = choices(user, view.conv_id) if (not cleared or view.done) else gr.skip()
                 cleared = True
-                yield view.messages, view.conv_id, view.notice, box, session, listed
+                yield view.messages, view.conv_id, safe_markdown(view.notice), box, session, listed
         except ChatError as e:
-            gr.Warning(str(e))
-            yield on_disk(user, conv_id, str(e), session)
+            yield on_disk(user, conv_id, warn(str(e)), session)
             return
         if not cleared:  # nothing to send (blank message): change nothing on the page (C15)
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), session, gr.skip()
@@ -132,8 +146,7 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         try:
             settings = build_settings(thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed)
         except ChatError as e:
-            gr.Warning(str(e))
-            yield gr.skip(), gr.skip(), str(e), gr.skip(), session, gr.skip()
+            yield gr.skip(), gr.skip(), warn(str(e)), gr.skip(), session, gr.skip()
             return
         turns = ctl.send(user, conv_id or None, message.get("text"), message.get("files") or [],
                          system_prompt or "", settings, session)
@@ -146,8 +159,7 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         try:
             settings = build_settings(thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed)
         except ChatError as e:
-            gr.Warning(str(e))
-            yield gr.skip(), gr.skip(), str(e), gr.skip(), session, gr.skip()
+            yield gr.skip(), gr.skip(), warn(str(e)), gr.skip(), session, gr.skip()
             return
         yield from run(ctl.regenerate(user, conv_id or None, system_prompt or "", settings, session),
                        user, conv_id, session)
@@ -173,8 +185,7 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         try:
             messages, cid, system_prompt = ctl.open(user_of(request), conv_id)
         except ChatError as e:
-            gr.Warning(str(e))
-            return gr.skip(), gr.skip(), str(e), gr.skip(), gr.skip()
+            return gr.skip(), gr.skip(), warn(str(e)), gr.skip(), gr.skip()
         title = dict((v, k) for k, v in ctl.conversation_choices(user_of(request))).get(cid, "")
         return messages, cid, "", system_prompt, title
 
@@ -183,25 +194,22 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         try:
             ctl.rename(user, conv_id, title)
         except ChatError as e:
-            gr.Warning(str(e))
-            return gr.skip(), str(e)
-        return choices(user, conv_id), f"Renamed to: {title.strip()}"
+            return gr.skip(), warn(str(e))
+        return choices(user, conv_id), safe_markdown(f"Renamed to: {title.strip()}")
 
     def delete(conv_id, request: gr.Request):
         user = user_of(request)
         try:
             ctl.delete(user, conv_id)
         except ChatError as e:
-            gr.Warning(str(e))
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), str(e)
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), warn(str(e))
         return [], "", choices(user, None), "", "Conversation deleted."
 
     def export(conv_id, request: gr.Request):
         try:
             return ctl.export(user_of(request), conv_id), ""
         except ChatError as e:
-            gr.Warning(str(e))
-            return None, str(e)
+            return None, warn(str(e))
 
     def refresh(conv_id, request: gr.Request):
         return choices(user_of(request), conv_id or None)
@@ -221,11 +229,13 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         show_saved, [c.conv_id], [c.chatbot], api_visibility="private", show_progress="hidden")
     c.new_btn.click(new_chat, None, [c.chatbot, c.conv_id, c.notice, c.msg, c.conv_list, c.title_box],
                     api_name="new_chat", cancels=[ev_submit, ev_click, ev_regen])
+    # Opening or deleting a conversation ends a reply still streaming in this tab (saved as stopped); otherwise
+    # its updates would keep drawing over the conversation just opened.
     c.conv_list.input(open_conv, [c.conv_list], [c.chatbot, c.conv_id, c.notice, c.system_prompt, c.title_box],
-                      api_name="open")
+                      api_name="open", cancels=[ev_submit, ev_click, ev_regen])
     c.rename_btn.click(rename, [c.conv_id, c.title_box], [c.conv_list, c.notice], api_name="rename")
     c.delete_btn.click(delete, [c.conv_id], [c.chatbot, c.conv_id, c.conv_list, c.title_box, c.notice],
-                       api_name="delete")
+                       api_name="delete", cancels=[ev_submit, ev_click, ev_regen])
     c.export_btn.click(export, [c.conv_id], [c.export_file, c.notice], api_name="export")
     c.thinking.change(lambda t: preset_values(t), [c.thinking],
                       [c.temperature, c.top_p, c.top_k, c.presence_penalty], api_visibility="private")
