@@ -245,8 +245,7 @@ def test_html_and_dollars_stay_literal_text_live_and_after_reload(ui):
     assert texts(chat, "user") == [escaped]
     assert texts(chat, "assistant") == [escaped]
     assert saved(store, conv_id).messages[0].text == attack  # stored exactly as typed
-    reloaded = Client(client.src, verbose=False)
-    reloaded.predict("", api_name="/conversations")  # what the page's load event does
+    reloaded = Client(client.src, verbose=False)  # a session that never listed it (page open across a restart)
     reopened = reloaded.predict(conv_id, api_name="/open")[0]
     assert texts(reopened, "user") == [escaped] and texts(reopened, "assistant") == [escaped]
 

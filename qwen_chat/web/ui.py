@@ -180,7 +180,7 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         return [], "", "", gr.update(value=None), choices(user_of(request), None), ""
 
     def open_conv(conv_id, request: gr.Request):
-        if not conv_id:
+        if not isinstance(conv_id, str) or not conv_id:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         try:
             messages, cid, system_prompt = ctl.open(user_of(request), conv_id)
@@ -229,10 +229,12 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         show_saved, [c.conv_id], [c.chatbot], api_visibility="private", show_progress="hidden")
     c.new_btn.click(new_chat, None, [c.chatbot, c.conv_id, c.notice, c.msg, c.conv_list, c.title_box],
                     api_name="new_chat", cancels=[ev_submit, ev_click, ev_regen])
+    # preprocess=False: a page that outlived a server restart lists conversations the new process never sent
+    # to this session, so Gradio's choice check would refuse them; the store checks ownership on every access.
     # Opening or deleting a conversation ends a reply still streaming in this tab (saved as stopped); otherwise
     # its updates would keep drawing over the conversation just opened.
     c.conv_list.input(open_conv, [c.conv_list], [c.chatbot, c.conv_id, c.notice, c.system_prompt, c.title_box],
-                      api_name="open", cancels=[ev_submit, ev_click, ev_regen])
+                      api_name="open", cancels=[ev_submit, ev_click, ev_regen], preprocess=False)
     c.rename_btn.click(rename, [c.conv_id, c.title_box], [c.conv_list, c.notice], api_name="rename")
     c.delete_btn.click(delete, [c.conv_id], [c.chatbot, c.conv_id, c.conv_list, c.title_box, c.notice],
                        api_name="delete", cancels=[ev_submit, ev_click, ev_regen])
