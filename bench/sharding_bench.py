@@ -36,10 +36,12 @@ def make_checkpoint(processor_dir: Path, out: Path) -> dict:
 
     t0 = time.monotonic()
     raw = json.loads(CONFIG.read_text())
-    config = Qwen3_5Config(**{k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")})
+    config = Qwen3_5Config.from_dict(raw)
     torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda:0"):
-        model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
+        model = Qwen3_5ForConditionalGeneration(config)
+    torch.set_default_dtype(torch.float32)
     n = sum(p.numel() for p in model.parameters())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size="4GB")
@@ -51,8 +53,8 @@ def make_checkpoint(processor_dir: Path, out: Path) -> dict:
     return {"params": n, "seconds": time.monotonic() - t0}
 
 
-_MEM = re.compile(r"rank (\d+)/(\d+): device (\S+), parameters held ([\d.e+]+) M, GPU memory ([\d.]+) GiB "
-                  r"allocated, ([\d.]+) GiB peak, load ([\d.]+) s \+ shard ([\d.]+) s")
+_MEM = re.compile(r"rank (\d+)/(\d+): device (\S+), parameters held ([\d.e+]+) M, (?:GPU memory ([\d.]+) GiB "
+                  r"allocated, ([\d.]+) GiB peak|GPU memory n/a \(CPU\)), load ([\d.]+) s \+ shard ([\d.]+) s")
 _STOP = re.compile(r"rank (\d+): stopping; GPU memory ([\d.]+) GiB allocated, ([\d.]+) GiB peak")
 
 
@@ -67,7 +69,8 @@ def collect(logs: Path) -> dict:
         ranks = {}
         for m in _MEM.finditer(text):
             ranks[int(m.group(1))] = {"device": m.group(3), "params_held_M": float(m.group(4)),
-                                      "gpu_gib_after_load": float(m.group(5)), "gpu_gib_peak_after_load": float(m.group(6)),
+                                      "gpu_gib_after_load": float(m.group(5) or "nan"),
+                                      "gpu_gib_peak_after_load": float(m.group(6) or "nan"),
                                       "load_s": float(m.group(7)), "shard_s": float(m.group(8))}
         for m in _STOP.finditer(text):
             ranks.setdefault(int(m.group(1)), {})["gpu_gib_peak_at_exit"] = float(m.group(3))

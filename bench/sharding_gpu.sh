@@ -28,7 +28,7 @@ run() {  # mode seconds launcher-args...
 }
 run single "${T_SINGLE:-100}" python3 "${drv[@]}" --out "$out/single.out.json" -- "${common[@]}"
 run tp "${T_TP:-110}" deepspeed --num_gpus 2 --master_port 29701 "${drv[@]}" --out "$out/tp.out.json" -- "${common[@]}" --ds-config ds_config.json
-run zero3 "${T_Z3:-130}" deepspeed --num_gpus 2 --master_port 29702 "${drv[@]}" --out "$out/zero3.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3.json
-run zero3-offload "${T_OFF:-130}" deepspeed --num_gpus 2 --master_port 29703 "${drv[@]}" --out "$out/zero3-offload.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3-offload.json
+run zero3 "${T_Z3:-130}" deepspeed --num_gpus 2 --master_port 29702 "${drv[@]}" --only "${ONLY_Z3:-text_rocket,image_cat,text_4k}" --out "$out/zero3.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3.json
+run zero3-offload "${T_OFF:-130}" deepspeed --num_gpus 2 --master_port 29703 "${drv[@]}" --only "${ONLY_OFF:-text_rocket,text_4k}" --out "$out/zero3-offload.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3-offload.json
 python3 bench/sharding_bench.py collect --logs "$out" --out "$out/$(date +%F)-h200x2-sharding.json" --command "bash bench/sharding_gpu.sh OUT .whl-dist"
 rm -f "$out"/*.out.json

@@ -6,7 +6,8 @@ This is the only module of the service that imports ``deepspeed``.  Modes (``Sha
 - ``tp``: ``deepspeed.initialize(model, config={"tensor_parallel": {"autotp_size": N}, "zero_optimization":
   {"stage": 0}, ...})`` then ``engine.module.eval()``.  DeepSpeed reads transformers' ``base_model_tp_plan`` of
   Qwen3.5 (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel with one all-reduce; the Gated
-  DeltaNet projections ``colwise_gather_output``; the vision tower replicated).  Needs deepspeed >= 0.19.6 and
+  DeltaNet projections and the lm_head ``colwise_gather_output``; the vision tower replicated).  The input
+  embedding, which that plan leaves whole, is split by vocabulary rows here (``VocabParallelEmbedding``).  Needs deepspeed >= 0.19.6 and
   transformers >= 5.13 (older versions silently fall back to name heuristics that split Gated DeltaNet
   wrongly: ../shared/design/deepspeed-notes.md).  N must divide the KV heads (4 on the 9B): N in {1, 2, 4}.
 - ``zero3`` / ``zero3-offload``: ZeRO stage 3; ``HfDeepSpeedConfig`` is created before ``from_pretrained``
@@ -256,12 +257,57 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
 
     if plan.mode == "tp":
         check_versions()
+        _split_input_embedding(model)
     engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
     _KEEP_ALIVE.append(engine)
     module = engine.module.eval()
     if plan.is_zero3:
         _gather_persistent(module)
     return module
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """One rank's rows of an input embedding table; the lookup is completed by an all-reduce (sum).
+
+    Rank r of N holds rows ``[r * ceil(V / N), min(V, (r + 1) * ceil(V / N)))`` of the ``[V, H]`` table; ids
+    outside its range embed to zeros, and the all-reduce over the default process group (the TP group: the
+    service runs TP over all ranks) adds the one non-zero row, so the result equals the unsharded lookup
+    exactly in any dtype.  Scheme: Megatron-LM's VocabParallelEmbedding (Shoeybi et al. 2019, sec. 3).
+
+    Why: transformers' Qwen3.5 tp_plan leaves the untied 248,320 x 4,096 input embedding (2.03 GB in bf16)
+    whole on every rank, and DeepSpeed only splits embeddings tied to a vocab-parallel head.
+
+    Input: int64 ids of any shape [...]; output: [..., H] in the table's dtype.
+    """
+
+    def __init__(self, full: torch.nn.Embedding, rank: int, world_size: int) -> None:
+        super().__init__()
+        vocab, self.embedding_dim = full.weight.shape
+        per = -(-vocab // world_size)
+        self.num_embeddings = vocab
+        self.start, self.end = min(vocab, rank * per), min(vocab, (rank + 1) * per)
+        self.padding_idx = full.padding_idx
+        self.weight = torch.nn.Parameter(full.weight.data[self.start:self.end].clone(), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        out = torch.nn.functional.embedding(local.clamp(0, max(0, self.end - self.start - 1)), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(out)
+        return out
+
+
+def _split_input_embedding(model: torch.nn.Module) -> None:
+    """Replace the model's input embedding with this rank's ``VocabParallelEmbedding`` (before AutoTP)."""
+    full = model.get_input_embeddings()
+    if not isinstance(full, torch.nn.Embedding):
+        return
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    model.set_input_embeddings(VocabParallelEmbedding(full, rank, world))
+    log.info("TP: input embedding split by vocabulary rows over %d ranks (%d x %d each)", world,
+             -(-full.weight.shape[0] // world), full.weight.shape[1])
 
 
 def _gather_persistent(module: torch.nn.Module) -> None:

@@ -85,6 +85,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--scenario", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", default="", help="comma-separated step names to run (default: all)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1)  # appended by the deepspeed launcher
     args, rest = parser.parse_known_args(own)
     service = rest + service
@@ -100,6 +101,9 @@ def main() -> int:
     results = {"pid": os.getpid(), "info": {"world_size": engine.info.world_size, "mode": engine.info.mode},
                "health": engine.health(), "steps": {}}
     steps = json.loads(args.scenario.read_text())
+    if args.only:
+        keep = set(args.only.split(","))
+        steps = [s for s in steps if s["op"] == "hold" or s.get("name") in keep]
     for i, step in enumerate(steps):
         if step["op"] == "hold":
             break
