@@ -6,6 +6,8 @@ decode steps without cross-talk, Busy, seeded sampling, the reasoning/answer spl
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -327,3 +329,13 @@ def test_engine_failure_mid_stream_ends_with_error_not_exception(make_engine):
     health = engine.health()
     assert health["ok"] is False and "illegal memory access" in health["reason"]
     assert engine.stats()["finished_error_total"] == 1
+
+
+def test_exit_process_soon_exits_with_code_1():
+    """What build_engine wires to an engine failure: the process ends non-zero so that Supervisor restarts it."""
+    code = ("import time; from qwen_chat.engine.service import exit_process_soon; "
+            "exit_process_soon('simulated failure', 0.2); time.sleep(60)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert "simulated failure" in done.stderr and "exiting with code 1" in done.stderr

@@ -114,10 +114,11 @@ def params(max_new: int = 20, temperature: float = 0.0, seed: int = 0) -> Sampli
                           max_new_tokens=max_new, stop_token_ids=())
 
 
-def make(num_slots=2, max_queue=4, eos_after=None, gate=None, fail_on_step=None, max_context=None):
+def make(num_slots=2, max_queue=4, eos_after=None, gate=None, fail_on_step=None, max_context=None, on_fatal=None):
     runner = FakeRunner(num_slots, eos_after)
     ex = SpyExecutor(runner, FakeSampler(num_slots, VOCAB), gate=gate, fail_on_step=fail_on_step)
-    sched = Scheduler(ex, num_slots=num_slots, max_queue=max_queue, eos_ids=(EOS,), max_context=max_context)
+    sched = Scheduler(ex, num_slots=num_slots, max_queue=max_queue, eos_ids=(EOS,), max_context=max_context,
+                      on_fatal=on_fatal)
     return sched, ex, runner
 
 
@@ -250,13 +251,15 @@ def test_queue_full_raises_busy(cleanup):
 
 
 def test_executor_error_fails_requests_and_marks_unhealthy(cleanup):
-    sched, ex, _ = make(num_slots=2, fail_on_step=3)
+    fatal = []
+    sched, ex, _ = make(num_slots=2, fail_on_step=3, on_fatal=fatal.append)
     cleanup(sched)
     h = sched.submit(prompt(1, 2), params(max_new=50), CancelToken())
     toks = list(h)
     assert h.finish_reason == "error" and "engine failed while generating (RuntimeError)" in h.error
     assert len(toks) == 2  # prefill token and one decode token came before the failing step
     assert not sched.healthy and "simulated device error" in sched.stats()["reason"]
+    assert fatal == ["engine step failed: RuntimeError: simulated device error"]  # the service exits on this
     # the slot was released; the scheduler keeps serving (the service/supervisor decide about restarts)
     h2 = sched.submit(prompt(1, 2), params(max_new=3), CancelToken())
     assert len(list(h2)) == 3 and h2.finish_reason == "length"
@@ -296,13 +299,15 @@ def test_refused_prompt_fails_only_that_request(cleanup):
         return original(slot, p)
 
     runner.prefill = refusing_prefill
+    fatal = []
+    sched.on_fatal = fatal.append
     h1 = sched.submit(prompt(1, 2), params(max_new=12), CancelToken())
     assert ex.step_started.wait(10)
     h2 = sched.submit(prompt(66), params(max_new=5), CancelToken())
     gate.set()
     assert list(h2) == [] and h2.finish_reason == "error" and h2.error == "prompt refused by the runner"
     assert list(h1) == ref and h1.finish_reason == "length"
-    assert sched.healthy
+    assert sched.healthy and fatal == []  # a refused prompt is not an engine failure
 
 
 def test_real_runner_batched_streams_equal_solo_streams():

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from qwen_chat.chat_types import Busy, CancelToken, ChatError, ContextTooLong, FinishReason, NotReady
 from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
@@ -147,6 +147,9 @@ class Scheduler:
         max_context: tokens a sequence may hold (prompt + generated; the runner's ``max_context``), or None.
         prefill_token_budget: prompt tokens prefilled in one step at most (one prompt always goes, however
             long); running streams wait for the step's prefills, so this bounds their stall.
+        on_fatal: called once, with the reason, on the scheduler thread after an engine failure (a step
+            raised something other than a ``ChatError``, or the loop itself broke) once the affected streams
+            have ended; the service uses it to exit the process so that Supervisor restarts it.
     """
 
     def __init__(
@@ -158,6 +161,7 @@ class Scheduler:
         eos_ids: Iterable[int],
         max_context: Optional[int] = None,
         prefill_token_budget: int = 8192,
+        on_fatal: Optional[Callable[[str], None]] = None,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -167,6 +171,8 @@ class Scheduler:
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.max_context = max_context
         self.prefill_token_budget = int(prefill_token_budget)
+        self.on_fatal = on_fatal
+        self._fatal_reported = False
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # slot -> request
@@ -291,6 +297,8 @@ class Scheduler:
             raise
         finally:
             self._drain("cancelled" if self._healthy else "error")
+            if not self._healthy:
+                self._report_fatal()
 
     def _next_plan(self) -> tuple[Optional[StepPlan], list[_Request], list[_Request]]:
         """Build the next plan under the lock (waits while there is nothing to do)."""
@@ -385,6 +393,16 @@ class Scheduler:
         the step with a user-facing message (details only in the log) and mark the scheduler unhealthy."""
         self._fail_requests(reqs, f"the engine failed while generating ({type(exc).__name__}); see the server log")
         self._mark_unhealthy(f"engine step failed: {type(exc).__name__}: {exc}")
+        self._report_fatal()
+
+    def _report_fatal(self) -> None:
+        if self.on_fatal is None or self._fatal_reported:
+            return
+        self._fatal_reported = True
+        try:
+            self.on_fatal(self._unhealthy_reason)
+        except Exception:  # noqa: BLE001 - the hook must not take the scheduler thread down with it
+            log.exception("on_fatal hook failed")
 
     def _mark_unhealthy(self, reason: str) -> None:
         with self._cond:
