@@ -184,3 +184,31 @@ def test_stop_button_and_thinking_presets(server, page):
     wait_for(lambda: temperature.input_value() == "1")
     page.locator("#thinking input[type=checkbox]").click()
     wait_for(lambda: temperature.input_value() == "0.7")
+
+
+def test_page_left_open_across_a_restart_appends_to_saved_history(browser, tmp_path):
+    """C22: restart the server under an open page; its next message joins the saved conversation."""
+    store_root = tmp_path / "history"
+    cfg = ServiceConfig(history_dir=store_root)
+    port = None
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        first = RunningServer(build_app(cfg, ScriptedBackend(answer="first answer"), HistoryStore(store_root)))
+        with first:
+            port = first.port
+            open_app(page, first.url)
+            for i in range(3):
+                send(page, f"turn {i}")
+                wait_for(lambda: bot_text(page).count("first answer") == i + 1)
+        with RunningServer(build_app(cfg, ScriptedBackend(answer="after restart"), HistoryStore(store_root)),
+                           port=port):
+            send(page, "turn 3")  # the same, never reloaded page
+            wait_for(lambda: "after restart" in bot_text(page))
+        history = HistoryStore(store_root).user("local")
+        [summary] = history.list()
+        texts = [m.text for m in history.load(summary.id).messages]
+        assert texts == ["turn 0", "first answer", "turn 1", "first answer", "turn 2", "first answer",
+                         "turn 3", "after restart"]
+    finally:
+        context.close()

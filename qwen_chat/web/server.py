@@ -37,7 +37,7 @@ def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
     app.include_router(api.create_router(served, cfg))
     controller = ChatController(served, store, limits=image_limits(cfg),
                                 max_images_per_turn=cfg.max_images_per_turn)
-    page = build_ui(controller, max_queue=cfg.max_queue)
+    page = build_ui(controller, max_queue=cfg.max_queue, login_enabled=cfg.login_enabled)
     login = None
     if cfg.login_enabled:
         users = auth.UserDB.from_file(cfg.users_file)

@@ -61,8 +61,10 @@ def warn(message: str) -> str:
     return safe_markdown(message)
 
 
-def _render_sidebar(c: SimpleNamespace) -> None:
+def _render_sidebar(c: SimpleNamespace, login_enabled: bool) -> None:
     with gr.Sidebar(open=True, label="Conversations"):
+        if login_enabled:
+            gr.Button("Log out", link="/logout", size="sm", elem_id="logout")
         c.new_btn = gr.Button("New chat", variant="secondary", elem_id="new-chat")
         c.conv_list = gr.Radio(choices=[], value=None, label="Saved conversations", elem_id="conv-list")
         c.title_box = gr.Textbox(label="Title", max_lines=1, elem_id="title-box")
@@ -244,10 +246,11 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
     c.page.load(refresh, [c.conv_id], [c.conv_list], api_name="conversations")
 
 
-def build_ui(controller: ChatController, max_queue: int = 64) -> gr.Blocks:
+def build_ui(controller: ChatController, max_queue: int = 64, login_enabled: bool = False) -> gr.Blocks:
     """Build the chat page around ``controller``; the caller mounts it (``server.build_app``).
 
-    ``max_queue`` bounds Gradio's queue (further events are refused with a "queue is full" message).
+    ``max_queue`` bounds Gradio's queue (further events are refused with a "queue is full" message);
+    ``login_enabled`` adds a "Log out" button (Gradio's ``/logout`` route).
     """
     info = controller.backend.info
     c = SimpleNamespace()
@@ -255,7 +258,7 @@ def build_ui(controller: ChatController, max_queue: int = 64) -> gr.Blocks:
         c.page = page
         c.session = gr.State(None)
         c.conv_id = gr.Textbox(value="", visible=False, elem_id="conv-id")
-        _render_sidebar(c)
+        _render_sidebar(c, login_enabled)
         _render_chat(c, info.demo, info.name)
         _render_settings(c)
         _wire(c, controller)
