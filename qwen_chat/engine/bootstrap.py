@@ -187,9 +187,9 @@ def start_engine(cfg: ServiceConfig):
         plan = sharding.read_plan(cfg.ds_config, info.world_size, device.type)
     except (ValueError, ConfigError) as exc:
         raise StartupError(str(exc)) from exc
-    groups = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
-                                       need_default_group=plan.uses_deepspeed)
     try:
+        groups = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
+                                           need_default_group=plan.uses_deepspeed)
         engine_or_none = _start(cfg, info, device, plan, groups)
     except StartupError:
         log.error("rank %d: start-up failed", info.rank, exc_info=True)
@@ -218,8 +218,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     t0 = time.monotonic()
     log.info("rank %d: loading %s (%s)", info.rank, path, plan.mode)
     sharding.prepare_loading(plan)
-    loaded = load_model(path, str(device), dtype=plan.dtype, place_on_device=not plan.uses_deepspeed,
-                        name="qwen3.5-tiny (demo)" if cfg.model == "tiny" else None)
+    loaded = load_model(path, str(device), dtype=plan.dtype, place_on_device=not plan.uses_deepspeed)
     t1 = time.monotonic()
     loaded.model = sharding.shard_model(loaded.model, plan, device)
     t2 = time.monotonic()
