@@ -271,21 +271,24 @@ def worker_loop(local_executor, group: dist.ProcessGroup) -> None:
     """Run on every rank but 0: receive each plan, execute it, discard the tokens; return on ``exit``.
 
     A broadcast that fails (rank 0 gone, or silent longer than the control group's timeout) or a step that
-    raises ends the process with ``FAILURE_EXIT_CODE``.  SIGTERM (the launcher stopping the group) is held off
-    for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit plan can arrive; after that the worker leaves
-    with 128 + SIGTERM.
+    raises ends the process with ``FAILURE_EXIT_CODE``.  SIGTERM / SIGINT (the launcher or Ctrl-C stopping the
+    group) are held off for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit plan can arrive; after
+    that the worker leaves with 128 + the signal number.
     """
     rank = dist.get_rank()
 
-    def on_sigterm(signum, frame):
-        log.info("rank %d: SIGTERM; waiting up to %.0f s for rank 0's exit message", rank, WORKER_SIGTERM_GRACE_S)
+    def on_stop_signal(signum, frame):
+        name = signal.Signals(signum).name
+        log.info("rank %d: %s; waiting up to %.0f s for rank 0's exit message", rank, name, WORKER_SIGTERM_GRACE_S)
         timer = threading.Timer(WORKER_SIGTERM_GRACE_S, die,
-                                args=(f"rank {rank}: no exit message after SIGTERM", 128 + signal.SIGTERM))
+                                args=(f"rank {rank}: no exit message after {name}", 128 + signum))
         timer.daemon = True
         timer.start()
 
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
+        # Ctrl-C in a terminal reaches every rank at once: let rank 0 lead the shutdown as with SIGTERM.
+        signal.signal(signal.SIGTERM, on_stop_signal)
+        signal.signal(signal.SIGINT, on_stop_signal)
     steps = 0
     while True:
         try:
