@@ -246,11 +246,12 @@ class ChatController:
         limits: image limits (``qwen_chat.images.ImageLimits``).
         max_images_per_turn: images accepted in one message.
         save_interval_s: seconds between saves of a streaming reply (kill -9 loses at most this much).
-        ui_interval_s: seconds between UI updates while streaming (the final update is always sent).
+        ui_interval_s: seconds between UI updates while streaming (the final update is always sent); each
+            update makes Gradio re-hash every image of the conversation, so keep it at 0.1 s or more.
     """
 
     def __init__(self, backend: ChatBackend, store: Any, limits: ImageLimits = ImageLimits(),
-                 max_images_per_turn: int = 8, save_interval_s: float = 1.0, ui_interval_s: float = 0.05):
+                 max_images_per_turn: int = 8, save_interval_s: float = 1.0, ui_interval_s: float = 0.1):
         self.backend = backend
         self.store = store
         self.limits = limits
