@@ -339,3 +339,22 @@ def test_exit_process_soon_exits_with_code_1():
                           text=True, timeout=120)
     assert done.returncode == 1
     assert "simulated failure" in done.stderr and "exiting with code 1" in done.stderr
+
+
+def test_health_reports_a_stuck_step(make_engine):
+    gate = threading.Event()
+    gate.set()
+    engine, ex = make_engine(gate=gate)
+    assert engine.self_check()
+    gate.clear()  # the next step hangs, as a wedged device would
+    stream = engine.stream_chat(user("hi"), greedy(), CancelToken())
+    wait_until(lambda: engine.stats()["step_running_s"] > 0)
+    assert engine.health()["ok"] is True  # far below stuck_after_s
+    engine.stuck_after_s = 0.0
+    health = engine.health()
+    assert health["ok"] is False and "engine stuck" in health["reason"]
+    gate.set()
+    assert list(stream)[-1].finish_reason in ("stop", "length")
+    wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["step_running_s"] == 0.0)
+    engine.stuck_after_s = 600.0
+    assert engine.health()["ok"] is True

@@ -173,6 +173,7 @@ class Scheduler:
         self.prefill_token_budget = int(prefill_token_budget)
         self.on_fatal = on_fatal
         self._fatal_reported = False
+        self._step_started_at: Optional[float] = None  # time.monotonic() when the running step began
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # slot -> request
@@ -225,9 +226,11 @@ class Scheduler:
         """Counters for metrics: active/queued now, slots, totals since start, health.
 
         Keys: ``active`` (running sequences), ``queued`` (waiting for a slot), ``num_slots``, ``max_queue``,
-        ``healthy`` (bool), ``reason`` (why unhealthy), ``totals`` {requests, rejected_busy, prompt_tokens,
+        ``healthy`` (bool), ``reason`` (why unhealthy), ``step_running_s`` (seconds the step in progress has
+        been running, 0.0 when idle), ``totals`` {requests, rejected_busy, prompt_tokens,
         generated_tokens, steps, decode_steps, max_decode_batch, finished {stop, length, cancelled, error}}.
         """
+        started = self._step_started_at
         with self._cond:
             totals = dict(self._totals)
             totals["finished"] = dict(self._totals["finished"])
@@ -238,6 +241,7 @@ class Scheduler:
                 "max_queue": self.max_queue,
                 "healthy": self._healthy,
                 "reason": self._unhealthy_reason,
+                "step_running_s": 0.0 if started is None else time.monotonic() - started,
                 "totals": totals,
             }
 
@@ -269,12 +273,15 @@ class Scheduler:
                     continue
                 try:
                     try:
+                        self._step_started_at = time.monotonic()
                         tokens = self.executor.execute(plan)
                     except BaseException:
                         # The step may have stopped before its frees ran; freeing a slot twice is harmless.
                         with self._cond:
                             self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
                         raise
+                    finally:
+                        self._step_started_at = None
                 except ChatError as exc:
                     if not prefilled:  # a decode step refused its input: nothing local to blame, treat as fatal
                         log.exception("decode step refused its input; failing %d request(s)", len(decoded))
