@@ -111,7 +111,6 @@ def test_greedy_is_deterministic_and_deltas_add_up(engine):
     assert a[-1].answer and a[-1].answer == b[-1].answer
     assert a[-1].completion_tokens == b[-1].completion_tokens
     assert "".join(u.answer_delta for u in a) == a[-1].answer
-    assert "\ufffd" not in a[-1].answer or "\ufffd" in "".join(u.answer_delta for u in a)
     assert a[-1].prompt_tokens > 5 and a[-1].ttft_s is not None and a[-1].ttft_s > 0
     # complete_chat gives the same greedy text in one update
     whole = engine.complete_chat(user("Tell me about the sea."), greedy())
