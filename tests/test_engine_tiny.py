@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_chat.chat_types import Busy, CancelToken, ChatMessage, GenerationSettings, InvalidInput
+from qwen_chat.chat_types import Busy, CancelToken, ChatMessage, GenerationSettings, InvalidInput, NotReady
 from qwen_chat.engine.executor import LocalExecutor
 from qwen_chat.engine.runner import ModelRunner
 from qwen_chat.engine.sampling import Sampler
@@ -357,3 +357,16 @@ def test_health_reports_a_stuck_step(make_engine):
     wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["step_running_s"] == 0.0)
     engine.stuck_after_s = 600.0
     assert engine.health()["ok"] is True
+
+
+def test_failed_self_check_refuses_requests_with_not_ready(make_engine):
+    engine, ex = make_engine()
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    ex.execute = broken
+    assert engine.self_check() is False
+    assert engine.health()["ok"] is False and "self-check failed" in engine.health()["reason"]
+    with pytest.raises(NotReady, match="self-check"):
+        engine.stream_chat(user("hi"), greedy(), CancelToken())

@@ -151,10 +151,12 @@ class ChatEngine:
         dropping it, or cancelling ``cancel`` removes the request from the batch within one decode step.
 
         Raises (before returning, never mid-stream): InvalidInput / InvalidImage / ContextTooLong (bad
-        request), Busy (queue full), NotReady (engine closed).
+        request), Busy (queue full), NotReady (engine closed, or its self-check failed).
         """
         if self._closed:
             raise NotReady("the engine is shutting down")
+        if self._self_check:
+            raise NotReady("the engine failed its start-up self-check; see the server log")
         settings.validate()
         prompt = self.prepare(messages, settings)
         handle = self.scheduler.submit(prompt, self.sampling_params(settings, prompt), cancel)
