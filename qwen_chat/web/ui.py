@@ -72,7 +72,7 @@ def _render_sidebar(c: SimpleNamespace, login_enabled: bool) -> None:
             c.rename_btn = gr.Button("Rename", size="sm", elem_id="rename")
             c.delete_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="delete")
         c.export_btn = gr.Button("Export as zip", size="sm", elem_id="export")
-        c.export_file = gr.File(label="Export", interactive=False, height=90, elem_id="export-file")
+        c.export_file = gr.File(label="Export", interactive=False, visible=False, elem_id="export-file")
 
 
 def _render_chat(c: SimpleNamespace, demo: bool, model_name: str) -> None:
@@ -209,9 +209,9 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
 
     def export(conv_id, request: gr.Request):
         try:
-            return ctl.export(user_of(request), conv_id), ""
+            return gr.update(value=ctl.export(user_of(request), conv_id), visible=True), ""
         except ChatError as e:
-            return None, warn(str(e))
+            return gr.update(value=None, visible=False), warn(str(e))
 
     def refresh(conv_id, request: gr.Request):
         return choices(user_of(request), conv_id or None)
