@@ -65,6 +65,8 @@ def collect(logs: Path) -> dict:
     for mode in MODES:
         out, log = logs / f"{mode}.out.json", logs / f"{mode}.log"
         entry: dict = {"completed": out.exists()}
+        if not out.exists() and (logs / f"{mode}.out.partial.json").exists():
+            out = logs / f"{mode}.out.partial.json"  # cut short: the steps that finished
         text = log.read_text(errors="replace") if log.exists() else ""
         ranks = {}
         for m in _MEM.finditer(text):
@@ -103,9 +105,41 @@ def collect(logs: Path) -> dict:
     return {"date": dt.date.today().isoformat(), "host": "2 x NVIDIA H200", "modes": modes}
 
 
+def run_bounded(seconds: float, log: Path, cmd: list[str]) -> int:
+    """Run ``cmd`` in its own process group with output to ``log``; after ``seconds`` end the whole group
+    (launcher and ranks: SIGTERM, then SIGKILL 5 s later).  Returns the exit code (negative: signal)."""
+    import os
+    import signal
+    import subprocess
+
+    t0 = time.monotonic()
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            print(f"timeout after {seconds:.0f} s: {' '.join(cmd[:3])}...", flush=True)
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                code = proc.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
+    try:  # ranks left behind by a launcher that died first
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    print(f"{log.name}: exit {code} after {time.monotonic() - t0:.0f} s", flush=True)
+    return code
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--seconds", type=float, required=True)
+    r.add_argument("--log", type=Path, required=True)
+    r.add_argument("command", nargs=argparse.REMAINDER)
     c = sub.add_parser("checkpoint")
     c.add_argument("--processor", type=Path, required=True)
     c.add_argument("--out", type=Path, required=True)
@@ -114,6 +148,9 @@ def main() -> int:
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--command", default="")
     args = p.parse_args()
+    if args.cmd == "run":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        return run_bounded(args.seconds, args.log, command)
     if args.cmd == "checkpoint":
         print(json.dumps(make_checkpoint(args.processor, args.out)))
         return 0

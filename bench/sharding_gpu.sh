@@ -10,6 +10,9 @@ set -uo pipefail
 out="${1:?OUTDIR}"; wheels="${2:-}"
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1
+# Decode glue runs eager here (no torch.compile warm-up inside the short device window); bench/decode_bench.py
+# measures the compiled single-GPU path.
+export TORCH_COMPILE_DISABLE=1
 if [[ -n "$wheels" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
@@ -21,14 +24,17 @@ proc="${PROCESSOR_DIR:-$wheels/processor}"
 python3 bench/sharding_bench.py checkpoint  --processor "$proc" --out $ckpt 2>&1 | tail -n 3
 common=(--model $ckpt --device cuda --max-batch 2 --max-context 8192 --collective-timeout-s 600)
 drv=(tests/multirank/driver.py --scenario bench/sharding_scenario.json)
-run() {  # mode seconds launcher-args...
+run() {  # mode seconds launcher-args...   (own process group: a timeout ends the launcher and its ranks)
     local mode=$1 secs=$2; shift 2
     echo "== $mode $(date +%T)"
-    timeout -k 10 "$secs" "$@" > "$out/$mode.log" 2>&1; echo "$mode exit $?"
+    python3 bench/sharding_bench.py run --seconds "$secs" --log "$out/$mode.log" -- "$@"
 }
-run single "${T_SINGLE:-100}" python3 "${drv[@]}" --out "$out/single.out.json" -- "${common[@]}"
-run tp "${T_TP:-110}" deepspeed --num_gpus 2 --master_port 29701 "${drv[@]}" --out "$out/tp.out.json" -- "${common[@]}" --ds-config ds_config.json
-run zero3 "${T_Z3:-130}" deepspeed --num_gpus 2 --master_port 29702 "${drv[@]}" --only "${ONLY_Z3:-text_rocket,image_cat,text_4k}" --out "$out/zero3.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3.json
-run zero3-offload "${T_OFF:-130}" deepspeed --num_gpus 2 --master_port 29703 "${drv[@]}" --only "${ONLY_OFF:-text_rocket,text_4k}" --out "$out/zero3-offload.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3-offload.json
+run single "${T_SINGLE:-90}" python3 "${drv[@]}" --out "$out/single.out.json" -- "${common[@]}"
+run tp "${T_TP:-100}" deepspeed --num_gpus 2 --master_port 29701 "${drv[@]}" --out "$out/tp.out.json" -- "${common[@]}" --ds-config ds_config.json
+# The two ZeRO-3 modes run at the same time on the same 2 GPUs (device time is scarce): their memory numbers
+# are per process and unaffected, their speeds are measured under each other's load.
+run zero3 "${T_Z3:-160}" deepspeed --num_gpus 2 --master_port 29702 "${drv[@]}" --only "${ONLY_Z3:-text_rocket,image_cat,text_4k}" --out "$out/zero3.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3.json &
+run zero3-offload "${T_OFF:-160}" deepspeed --num_gpus 2 --master_port 29703 "${drv[@]}" --only "${ONLY_OFF:-text_rocket,text_4k}" --out "$out/zero3-offload.out.json" -- "${common[@]}" --ds-config deploy/ds_config.zero3-offload.json &
+wait
 python3 bench/sharding_bench.py collect --logs "$out" --out "$out/$(date +%F)-h200x2-sharding.json" --command "bash bench/sharding_gpu.sh OUT .whl-dist"
-rm -f "$out"/*.out.json
+rm -f "$out"/*.out.json "$out"/*.partial.json

@@ -79,6 +79,21 @@ def run_step(engine, step: dict) -> dict:
     raise ValueError(f"unknown scenario op {op!r}")
 
 
+def with_gpu_memory(results: dict) -> dict:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        results["rank0_gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
+        results["rank0_gpu_allocated_bytes"] = torch.cuda.memory_allocated()
+    return results
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 def main() -> int:
     argv = sys.argv[1:]
     own, service = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -104,18 +119,13 @@ def main() -> int:
     if args.only:
         keep = set(args.only.split(","))
         steps = [s for s in steps if s["op"] == "hold" or s.get("name") in keep]
+    partial = args.out.with_suffix(".partial.json")  # after every step, for runs cut short (benchmarks)
     for i, step in enumerate(steps):
         if step["op"] == "hold":
             break
         results["steps"][step.get("name", f"{i}:{step['op']}")] = run_step(engine, step)
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        results["rank0_gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
-        results["rank0_gpu_allocated_bytes"] = torch.cuda.memory_allocated()
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results))
-    os.replace(tmp, args.out)
+        write_json(partial, with_gpu_memory(results))
+    write_json(args.out, with_gpu_memory(results))
     if steps and steps[-1]["op"] == "hold":
         while True:
             time.sleep(1)
