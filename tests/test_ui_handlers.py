@@ -245,3 +245,14 @@ def test_second_send_while_streaming_is_refused_until_stopped(ctl):
     running.close()
     assert session.cancel is None
     assert first.conv_id == ""  # a new conversation gets its id once the backend accepted the turn
+
+
+def test_conversation_with_a_missing_image_still_opens(ctl):
+    views = run_turn(ctl, "look", files=[CHELSEA])
+    conv_id = views[-1].conv_id
+    history = ctl.store.user("local")
+    name = history.load(conv_id).messages[0].images[0]
+    history.image_path(name).unlink()
+    chat = ctl.open("local", conv_id)[0]
+    assert chat[0]["content"][0]["text"] == "*[image no longer available]*"
+    assert chat[0]["content"][1]["text"] == "look"

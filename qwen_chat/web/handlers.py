@@ -206,7 +206,12 @@ def chatbot_messages(messages: Sequence[Any], image_path, live_index: Optional[i
         if msg.role == "system":
             continue
         if msg.role == "user":
-            content: list[dict] = [{"path": view_path(image_path(ref))} for ref in msg.images]
+            content: list[dict] = []
+            for ref in msg.images:
+                try:
+                    content.append({"path": view_path(image_path(ref))})
+                except (ChatError, OSError):  # deleted or unreadable file: the rest still opens
+                    content.append({"type": "text", "text": "*[image no longer available]*"})
             if msg.text:
                 content.append({"type": "text", "text": safe_markdown(msg.text)})
             if content:
@@ -227,7 +232,7 @@ def chatbot_messages(messages: Sequence[Any], image_path, live_index: Optional[i
         text = safe_markdown(msg.text) if msg.text else ""
         if status in STATUS_LABELS:
             note = getattr(msg, "notice", "") or ""
-            label = STATUS_LABELS[status] + (f" ({note})" if note and status == "error" else "")
+            label = STATUS_LABELS[status] + (f" ({safe_markdown(note)})" if note and status == "error" else "")
             text = (text + "\n\n" if text else "") + f"*[{label}]*"
         if text:
             out.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
