@@ -128,4 +128,6 @@ def test_missing_model_exits_1_naming_the_alternatives(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 1
-    assert "cannot start the engine" in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("app.py: cannot start the engine")
+    assert "--model PATH" in last and "--model tiny" in last
