@@ -212,3 +212,36 @@ def test_page_left_open_across_a_restart_appends_to_saved_history(browser, tmp_p
                          "turn 3", "after restart"]
     finally:
         context.close()
+
+
+def test_login_shows_only_own_conversations_and_logout(browser, tmp_path):
+    from qwen_chat.web import auth
+
+    users = tmp_path / "users.txt"
+    db = auth.UserDB()
+    db.set_password("alice", "alice-password-1", rounds=4)
+    db.set_password("bob", "bob-password-22", rounds=4)
+    db.save(users)
+    root = tmp_path / "history"
+    store = HistoryStore(root)
+    store.user("bob").create(title="bob's private plans")
+    cfg = ServiceConfig(history_dir=root, login=True, users_file=users)
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        with RunningServer(build_app(cfg, ScriptedBackend(answer="hello alice"), store)) as running:
+            page.goto(running.url)
+            page.locator("input[type=password]").wait_for(timeout=60_000)
+            page.locator("input[type=text]").first.fill("alice")
+            page.locator("input[type=password]").fill("alice-password-1")
+            page.locator("input[type=password]").press("Enter")
+            page.wait_for_selector("#msg textarea", timeout=60_000)
+            send(page, "my question")
+            wait_for(lambda: "hello alice" in bot_text(page))
+            sidebar = page.locator("#conv-list").inner_text()
+            assert "my question" in sidebar and "bob's private plans" not in sidebar
+            assert [s.title for s in store.user("alice").list()] == ["my question"]
+            page.locator("#logout").click()
+            page.locator("input[type=password]").wait_for(timeout=60_000)  # back on the login page
+    finally:
+        context.close()
