@@ -120,6 +120,20 @@ def greedy_agreement(model, runner, dev, n_prompts: int, prompt_len: int, new: i
         for t, nxt in zip(toks, lg.argmax(-1).tolist()):
             t.append(nxt)
     ours = torch.tensor(toks)
+    # Teacher-forced: feed the reference's tokens, compare each step's logits with one full reference forward
+    # (separates real errors from free-running divergence at near-ties of random-weight logits).
+    with torch.no_grad():
+        full = torch.cat([prompts, ref], dim=1).to(dev)
+        ref_all = model(input_ids=full).logits[:, prompt_len - 1:prompt_len + new - 1].float()  # [n, new, V]
+    tf = []
+    for s in slots:
+        runner.free(s)
+    tf.append(torch.stack([runner.prefill(s, PreparedPrompt(input_ids=prompts[s])) for s in slots]))
+    for j in range(new - 1):
+        tf.append(runner.decode(slots, ref[:, j].to(dev)))
+    tf = torch.stack(tf, dim=1)  # [n, new, V]
+    tf_rel = ((tf - ref_all).abs().amax(-1) / ref_all.abs().amax(-1))
+    top2 = ref_all.topk(2, dim=-1).values
     prefix = []
     for r in range(n_prompts):
         diff = (ours[r] != ref[r]).nonzero()
@@ -129,7 +143,12 @@ def greedy_agreement(model, runner, dev, n_prompts: int, prompt_len: int, new: i
     return {"prompts": n_prompts, "prompt_tokens": prompt_len, "tokens": new,
             "position_agreement": float((ours == ref).float().mean()),
             "mean_matching_prefix": statistics.mean(prefix), "matching_prefix": prefix,
-            "all_identical": bool((ours == ref).all()), "prefill_logits_rel_err_prompt0": rel}
+            "all_identical": bool((ours == ref).all()), "prefill_logits_rel_err_prompt0": rel,
+            "teacher_forced_top1_agreement": float((tf.argmax(-1) == ref_all.argmax(-1)).float().mean()),
+            "teacher_forced_logits_rel_err_max": float(tf_rel.max()),
+            "teacher_forced_logits_rel_err_median": float(tf_rel.median()),
+            "reference_top2_gap_median": float((top2[..., 0] - top2[..., 1]).median()),
+            "reference_logit_absmax_median": float(ref_all.abs().amax(-1).median())}
 
 
 def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, gen, sample=True) -> dict:
@@ -199,6 +218,31 @@ def profile_decode(runner, dev, batch: int, prompt_len: int, steps: int, gen) ->
             "kernel_ms_per_step": total / 1e3 / steps, "kernels_per_step": count / steps,
             "top": [{"name": k[:120], "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
                     for t, c, k in kernels[:25]]}
+
+
+def profile_prefill(runner, dev, prompt_len: int, gen) -> dict:
+    """Where a prefill's time goes: wall time vs summed GPU kernel time, top GPU kernels and top CPU ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen))
+    runner.free(0)
+    runner.prefill(0, prompt)
+    runner.free(0)
+    sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.prefill(0, prompt)
+        sync(dev)
+    wall = time.perf_counter() - t0
+    runner.free(0)
+    ev = prof.key_averages()
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    gpu = sorted(((dev_t(e), e.count, e.key) for e in ev if dev_t(e) > 0), reverse=True)
+    cpu = sorted(((e.self_cpu_time_total, e.count, e.key) for e in ev), reverse=True)
+    return {"prompt_tokens": prompt_len, "wall_ms_profiled": wall * 1e3,
+            "gpu_kernel_ms": sum(g[0] for g in gpu) / 1e3,
+            "top_gpu": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in gpu[:15]],
+            "top_cpu_self": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in cpu[:15]]}
 
 
 def ttft(runner, sampler, dev, prompt: PreparedPrompt, repeats: int) -> dict:
@@ -318,7 +362,13 @@ def table(doc) -> str:
         row("greedy agreement (positions)", f"{g['position_agreement'] * 100:.1f}%")
         row("greedy mean matching prefix (of 32)", f"{g['mean_matching_prefix']:.1f}")
         row("prefill logits rel err vs transformers", f"{g['prefill_logits_rel_err_prompt0']:.2e}")
-    for key in [k for k in s if k.startswith("profile_")]:
+        row("teacher-forced top-1 agreement", f"{g['teacher_forced_top1_agreement'] * 100:.1f}%")
+        row("teacher-forced logits rel err (max)", f"{g['teacher_forced_logits_rel_err_max']:.2e}")
+        row("reference top-2 logit gap (median)", f"{g['reference_top2_gap_median']:.2e}")
+    if "profile_prefill_1k" in s:
+        p = s["profile_prefill_1k"]
+        row("prefill 1k: GPU kernel ms (profiled wall ms)", f"{p['gpu_kernel_ms']:.1f} ({p['wall_ms_profiled']:.1f})")
+    for key in [k for k in s if k.startswith("profile_") and "prefill" not in k]:
         p = s[key]
         row(f"{key}: kernel ms/step (wall ms)", f"{p['kernel_ms_per_step']:.2f} ({p['wall_ms_per_step']:.2f})")
         row(f"{key}: kernels per step", f"{p['kernels_per_step']:.0f}")
@@ -433,6 +483,7 @@ def main(argv=None) -> int:
                                                            P["greedy_new"], gen))
             run.section("ttft_1k", lambda: ttft(runner, sampler, dev,
                                                 PreparedPrompt(input_ids=random_ids(P["ttft_1k"], gen)), 3))
+            run.section("profile_prefill_1k", lambda: profile_prefill(runner, dev, P["ttft_1k"], gen))
             run.section("ttft_8k", lambda: ttft(runner, sampler, dev,
                                                 PreparedPrompt(input_ids=random_ids(P["ttft_8k"], gen)), 2))
             run.section("ttft_image_1mp", lambda: ttft(runner, sampler, dev,

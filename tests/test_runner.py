@@ -11,6 +11,7 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from qwen_chat.chat_types import ContextTooLong
+from qwen_chat.engine.kernels import attn_core
 from qwen_chat.engine.requests import PreparedPrompt
 from qwen_chat.engine.runner import ModelRunner
 
@@ -209,5 +210,21 @@ def test_state_shapes_follow_the_model():
     assert sorted(runner.k_cache) == [3, 7]
     assert runner.k_cache[3].shape == (4, 2, 40, 32) and runner.k_cache[3].dtype == torch.float32
     assert runner.conv_state[0].shape == (4, 2 * 2 * 16 + 4 * 16, 3)
-    assert runner.rec_state[0].shape == (4, 4, 16, 16) and runner.rec_state[0].dtype == torch.float32
+    assert runner.rec_state[0].shape == (4, 4, 16, 16)  # [slots+1, v_heads, dv, dk] and runner.rec_state[0].dtype == torch.float32
     assert runner.use_cuda_graphs is False
+
+
+def test_fused_decode_attention_matches_sdpa():
+    """kernels.attn_core (the compiled GPU path) reads each row's own slot up to its position, like SDPA over
+    the gathered cache with a length mask."""
+    gen = torch.Generator().manual_seed(6)
+    slots, nkv, T, hd, G = 5, 2, 40, 16, 3
+    kc, vc = torch.randn(slots, nkv, T, hd, generator=gen), torch.randn(slots, nkv, T, hd, generator=gen)
+    q = torch.randn(3, nkv, G, hd, generator=gen)
+    slot_idx, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 31])
+    ours = attn_core(q, kc, vc, slot_idx, pos, 32, 0.25)
+    for b in range(3):
+        n = int(pos[b]) + 1
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1], kc[slot_idx[b:b + 1], :, :n], vc[slot_idx[b:b + 1], :, :n], scale=0.25)
+        assert torch.allclose(ours[b], ref[0], atol=1e-5)

@@ -41,19 +41,40 @@ def add_norm(h: torch.Tensor, x: torch.Tensor, norm: torch.nn.Module) -> tuple[t
 
 
 def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
-             k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, kv_heads: int):
-    """Split the gated query, apply q/k RMSNorm and rotary for one decode token per row.
+             k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_idx: torch.Tensor, pos: torch.Tensor, head_dim: int, kv_heads: int):
+    """Split the gated query, apply q/k RMSNorm and rotary for one decode token per row, and write k, v into
+    the KV cache at (slot_idx[b], :, pos[b]) in place.
 
-    qg: [B, 2 * nq * hd] (q_proj output: per head [query | gate]); kx, vx: [B, nkv * hd]; cos/sin: [B, rot].
-    Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head), k [B, nkv, hd], v [B, nkv, hd],
-    gate [B, nq * hd].
+    qg: [B, 2 * nq * hd] (q_proj output: per head [query | gate]); kx, vx: [B, nkv * hd]; cos/sin: [B, rot];
+    k_cache/v_cache: [slots, nkv, T, hd]; slot_idx, pos: int64 [B].
+    Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head) and gate [B, nq * hd].
     """
     B = qg.shape[0]
     q, gate = torch.chunk(qg.view(B, -1, 2 * head_dim), 2, dim=-1)
     c, s = cos[:, None], sin[:, None]
     q = apply_rotary(q_norm(q), c, s)
     k = apply_rotary(k_norm(kx.view(B, -1, head_dim)), c, s)
-    return q.reshape(B, kv_heads, -1, head_dim), k, vx.view(B, -1, head_dim), gate.reshape(B, -1)
+    heads = torch.arange(kv_heads, device=qg.device)
+    k_cache[slot_idx[:, None], heads[None, :], pos[:, None]] = k.to(k_cache.dtype)
+    v_cache[slot_idx[:, None], heads[None, :], pos[:, None]] = vx.view(B, -1, head_dim).to(v_cache.dtype)
+    return q.reshape(B, kv_heads, -1, head_dim), gate.reshape(B, -1)
+
+
+def attn_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
+              pos: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
+    """Decode attention of each row over its own slot's cache positions 0..pos[b], read in place.
+
+    q: [B, nkv, G, hd] (G query heads share a KV head); caches [slots, nkv, T, hd]; ctx: static window
+    (>= max(pos) + 1).  Written as broadcast-multiply-and-sum so that, compiled, the cache rows are loaded
+    indirectly by slot (no gathered copy of the cache).  fp32 scores and softmax.  Returns [B, nkv, G, hd].
+    """
+    keys = k_cache[slot_idx, :, :ctx]                                   # [B, nkv, ctx, hd]
+    vals = v_cache[slot_idx, :, :ctx]
+    scores = (q.float()[:, :, :, None, :] * keys[:, :, None].float()).sum(-1) * scale   # [B, nkv, G, ctx]
+    future = torch.arange(ctx, device=q.device)[None, :] > pos[:, None]               # [B, ctx]
+    probs = torch.softmax(scores.masked_fill(future[:, None, None, :], float("-inf")), dim=-1)
+    return (probs[..., None] * vals[:, :, None].float()).sum(-2).to(q.dtype)
 
 
 def attn_post(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -69,8 +90,8 @@ def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tenso
     conv and recurrent state in place.
 
     qkv: [B, C] (in_proj_qkv output, C = 2 * key_dim + value_dim); z: [B, value_dim]; b, a: [B, HV];
-    conv_buf: [slots, C, K-1] previous conv inputs (model dtype); rec_buf: [slots, HV, dk, dv] fp32 recurrent
-    state; slot_idx: int64 [B] (rows with the same slot, i.e. padding rows, must not matter); conv_w: [C, K]
+    conv_buf: [slots, C, K-1] previous conv inputs (model dtype); rec_buf: [slots, HV, dv, dk] fp32 recurrent
+    state S^T (value-major, so each value row is one contiguous reduction: the whole update is one pass); slot_idx: int64 [B] (rows with the same slot, i.e. padding rows, must not matter); conv_w: [C, K]
     depthwise taps; A_log, dt_bias: [HV].  Returns core [B, value_dim] in the model dtype.
 
     Maths: causal conv1d over [previous K-1 inputs, this one] + activation; q, k l2-normalised (fp32), q scaled
@@ -91,16 +112,22 @@ def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tenso
     v = v.float().view(B, hv, dv)
     beta = b.sigmoid().float()
     decay = (-A_log.float().exp() * F.softplus(a.float() + dt_bias)).exp()               # [B, HV]
-    state = rec_buf[slot_idx] * decay[:, :, None, None]                                  # [B, HV, dk, dv]
-    kv_mem = (state * k[:, :, :, None]).sum(dim=-2)
+    state = rec_buf[slot_idx] * decay[:, :, None, None]                                  # [B, HV, dv, dk]
+    kv_mem = (state * k[:, :, None, :]).sum(dim=-1)                                      # [B, HV, dv]
     delta = (v - kv_mem) * beta[:, :, None]
-    state = state + k[:, :, :, None] * delta[:, :, None, :]
-    o = (state * q[:, :, :, None]).sum(dim=-2)
+    state = state + delta[:, :, :, None] * k[:, :, None, :]
+    o = (state * q[:, :, None, :]).sum(dim=-1)
     rec_buf[slot_idx] = state
     return norm(o.to(qkv.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(B, -1)
 
 
-GLUE = {"add_norm": add_norm, "attn_pre": attn_pre, "attn_post": attn_post, "gdn_step": gdn_step}
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act: torch.nn.Module) -> torch.Tensor:
+    """act(gate) * up, the middle of Qwen3_5MLP (gate/up/down projections stay module calls)."""
+    return act(gate) * up
+
+
+GLUE = {"add_norm": add_norm, "attn_pre": attn_pre, "attn_core": attn_core, "attn_post": attn_post,
+        "gdn_step": gdn_step, "swiglu": swiglu}
 
 
 def glue_functions(compile: bool) -> dict[str, Callable]:

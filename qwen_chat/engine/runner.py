@@ -78,7 +78,7 @@ class ModelRunner:
 
     State memory per slot: 8 layers x 2 x kv_heads x max_context x head_dim x dtype bytes of KV cache
     (32 KiB per token of context for the full bf16 config) plus 24 x 32 x 128 x 128 x 4 bytes = 48 MiB of
-    recurrent state.  One extra scratch slot absorbs the padding rows of graph-padded batches.
+    recurrent state (stored value-major, S^T [v_heads, dv, dk]).  One extra scratch slot absorbs the padding rows of graph-padded batches.
     """
 
     def __init__(self, model, *, num_slots: int, max_context: int, device, dtype=None,
@@ -98,6 +98,7 @@ class ModelRunner:
         if compile_glue is None:
             compile_glue = self.use_cuda_graphs
         self._glue = glue_functions(bool(compile_glue))
+        self._fused_attention = bool(compile_glue)
 
         core = model.model
         lm = core.language_model
@@ -123,7 +124,6 @@ class ModelRunner:
         cos, sin = lm.rotary_emb(probe, pos)
         self._cos_table, self._sin_table = cos[0].contiguous(), sin[0].contiguous()  # [T, rotary_dim]
         self._ctx_range = torch.arange(self.max_context, device=self.device)
-        self._kv_heads = {i: torch.arange(self._geo[i]["nkv"], device=self.device) for i in self.k_cache}
 
         self.lengths = [0] * (self.num_slots + 1)      # tokens in each slot's cache (python ints)
         self.rope_deltas = [0] * (self.num_slots + 1)  # M-RoPE position shift of each slot
@@ -168,7 +168,8 @@ class ModelRunner:
                         f"projection widths ({conv_dim}, {geo['nv']} value heads): unsupported sharding")
                 self._kinds.append("linear")
                 self.conv_state[i] = torch.zeros(S, conv_dim, K - 1, device=self.device, dtype=self.dtype)
-                self.rec_state[i] = torch.zeros(S, geo["nv"], dk, dv, device=self.device, dtype=torch.float32)
+                # value-major S^T (see kernels.gdn_step)
+                self.rec_state[i] = torch.zeros(S, geo["nv"], dv, dk, device=self.device, dtype=torch.float32)
             else:
                 at = layer.self_attn
                 hd = at.head_dim
@@ -290,7 +291,7 @@ class ModelRunner:
         gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
         out, state = self._chunk_rule(q, k, v, g=gdecay, beta=beta, initial_state=None,
                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
-        self.rec_state[i][slot].copy_(state[0].float())
+        self.rec_state[i][slot].copy_(state[0].float().transpose(-1, -2))  # [HV, dk, dv] -> [HV, dv, dk]
         core = la.norm(out.reshape(-1, g["dv"]).to(x.dtype), z.reshape(-1, g["dv"]))
         return la.out_proj(core.reshape(B, L, -1))
 
@@ -351,7 +352,8 @@ class ModelRunner:
             else:
                 x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
             h, x = k["add_norm"](h, x, layer.post_attention_layernorm)
-            x = layer.mlp(x)
+            mlp = layer.mlp
+            x = mlp.down_proj(k["swiglu"](mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
             nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
             h, x = k["add_norm"](h, x, nxt)
         return self._lm_head(x).float()
@@ -359,16 +361,16 @@ class ModelRunner:
     def _attn_decode(self, i, at, slot_idx, pos, x, cos, sin, ctx):
         g = self._geo[i]
         B = x.shape[0]
-        q, k, v, gate = self._glue["attn_pre"](at.q_proj(x), at.k_proj(x), at.v_proj(x), at.q_norm, at.k_norm,
-                                               cos, sin, g["hd"], g["nkv"])
-        heads = self._kv_heads[i]
         kc, vc = self.k_cache[i], self.v_cache[i]
-        kc.index_put_((slot_idx[:, None], heads[None, :], pos[:, None]), k)
-        vc.index_put_((slot_idx[:, None], heads[None, :], pos[:, None]), v)
-        keys, vals = kc[slot_idx, :, :ctx], vc[slot_idx, :, :ctx]                  # [B, nkv, ctx, hd]
-        mask = (self._ctx_range[:ctx][None, :] <= pos[:, None]).view(B, 1, 1, ctx)
-        # The query heads of one KV group act as that group's "query positions": no KV head expansion.
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"])
+        q, gate = self._glue["attn_pre"](at.q_proj(x), at.k_proj(x), at.v_proj(x), at.q_norm, at.k_norm, cos, sin,
+                                         kc, vc, slot_idx, pos, g["hd"], g["nkv"])
+        if self._fused_attention:
+            o = self._glue["attn_core"](q, kc, vc, slot_idx, pos, ctx, g["scale"])
+        else:  # eager: gathered copy + SDPA (cheaper than the broadcast form without a compiler)
+            keys, vals = kc[slot_idx, :, :ctx], vc[slot_idx, :, :ctx]              # [B, nkv, ctx, hd]
+            mask = (self._ctx_range[:ctx][None, :] <= pos[:, None]).view(B, 1, 1, ctx)
+            # The query heads of one KV group act as that group's "query positions": no KV head expansion.
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"])
         return at.o_proj(self._glue["attn_post"](o, gate))
 
     def _linear_decode(self, i, la, slot_idx, x):
