@@ -25,7 +25,12 @@ DRIVER = ROOT / "tests" / "multirank" / "driver.py"
 IMAGE = ROOT / "tests" / "fixtures" / "images" / "chelsea.png"
 LAUNCH_TIMEOUT_S = 420
 
-pytestmark = pytest.mark.slow  # each launch starts 2 DeepSpeed ranks with the tiny model: 1-3 min on 2 cores
+# Each launch starts 2 DeepSpeed ranks with the tiny model: 1-3 min each on 2 CPU cores (the shared launches
+# are charged to the first test that uses them, hence the longer per-test timeout).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+# The DeepSpeed launcher of this interpreter (same as the `deepspeed` script start.sh runs).
+LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 TEXT = "Tell me about rockets."
 IMAGE_TEXT = "What is in this picture?"
@@ -56,7 +61,7 @@ def run_driver(tmp: Path, name: str, steps: list, args: list[str], ranks: int, h
     env = env_for(tmp)
     own = [str(DRIVER), "--scenario", str(scenario), "--out", str(out)]
     if ranks > 1:
-        cmd = ["deepspeed", "--num_gpus", str(ranks), "--master_port", env["MASTER_PORT"], *own, "--", *args]
+        cmd = [*LAUNCHER, "--num_gpus", str(ranks), "--master_port", env["MASTER_PORT"], *own, "--", *args]
     else:
         cmd = [sys.executable, *own, "--", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
