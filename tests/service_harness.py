@@ -14,7 +14,8 @@ Public API::
     group_pids(pgid) -> list[int]                                      # live processes of a process group
     listening_pids(port) -> list[int]                                  # processes with a socket LISTENing on port
     history_files(history_dir) -> list[Path]                           # every conversation JSON
-    wait_for_streaming_reply(history_dir, user, timeout_s) -> (conv_id, text_chars)
+    conversation_ids(history_dir, user) -> frozenset[str]
+    wait_for_streaming_reply(history_dir, user, timeout_s, min_chars, ignore) -> (conv_id, text_chars)
     ServiceProcess(argv, log_path)                                     # start.sh without Supervisor
     Supervisor(workdir, argv, program="qwen3.5-9b")                    # real supervisord on adapted configs
     UI_CONTROLS / ui_submit(client, text, conv_id, max_new_tokens)     # the UI's "/send" event
@@ -152,9 +153,9 @@ def history_files(history_dir: Path) -> list[Path]:
     return sorted(Path(history_dir).glob("users/*/conversations/*.json"))
 
 
-def _streaming_reply(history_dir: Path, user: str) -> Optional[tuple[str, int]]:
+def _streaming_reply(history_dir: Path, user: str, ignore: frozenset = frozenset()) -> Optional[tuple[str, int]]:
     for path in history_files(history_dir):
-        if path.parent.parent.name != user:
+        if path.parent.parent.name != user or path.stem in ignore:
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -167,14 +168,21 @@ def _streaming_reply(history_dir: Path, user: str) -> Optional[tuple[str, int]]:
     return None
 
 
+def conversation_ids(history_dir: Path, user: str = "local") -> frozenset:
+    """Ids of the conversations saved for ``user`` now (file names, no parsing)."""
+    return frozenset(p.stem for p in history_files(history_dir) if p.parent.parent.name == user)
+
+
 def wait_for_streaming_reply(history_dir: Path, user: str = "local", timeout_s: float = 90.0,
-                             min_chars: int = 1) -> tuple[str, int]:
+                             min_chars: int = 1, ignore: frozenset = frozenset()) -> tuple[str, int]:
     """Wait until ``user`` has a reply saved with status ``streaming`` and at least ``min_chars`` characters.
 
+    Conversations in ``ignore`` are skipped (pass ``conversation_ids(...)`` taken before starting the reply: a
+    reply cut off by an earlier crash stays ``streaming`` on disk until its next save).
     Returns (conversation id, characters saved so far: answer + reasoning).  Raises TimeoutError.
     """
     def ready():
-        found = _streaming_reply(history_dir, user)
+        found = _streaming_reply(history_dir, user, ignore)
         return found if found and found[1] >= min_chars else None
 
     return wait_until(ready, timeout_s, f"a streaming reply of {user!r} saved under {history_dir}")

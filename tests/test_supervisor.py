@@ -30,6 +30,7 @@ from qwen_chat.history.store import HistoryStore
 from tests.service_harness import (
     PROGRAM,
     Supervisor,
+    conversation_ids,
     free_port,
     group_pids,
     history_files,
@@ -124,8 +125,9 @@ def crash_drill(sup: Supervisor, url: str, history: Path, crash) -> dict:
     assert len(server) == 1 and server[0] in old_tree, (server, old_tree)
 
     client = Client(url + "/", verbose=False)
+    earlier = conversation_ids(history)
     job = ui_submit(client, "Write a very long story about a lighthouse keeper.")
-    conv_id, saved_chars = wait_for_streaming_reply(history, timeout_s=90, min_chars=20)
+    conv_id, saved_chars = wait_for_streaming_reply(history, timeout_s=90, min_chars=20, ignore=earlier)
 
     t_crash = time.monotonic()
     crash(old_pid, server[0])
