@@ -228,3 +228,41 @@ def test_fused_decode_attention_matches_sdpa():
         ref = torch.nn.functional.scaled_dot_product_attention(
             q[b:b + 1], kc[slot_idx[b:b + 1], :, :n], vc[slot_idx[b:b + 1], :, :n], scale=0.25)
         assert torch.allclose(ours[b], ref[0], atol=1e-5)
+
+
+def test_service_tiny_model_with_processed_photo_matches_reference(tiny_loaded):
+    """The service's own tiny checkpoint (real vocab, 16/4 heads, 16/32 linear heads) with a photo through its
+    real processor: prefill and 8 decode steps match the reference forward."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    model, processor = tiny_loaded.model, tiny_loaded.processor
+    image = Image.open(Path(__file__).parent / "fixtures" / "images" / "coffee.png").convert("RGB")
+    image = image.resize((128, 96))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=[image], return_tensors="pt")
+    ids = enc["input_ids"][0]
+    n_visual = int(enc["image_grid_thw"].prod()) // 4  # one token per 2x2 merged block of 16-px patches
+    assert n_visual > 0 and int((ids == model.config.image_token_id).sum()) == n_visual
+    prompt = PreparedPrompt(input_ids=ids, pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                            mm_token_type_ids=enc["mm_token_type_ids"][0])
+    runner = ModelRunner(model, num_slots=1, max_context=256, device="cpu")
+    seq = list(ids.tolist())
+
+    @torch.no_grad()
+    def reference():
+        full = torch.tensor([seq])
+        mm = torch.zeros_like(full)
+        mm[0, : ids.numel()] = enc["mm_token_type_ids"][0]
+        return model(input_ids=full, pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                     mm_token_type_ids=mm).logits[0, -1]
+
+    errs = [rel_err(runner.prefill(0, prompt), reference())]
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(8):
+        tok = int(torch.randint(0, 248000, (1,), generator=gen))
+        seq.append(tok)
+        errs.append(rel_err(runner.decode([0], torch.tensor([tok]))[0], reference()))
+    assert max(errs) <= TOL, errs
