@@ -63,7 +63,7 @@ class Sampler:
         self._top_k[slot] = int(params.top_k) if 0 < params.top_k < self.vocab_size else 0
         self._penalty[slot] = float(params.presence_penalty)
 
-    def _uniforms(self, slots: Sequence[int]) -> torch.Tensor:
+    def _uniforms(self, slots: Sequence[int], idx: torch.Tensor) -> torch.Tensor:
         """One uniform in [0, 1) per row, each from its own slot's generator.  float32 [B]."""
         cols = []
         for s in slots:
@@ -72,20 +72,17 @@ class Sampler:
                 self._next[s] = 0
             cols.append(self._next[s])
             self._next[s] += 1
-        idx = torch.tensor(list(slots), device=self.device)
         return self._uniform[idx, torch.tensor(cols, device=self.device)]
 
-    def _nucleus(self, slots: Sequence[int], logits: torch.Tensor):
+    def _nucleus(self, slots: Sequence[int], logits: torch.Tensor, idx: torch.Tensor):
         """Penalised, tempered, top-k/top-p filtered distribution of each row, sorted by probability.
 
         Returns (probs float32 [B, n], token_ids int64 [B, n]); probs rows sum to 1, with zeros for removed
         tokens; n = V, or the largest top_k of the batch when every row has one.
         """
-        idx = torch.tensor(list(slots), device=self.device)
         x = logits.float()
-        penalty = self._penalty[idx]
-        if bool((penalty != 0).any()):
-            x = x - penalty[:, None] * self.presence[idx].float()
+        if any(self.params[s].presence_penalty != 0 for s in slots):  # decided on the host: no device sync
+            x = x - self._penalty[idx][:, None] * self.presence[idx].float()
         temp = self._temperature[idx]
         x = x / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
         ks = [self.params[s].top_k if 0 < self.params[s].top_k < self.vocab_size else 0 for s in slots]
@@ -110,10 +107,11 @@ class Sampler:
         Does not consume randomness or change presence flags.
         """
         self._check(slots, logits)
-        probs, ids = self._nucleus(slots, logits)
+        idx = torch.tensor(list(slots), device=self.device)
+        probs, ids = self._nucleus(slots, logits, idx)
         out = torch.zeros(logits.shape, dtype=torch.float32, device=self.device).scatter_(1, ids, probs)
-        greedy = self._temperature[torch.tensor(list(slots), device=self.device)] == 0
-        if bool(greedy.any()):
+        greedy = self._temperature[idx] == 0
+        if any(self.params[s].temperature == 0 for s in slots):
             onehot = torch.zeros_like(out).scatter_(1, logits.float().argmax(-1, keepdim=True), 1.0)
             out = torch.where(greedy[:, None], onehot, out)
         return out
@@ -132,13 +130,13 @@ class Sampler:
         """
         slots = [int(s) for s in slots]
         self._check(slots, logits)
-        u = self._uniforms(slots)
         idx = torch.tensor(slots, device=self.device)
+        u = self._uniforms(slots, idx)
         greedy_tok = logits.float().argmax(dim=-1)
         if all(self.params[s].temperature == 0 for s in slots):
             tokens = greedy_tok
         else:
-            probs, ids = self._nucleus(slots, logits)
+            probs, ids = self._nucleus(slots, logits, idx)
             cdf = torch.cumsum(probs, dim=-1)
             target = (u * cdf[:, -1])[:, None]
             choice = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
