@@ -17,7 +17,7 @@ if [[ -n "$wheels" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
     export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; nvidia-smi topo -m | head -n 4
 ckpt=/tmp/ckpt9b
 proc="${PROCESSOR_DIR:-$wheels/processor}"
 [[ -f "$proc/tokenizer.json.gz" && ! -f "$proc/tokenizer.json" ]] && { mkdir -p /tmp/proc && cp "$proc"/* /tmp/proc/ && gunzip -f /tmp/proc/tokenizer.json.gz && proc=/tmp/proc; }
