@@ -186,8 +186,8 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
             return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
         try:
             messages, cid, system_prompt = ctl.open(user_of(request), conv_id)
-        except ChatError as e:
-            return gr.skip(), gr.skip(), warn(str(e)), gr.skip(), gr.skip()
+        except ChatError as e:  # unknown or another user's id: an error toast, the page stays as it is
+            raise gr.Error(html.escape(str(e))) from None
         title = dict((v, k) for k, v in ctl.conversation_choices(user_of(request))).get(cid, "")
         return messages, cid, "", system_prompt, title
 
@@ -209,9 +209,9 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
 
     def export(conv_id, request: gr.Request):
         try:
-            return gr.update(value=ctl.export(user_of(request), conv_id), visible=True), ""
+            return ctl.export(user_of(request), conv_id), ""
         except ChatError as e:
-            return gr.update(value=None, visible=False), warn(str(e))
+            return None, warn(str(e))
 
     def refresh(conv_id, request: gr.Request):
         return choices(user_of(request), conv_id or None)
@@ -240,7 +240,8 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
     c.rename_btn.click(rename, [c.conv_id, c.title_box], [c.conv_list, c.notice], api_name="rename")
     c.delete_btn.click(delete, [c.conv_id], [c.chatbot, c.conv_id, c.conv_list, c.title_box, c.notice],
                        api_name="delete", cancels=[ev_submit, ev_click, ev_regen])
-    c.export_btn.click(export, [c.conv_id], [c.export_file, c.notice], api_name="export")
+    c.export_btn.click(export, [c.conv_id], [c.export_file, c.notice], api_name="export").then(
+        lambda: gr.update(visible=True), None, c.export_file, api_visibility="private")  # hidden until used
     c.thinking.change(lambda t: preset_values(t), [c.thinking],
                       [c.temperature, c.top_p, c.top_k, c.presence_penalty], api_visibility="private")
     c.page.load(refresh, [c.conv_id], [c.conv_list], api_name="conversations")
