@@ -266,3 +266,11 @@ def test_service_tiny_model_with_processed_photo_matches_reference(tiny_loaded):
         seq.append(tok)
         errs.append(rel_err(runner.decode([0], torch.tensor([tok]))[0], reference()))
     assert max(errs) <= TOL, errs
+
+
+def test_graph_ladder_and_context_buckets(model):
+    runner = ModelRunner(model, num_slots=5, max_context=3000, device="cpu")
+    assert runner.graph_batch_sizes() == [1, 2, 4, 8]
+    assert runner.context_buckets() == [512, 1024, 2048, 3000]
+    assert runner._context_bucket(513) == 1024 and runner._context_bucket(2049) == 3000
+    assert runner.capture_all() == 0  # CPU: no graphs, nothing to capture

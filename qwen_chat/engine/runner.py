@@ -414,22 +414,38 @@ class ModelRunner:
         self._graphs[(bp, ctx)] = graph
 
     @torch.no_grad()
-    def capture_all(self, batch_sizes: Sequence[int] = BATCH_LADDER, context_buckets: Sequence[int] | None = None):
-        """Capture decode graphs ahead of serving (otherwise each is captured on first use).  Every rank of a
-        tensor-parallel group must call this with the same arguments."""
+    def graph_batch_sizes(self) -> list[int]:
+        """Padded batch sizes a decode can run at: the ladder up to the first size >= num_slots."""
+        out = []
+        for b in BATCH_LADDER:
+            out.append(b)
+            if b >= self.num_slots:
+                break
+        return out
+
+    def context_buckets(self) -> list[int]:
+        """Attention windows of the decode graphs: MIN_CONTEXT_BUCKET doubling, the last one max_context."""
+        out, b = [], MIN_CONTEXT_BUCKET
+        while True:
+            out.append(min(b, self.max_context))
+            if b >= self.max_context:
+                return out
+            b *= 2
+
+    @torch.no_grad()
+    def capture_all(self, batch_sizes: Sequence[int] | None = None,
+                    context_buckets: Sequence[int] | None = None) -> int:
+        """Compile and capture decode graphs ahead of serving (otherwise each (batch, context) pair is captured,
+        and the glue compiled, on first use: about 30 s for the first one on the 9B).  Defaults: every padded
+        batch size x every context bucket.  Every rank of a tensor-parallel group must call this with the same
+        arguments.  Returns the number of graphs held (0 without CUDA graphs)."""
         if not self.use_cuda_graphs:
-            return
-        if context_buckets is None:
-            context_buckets, b = [], MIN_CONTEXT_BUCKET
-            while True:
-                context_buckets.append(min(b, self.max_context))
-                if b >= self.max_context:
-                    break
-                b *= 2
-        for bp in batch_sizes:
-            for ctx in context_buckets:
+            return 0
+        for bp in batch_sizes or self.graph_batch_sizes():
+            for ctx in context_buckets or self.context_buckets():
                 if (bp, ctx) not in self._graphs:
                     self._capture(bp, ctx)
+        return len(self._graphs)
 
     def _decode_graph(self, slots, tokens, pos, rope, ctx) -> torch.Tensor:
         B = len(slots)
