@@ -94,6 +94,8 @@ def supervised(tmp_path_factory, tiny_cache):
         t0 = time.monotonic()
         wait_healthy(url, timeout_s=FIRST_START_S)
         print(f"\n[drill] first start: /healthz 200 after {time.monotonic() - t0:.1f} s")
+        # /healthz can answer before startsecs has passed; Supervisor says RUNNING only after it.
+        sup.wait_state(["RUNNING"], timeout_s=float(sup.program_setting("startsecs")) + 30)
         yield sup, url, history
 
 
