@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from qwen_chat.chat_types import ContextTooLong
+from qwen_chat.chat_types import ContextTooLong, InvalidInput
 from qwen_chat.engine.kernels import attn_core
 from qwen_chat.engine.requests import PreparedPrompt
 from qwen_chat.engine.runner import ModelRunner
@@ -198,6 +198,11 @@ def test_context_limits_raise_clear_errors(model):
     runner.free(0)
     with pytest.raises(ValueError, match="not prefilled"):
         runner.decode([0], torch.tensor([3]))
+    with pytest.raises(InvalidInput, match="token ids"):
+        runner.prefill(0, PreparedPrompt(input_ids=torch.tensor([1, VOCAB])))
+    with pytest.raises(InvalidInput, match="3 image-pad tokens but the images give 4 features"):  # 3 pads, but a 4x4 grid gives 4 features
+        runner.prefill(0, PreparedPrompt(input_ids=torch.tensor([1, IMAGE, IMAGE, IMAGE]),
+                                         pixel_values=torch.randn(16, 1536), image_grid_thw=torch.tensor([[1, 4, 4]])))
 
 
 def test_state_shapes_follow_the_model():

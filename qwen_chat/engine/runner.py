@@ -202,8 +202,8 @@ class ModelRunner:
         delta is kept for the slot's decode positions.
 
         Returns: fp32 logits [vocab_size] of the last prompt position.
-        Raises: ContextTooLong if the prompt does not fit ``max_context``; InvalidInput for an empty prompt or
-        a pad-token count that does not match the image features.
+        Raises: ContextTooLong if the prompt does not fit ``max_context``; InvalidInput for an empty prompt, token
+        ids outside the embedding table, or a pad-token count that does not match the image features.
         """
         self._check_slot(slot)
         ids = prompt.input_ids.to(self.device, torch.long).reshape(-1)
@@ -213,6 +213,11 @@ class ModelRunner:
         if L >= self.max_context:
             raise ContextTooLong(f"prompt of {L} tokens does not fit the context of {self.max_context} tokens "
                                  "(one position is needed for the reply)", L, self.max_context)
+        lo, hi = int(ids.min()), int(ids.max())  # an out-of-range id would be a device-side assert on CUDA
+        if lo < 0 or hi >= self._embed.num_embeddings:
+            raise InvalidInput(f"prompt token ids must be in 0..{self._embed.num_embeddings - 1} (got {lo}..{hi})")
+        if prompt.pixel_values is not None and prompt.image_grid_thw is None:
+            raise InvalidInput("pixel_values given without image_grid_thw")
         self._active[slot] = False
         emb = self._embed(ids[None]).to(self.dtype)  # [1, L, H]
         delta = 0
