@@ -95,18 +95,21 @@ def test_image_turn_on_tiny_engine_is_saved_and_reopens(app_process):
 def test_stop_on_tiny_engine_saves_stopped_turn(app_process):
     url, store = app_process
     client = Client(url, verbose=False)
-    job = client.submit({"text": "Write a 5000-word story", "files": []}, "", "",
-                        True, 8192, 1.0, 0.95, 20, 1.5, 7, api_name="/send")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not any(o[0] and thoughts(o[0]) for o in job.outputs()):
-        time.sleep(0.1)
-    conv_id = [o[1] for o in job.outputs() if o[1]][-1]
-    client.predict(api_name="/stop")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and store.user("local").load(conv_id).messages[-1].status == "streaming":
-        time.sleep(0.1)
-    reply = store.user("local").load(conv_id).messages[-1]
-    assert reply.status == "stopped"
+    for seed in (7, 8, 9):  # random weights may sample an end token early; then try another seed
+        job = client.submit({"text": "Write a 5000-word story", "files": []}, "", "",
+                            True, 8192, 1.0, 0.95, 20, 1.5, seed, api_name="/send")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(o[0] and thoughts(o[0]) for o in job.outputs()):
+            time.sleep(0.1)
+        conv_id = [o[1] for o in job.outputs() if o[1]][-1]
+        client.predict(api_name="/stop")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and store.user("local").load(conv_id).messages[-1].status == "streaming":
+            time.sleep(0.1)
+        reply = store.user("local").load(conv_id).messages[-1]
+        if reply.status != "complete":
+            break
+    assert reply.status == "stopped", (reply.status, reply.notice)
     assert reply.reasoning  # the partial reply is kept
     # the engine is free again: the next request is answered
     client.predict({"text": "hi", "files": []}, conv_id, "", *GREEDY_64, api_name="/send")
