@@ -8,14 +8,15 @@ lengths join and leave the batch at any step (continuous batching is the schedul
 
 The maths follows ``transformers/models/qwen3_5/modeling_qwen3_5.py`` (Qwen3_5Attention,
 Qwen3_5GatedDeltaNet, torch_recurrent_gated_delta_rule, Qwen3_5DecoderLayer), but every projection, norm and
-MLP is called through the model's own submodules (``layer.linear_attn.in_proj_qkv(x)``, ``layer.mlp(x)``,
-``model.lm_head(x)``...).  Under DeepSpeed AutoTP those submodules are sharded and communicate internally; under
+MLP is called through the model's own submodules (``layer.linear_attn.in_proj_qkv(x)``, ``layer.mlp(x)`` or, in
+decode, ``mlp.gate_proj``/``up_proj``/``act_fn``/``down_proj``, ``model.lm_head(x)``...).  Under DeepSpeed AutoTP those submodules are sharded and communicate internally; under
 ZeRO-3 their forward hooks gather the parameters.  Local head counts are derived from the actual output widths
 (probed once at start-up), so the same code runs unsharded, tensor-parallel and ZeRO-3.
 
 On CUDA (not ZeRO-3) the decode step is captured in CUDA graphs, one per (batch size, context bucket) of a
 ladder, with static input/output buffers; a batch is padded up to the ladder size with rows that point at a
-scratch slot.  On CPU the same step runs eagerly.
+scratch slot.  The element-wise glue between the projections (``qwen_chat.engine.kernels``) is fused with
+``torch.compile`` there.  On CPU the same step runs eagerly.  Measured speed: docs/performance.md.
 
 Run the CPU parity tests with ``python -m pytest -q tests/test_runner.py``.
 """
@@ -459,7 +460,6 @@ class ModelRunner:
         if key not in self._graphs:
             self._capture(bp, ctx)
         pad = bp - B
-        dev = self.device
         self._s_slots[:bp].copy_(torch.tensor(slots + [self._scratch] * pad), non_blocking=True)
         self._s_tokens[:B].copy_(tokens.reshape(-1), non_blocking=True)
         self._s_tokens[B:bp].zero_()
