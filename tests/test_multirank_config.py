@@ -12,6 +12,7 @@ from qwen_chat.engine import dist as qdist
 from qwen_chat.engine.bootstrap import compare_self_checks
 from qwen_chat.engine.sharding import (
     ShardingError,
+    GatheredColumnLinear,
     VocabParallelEmbedding,
     check_tp_degree,
     read_plan,
@@ -100,6 +101,16 @@ def test_vocab_parallel_embedding_rows_cover_the_table_exactly():
     total = sum(p(ids) for p in parts)
     assert torch.equal(total, full(ids))
     assert torch.count_nonzero(parts[0](ids)[0, 2]) == 0  # id 6 belongs to rank 1
+
+
+def test_gathered_column_linear_slices_concatenate_to_the_full_output():
+    torch.manual_seed(0)
+    full = torch.nn.Linear(6, 8, bias=False)
+    x = torch.randn(3, 6)
+    parts = [GatheredColumnLinear(full, r, 2) for r in range(2)]
+    assert [p.weight_rows.shape for p in parts] == [torch.Size([4, 6])] * 2
+    # without a process group each part returns its own 4 outputs; the all-gather concatenates them in rank order
+    torch.testing.assert_close(torch.cat([p(x) for p in parts], dim=-1), full(x), rtol=0, atol=1e-6)
 
 
 def test_rank_info_from_launcher_environment():

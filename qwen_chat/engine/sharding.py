@@ -6,8 +6,10 @@ This is the only module of the service that imports ``deepspeed``.  Modes (``Sha
 - ``tp``: ``deepspeed.initialize(model, config={"tensor_parallel": {"autotp_size": N}, "zero_optimization":
   {"stage": 0}, ...})`` then ``engine.module.eval()``.  DeepSpeed reads transformers' ``base_model_tp_plan`` of
   Qwen3.5 (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel with one all-reduce; the Gated
-  DeltaNet projections and the lm_head ``colwise_gather_output``; the vision tower replicated).  The input
-  embedding, which that plan leaves whole, is split by vocabulary rows here (``VocabParallelEmbedding``).  Needs deepspeed >= 0.19.6 and
+  DeltaNet projections ``colwise_gather_output``; the vision tower replicated).  The input embedding, which
+  that plan leaves whole, is split by vocabulary rows here (``VocabParallelEmbedding``), and the lm_head by
+  output rows with gathered logits (``GatheredColumnLinear``, the plan's own style for it, applied here so it
+  does not depend on the transformers version).  Needs deepspeed >= 0.19.6 and
   transformers >= 5.13 (older versions silently fall back to name heuristics that split Gated DeltaNet
   wrongly: ../shared/design/deepspeed-notes.md).  N must divide the KV heads (4 on the 9B): N in {1, 2, 4}.
 - ``zero3`` / ``zero3-offload``: ZeRO stage 3; ``HfDeepSpeedConfig`` is created before ``from_pretrained``
@@ -258,6 +260,7 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
     if plan.mode == "tp":
         check_versions()
         _split_input_embedding(model)
+        _split_lm_head(model)
     engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
     _KEEP_ALIVE.append(engine)
     module = engine.module.eval()
@@ -297,6 +300,51 @@ class VocabParallelEmbedding(torch.nn.Module):
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(out)
         return out
+
+
+class GatheredColumnLinear(torch.nn.Module):
+    """One rank's output rows of a bias-free ``nn.Linear``; the local outputs are all-gathered into the full width.
+
+    Rank r of N holds rows ``[r * O / N, (r + 1) * O / N)`` of the ``[O, I]`` weight (O divisible by N) as ``weight_rows``
+    and computes those O / N outputs; an all-gather over the default process group (the TP group) concatenates
+    them in rank order, so the result has the unsharded shape [..., O] and the same values (each output is the
+    same dot product as before).  This is the ``colwise_gather_output`` style of transformers' tp_plan, applied
+    to the lm_head here so that it is split whatever the installed transformers/DeepSpeed pair does with the
+    model-level plan entry (seen whole with transformers 5.17, split with 5.23).
+
+    Input [..., I]; output [..., O] in the weight's dtype.
+    """
+
+    def __init__(self, full: torch.nn.Linear, rank: int, world_size: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = full.weight.shape
+        per = self.out_features // world_size
+        self.world_size = world_size
+        # Not called ``weight``: DeepSpeed AutoTP matches the plan's "lm_head" entry by parameter name
+        # (``lm_head.weight``) and would try to split this module a second time.
+        self.weight_rows = torch.nn.Parameter(full.weight.data[rank * per:(rank + 1) * per].clone(),
+                                              requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = torch.nn.functional.linear(x, self.weight_rows).contiguous()
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)
+
+
+def _split_lm_head(model: torch.nn.Module) -> None:
+    """Replace a bias-free ``lm_head`` whose width divides by the world size with ``GatheredColumnLinear``."""
+    head = getattr(model, "lm_head", None)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None or head.out_features % world:
+        return
+    if head.weight is model.get_input_embeddings().weight:  # tied head: leave it to the tied embedding
+        return
+    model.lm_head = GatheredColumnLinear(head, rank, world)
+    log.info("TP: lm_head split by output rows over %d ranks (%d x %d each), logits all-gathered", world,
+             head.out_features // world, head.in_features)
 
 
 def _split_input_embedding(model: torch.nn.Module) -> None:
