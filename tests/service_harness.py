@@ -29,6 +29,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -243,7 +244,12 @@ class Supervisor:
     Attributes: ``conf`` (the supervisord config used), ``service_log`` (Path), ``program`` (name).
     """
 
-    def __init__(self, workdir: Path, argv: Sequence[str], program: str = PROGRAM, extra_program: Optional[dict] = None):
+    def __init__(self, workdir: Path, argv: Sequence[str], program: str = PROGRAM,
+                 extra_program: Optional[dict] = None):
+        """Write the adapted configs into ``workdir`` (nothing is started yet; use ``start`` or ``with``).
+
+        ``extra_program``: more settings for the program section, e.g. ``{"environment": 'NUM_CPU_RANKS="2"'}``.
+        """
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.program = program
@@ -331,6 +337,7 @@ class Supervisor:
         return self.service_log.read_text(encoding="utf-8", errors="replace") if self.service_log.exists() else ""
 
     def log_tail(self, chars: int = 3000) -> str:
+        """The last ``chars`` characters of ``service.log`` (for failure messages)."""
         return self.log_text()[-chars:]
 
     def stop(self) -> None:
@@ -362,6 +369,4 @@ class Supervisor:
 
 def _quote(arg: str) -> str:
     """Quote one argument for supervisor's shlex-based command parsing."""
-    import shlex
-
     return shlex.quote(arg)
