@@ -271,3 +271,17 @@ def test_start_sh_only_rank0_listens_and_sigterm_stops_all_ranks(work):
         assert "rank 1: exit message after" in text and "rank 1: worker stopped cleanly" in text, tail(log)
     finally:
         kill_group(proc)
+
+
+def test_zero3_in_one_process_without_launcher(work, reference):
+    """World size 1 with a DeepSpeed config (e.g. one small GPU with ZeRO-3 offload) takes the same path."""
+    tmp, cache, _ = work
+    args = service_args(cache, "--ds-config", str(ROOT / "deploy" / "ds_config.zero3.json"))
+    proc, out, log = run_driver(tmp, "zero3_single", [dict(GREEDY[0], max_new_tokens=12)], args, ranks=1)
+    try:
+        assert proc.wait(LAUNCH_TIMEOUT_S) == 0, tail(log)
+    finally:
+        kill_group(proc)
+    result = json.loads(out.read_text())
+    assert result["info"] == {"world_size": 1, "mode": "zero3"}
+    assert result["steps"]["text"]["tokens"] == reference["steps"]["text"]["tokens"][:12]

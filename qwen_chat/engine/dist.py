@@ -137,6 +137,9 @@ def init_process_groups(info: RankInfo, device: torch.device, timeout_s: float,
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if info.world_size == 1 and "MASTER_ADDR" not in os.environ:
+            # one process without a launcher (python app.py --ds-config ...): DeepSpeed still reads these
+            for key, value in (("RANK", "0"), ("LOCAL_RANK", str(info.local_rank)), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(key, value)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         else:
             dist.init_process_group(backend, init_method="env://", rank=info.rank, world_size=info.world_size)
