@@ -1,23 +1,62 @@
-"""Composition root of the Qwen3.5 chat service: config -> engine -> (rank 0) web server.
+"""Composition root of the Qwen3.5 chat service: config -> (rank 0) web server -> engine.
 
     python app.py --model tiny                      # CPU demo model with random weights
     python app.py --model Qwen/Qwen3.5-9B --host 0.0.0.0 --users-file users.txt --api-key KEY
     bash start.sh ...                               # the same through the (DeepSpeed) launcher
 
-Exit codes: 0 after a clean shutdown, 1 when the model or engine cannot start, 2 for a bad command line.
-Nothing heavy happens at import time; worker ranks never return from ``start_engine``.
+Rank 0 binds the port and starts serving *before* the model loads: until the engine has passed its self-check,
+``/healthz`` answers 503 ``{"reason": "loading"}``, the API 503 and the UI a "still loading" message.  A busy
+port or a missing checkpoint folder therefore fails in about a second, well inside Supervisor's ``startsecs``
+(it then gives up with FATAL instead of restarting forever).
+
+Exit codes: 0 after a clean shutdown; 2 for a bad command line; 1 for a fast start-up failure (port busy, no
+checkpoint folder) and for a crash while serving (Supervisor restarts it); 78 (EX_CONFIG) when the engine fails
+to start after loading began (out of memory, broken checkpoint, bad sharding config): the Supervisor program
+treats 78 as final, so a start-up that cannot succeed is not retried forever.  Nothing heavy happens at import
+time; worker ranks never return from ``start_engine``.
 """
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import socket
 import sys
+import threading
+from pathlib import Path
 from typing import Optional, Sequence
 
 log = logging.getLogger("qwen_chat")
 
+EXIT_STARTUP_FAILED = 78  # sysexits.h EX_CONFIG; listed in deploy/qwen3.5-9b.conf `exitcodes`
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Bind and listen on ``host:port`` now, so a busy port fails the start-up at once (OSError)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _missing_checkpoint(model: str) -> Optional[str]:
+    """A message when ``--model`` names a local path (not ``tiny``, not ``owner/name``) without a checkpoint."""
+    if model == "tiny":
+        return None
+    path = Path(model).expanduser()
+    looks_local = model.startswith(("/", ".", "~")) or path.exists() or model.count("/") != 1
+    if looks_local and not (path / "config.json").is_file():
+        return (f"No checkpoint folder at {model!r} (no config.json there). Use --model PATH with a downloaded "
+                f"Qwen3.5 checkpoint folder, a hub id such as Qwen/Qwen3.5-9B, or --model tiny for the built-in "
+                f"demo model")
+    return None
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse the command line, start the engine, and serve the UI + API on ``cfg.host:cfg.port``."""
+    """Parse the command line, serve the UI + API on ``cfg.host:cfg.port`` (rank 0) and start the engine."""
     from qwen_chat.config import ConfigError, ServiceConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -26,28 +65,69 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"app.py: configuration error: {e}", file=sys.stderr)
         return 2
+    problem = _missing_checkpoint(cfg.model)
+    if problem:
+        print(f"app.py: cannot start the engine: {problem}", file=sys.stderr)
+        return 1
 
-    from qwen_chat.engine import bootstrap
-    from qwen_chat.history.store import HistoryStore
+    if int(os.environ.get("RANK", "0")) != 0:  # worker rank: no web server, never returns from start_engine
+        return _start_engine_or_exit(cfg, None)
 
     try:
-        engine = bootstrap.start_engine(cfg)  # worker ranks stay inside and never return
-    except bootstrap.StartupError as e:
-        print(f"app.py: cannot start the engine: {e}", file=sys.stderr)
+        sock = _listen(cfg.host, cfg.port)
+    except OSError as e:
+        print(f"app.py: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         return 1
 
     import uvicorn
 
+    from qwen_chat.history.store import HistoryStore
+    from qwen_chat.pending import PendingBackend, provisional_info
     from qwen_chat.web.server import build_app
 
-    app = build_app(cfg, engine, HistoryStore(cfg.history_dir))
-    log.info("serving http://%s:%d (model %s)", cfg.host, cfg.port, engine.info.name)
+    backend = PendingBackend(provisional_info(cfg.model))
+    app = build_app(cfg, backend, HistoryStore(cfg.history_dir))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    # Not the main thread: uvicorn installs no signal handlers there; the engine's SIGTERM handler (rank 0
+    # broadcasts the exit message to the workers) stays in charge, and the finally below stops the server.
+    web = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    web.start()
+    log.info("listening on http://%s:%d (503 'loading' until the model is ready)", cfg.host, cfg.port)
+    # SIGTERM (Supervisor's stop) -> SystemExit in the main thread -> the finally below shuts the server down
+    # gracefully.  Under several ranks the engine replaces this handler with one that first sends the exit
+    # message to every rank.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="info", timeout_graceful_shutdown=10)
+        code = _start_engine_or_exit(cfg, backend)
+        if code:
+            return code
+        log.info("serving http://%s:%d (model %s)", cfg.host, cfg.port, backend.info.name)
+        while web.is_alive():
+            web.join(timeout=1.0)  # short joins keep the main thread responsive to signals
+        return 0 if not server.started or server.should_exit else 1
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        server.should_exit = True
+        web.join(timeout=15)
+        backend.close()
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    log.info("SIGTERM: shutting down")
+    raise SystemExit(0)
+
+
+def _start_engine_or_exit(cfg, backend) -> int:
+    """Start the engine on this rank; on rank 0 attach it to ``backend``.  Returns an exit code (0 = started)."""
+    from qwen_chat.engine import bootstrap
+
+    try:
+        engine = bootstrap.start_engine(cfg)  # worker ranks stay inside and never return
+    except bootstrap.StartupError as e:
+        if backend is not None:
+            backend.fail(str(e))
+        print(f"app.py: cannot start the engine: {e}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED
+    backend.attach(engine)
     return 0
 
 

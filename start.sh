@@ -26,7 +26,22 @@ if [[ -n "${HOSTFILE:-}" ]]; then
     exec deepspeed --hostfile "$HOSTFILE" --master_port "$port" app.py "$@"
 fi
 
-gpus="$("$py" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)"
+# Count GPUs without importing torch (seconds saved on every start: a failing start-up must fail well inside
+# Supervisor's startsecs).  CUDA_VISIBLE_DEVICES narrows the set as CUDA itself would.
+count_gpus() {
+    command -v nvidia-smi >/dev/null 2>&1 || { echo 0; return; }
+    local found
+    found="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+    if [[ -n "${CUDA_VISIBLE_DEVICES+x}" ]]; then
+        local v="${CUDA_VISIBLE_DEVICES// /}"
+        if [[ -z "$v" || "$v" == -* ]]; then echo 0; return; fi
+        local ids
+        IFS=',' read -ra ids <<< "$v"
+        (( ${#ids[@]} < found )) && found=${#ids[@]}
+    fi
+    echo "${found:-0}"
+}
+gpus="$(count_gpus)"
 if [[ "$gpus" -gt 0 ]]; then
     n="${NUM_GPUS:-$gpus}"
     exec deepspeed --num_gpus "$n" --master_port "$port" app.py "$@"

@@ -234,7 +234,7 @@ def test_supervisorctl_restart_mid_stream(supervised):
 @drill
 @pytest.mark.parametrize("bad_args,reason", [
     (("--model", "/nonexistent/path"),
-     "app.py: cannot start the engine: rank 0: ModelUnavailable: No checkpoint folder at '/nonexistent/path'"),
+     "app.py: cannot start the engine: No checkpoint folder at '/nonexistent/path'"),
     (("--model", "tiny", "--no-such-flag"), "app.py: error: unrecognized arguments: --no-such-flag"),
 ], ids=["missing-model", "bad-flag"])
 def test_failed_startup_ends_fatal_with_readable_log(tmp_path, tiny_cache, bad_args, reason):
@@ -271,7 +271,7 @@ def test_failed_startup_ends_fatal_with_readable_log(tmp_path, tiny_cache, bad_a
 def test_deploy_program_file_as_the_system_supervisor_reads_it(tmp_path):
     """deploy/qwen3.5-9b.conf included from another folder (as /etc/supervisor/supervisord.conf does) resolves
     its paths to the repository and carries the settings issue 5 asks for."""
-    from supervisor.datatypes import RestartUnconditionally
+    from supervisor.datatypes import RestartWhenExitUnexpected
     from supervisor.options import ServerOptions
 
     main = tmp_path / "supervisord.conf"
@@ -288,7 +288,10 @@ def test_deploy_program_file_as_the_system_supervisor_reads_it(tmp_path):
     assert Path(prog.directory).resolve() == REPO
     assert Path(prog.stdout_logfile).resolve() == REPO / "service.log"
     assert prog.redirect_stderr and prog.stdout_logfile_maxbytes > 0 and prog.stdout_logfile_backups > 0
-    assert prog.autorestart is RestartUnconditionally  # autorestart=true: restart after any exit
+    # restart after any unexpected exit (crash, signal, dead rank: non-zero); 78 = the engine cannot start with
+    # this configuration (app.py EXIT_STARTUP_FAILED), which must not loop
+    assert prog.autorestart is RestartWhenExitUnexpected
+    assert set(prog.exitcodes) == {0, 78}
     assert prog.stopasgroup and prog.killasgroup
     assert prog.stopsignal == signal.SIGTERM
     assert prog.stopwaitsecs >= 30  # a clean rank shutdown (exit message to every rank) fits

@@ -183,6 +183,8 @@ def start_engine(cfg: ServiceConfig):
     """
     try:
         info = qdist.RankInfo.from_env(local_rank_arg=cfg.local_rank)
+        if info.world_size > 1:
+            qdist.start_launcher_watchdog()
         device = resolve_device(cfg, info)
         plan = sharding.read_plan(cfg.ds_config, info.world_size, device.type)
     except (ValueError, ConfigError) as exc:

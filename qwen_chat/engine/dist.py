@@ -150,6 +150,57 @@ def init_process_groups(info: RankInfo, device: torch.device, timeout_s: float,
     return Groups(control=control, startup=startup)
 
 
+def _is_ancestor(pid: int) -> bool:
+    """True when ``pid`` is this process's parent, grandparent, ... (read from /proc; False where unreadable)."""
+    current = os.getpid()
+    for _ in range(64):
+        try:
+            with open(f"/proc/{current}/stat") as f:
+                current = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4: ppid
+        except (OSError, ValueError, IndexError):
+            return False
+        if current == pid:
+            return True
+        if current <= 1:
+            return False
+    return False
+
+
+def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Thread]:
+    """Leave the process (code 1) as soon as the launcher that started this rank is gone.
+
+    Under ``start.sh`` the ranks are children of DeepSpeed's ``launch.py``, itself a child of the ``deepspeed``
+    runner, which is the process-group leader Supervisor started (``exec`` in start.sh).  A ``kill -9`` of that
+    runner (or of ``launch.py``) would otherwise leave the ranks orphaned, still holding the GPUs and the port
+    while Supervisor starts a second group.  Watched: the parent process (re-parenting means it died) and the
+    process-group leader when it is an ancestor of this rank.  Returns the watchdog thread, or None when this
+    process leads its own group (nothing above it to watch).
+    """
+    parent = os.getppid()
+    leader = os.getpgid(0)
+    if leader == os.getpid():
+        return None
+    watch_leader = _is_ancestor(leader)
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                die(f"rank pid {os.getpid()}: the launcher (parent pid {parent}) is gone; exiting")
+            if watch_leader:
+                try:
+                    os.kill(leader, 0)
+                except ProcessLookupError:
+                    die(f"rank pid {os.getpid()}: the launcher's process group leader (pid {leader}) is gone; "
+                        "exiting")
+                except PermissionError:
+                    pass
+
+    thread = threading.Thread(target=watch, name="launcher-watchdog", daemon=True)
+    thread.start()
+    return thread
+
+
 def die(message: str, code: int = FAILURE_EXIT_CODE) -> None:
     """Log ``message`` (with the current exception, if any) and leave the process at once with ``code``.
 
