@@ -205,7 +205,7 @@ def test_status_running_health_and_metrics(supervised):
     conv = HistoryStore(history).user("local").load(conv_id)
     assert [m.role for m in conv.messages] == ["user", "assistant"]
     assert conv.messages[1].status in ("complete", "length")
-    assert "Uvicorn running on" in sup.log_text()  # service.log is the program's log
+    assert "INFO qwen_chat: listening on http://" in sup.log_text()  # service.log is the program's log
 
 
 @drill
