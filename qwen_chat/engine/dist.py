@@ -166,6 +166,16 @@ def _is_ancestor(pid: int) -> bool:
     return False
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Thread]:
     """Leave the process (code 1) as soon as the launcher that started this rank is gone.
 
@@ -187,14 +197,8 @@ def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Threa
             time.sleep(interval_s)
             if os.getppid() != parent:
                 die(f"rank pid {os.getpid()}: the launcher (parent pid {parent}) is gone; exiting")
-            if watch_leader:
-                try:
-                    os.kill(leader, 0)
-                except ProcessLookupError:
-                    die(f"rank pid {os.getpid()}: the launcher's process group leader (pid {leader}) is gone; "
-                        "exiting")
-                except PermissionError:
-                    pass
+            if watch_leader and not _alive(leader):
+                die(f"rank pid {os.getpid()}: the launcher's process group leader (pid {leader}) is gone; exiting")
 
     thread = threading.Thread(target=watch, name="launcher-watchdog", daemon=True)
     thread.start()
