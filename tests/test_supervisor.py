@@ -30,6 +30,7 @@ from qwen_chat.history.store import HistoryStore
 from tests.service_harness import (
     PROGRAM,
     REPO,
+    ServiceProcess,
     Supervisor,
     conversation_ids,
     free_port,
@@ -331,3 +332,25 @@ def _cmdline(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except psutil.NoSuchProcess:
         return []
+
+
+@drill
+def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path, tiny_cache):
+    """``kill -9`` of the DeepSpeed runner that Supervisor started (the process-group leader) with 2 CPU ranks:
+    the ranks notice their launcher is gone and exit on their own, so no unsupervised group keeps the GPUs and
+    the port while Supervisor starts a new one."""
+    port = free_port()
+    argv = service_argv(port, tmp_path / "history", tiny_cache)
+    env = {"NUM_CPU_RANKS": "2", "MASTER_PORT": str(free_port())}
+    with ServiceProcess(argv, tmp_path / "service.log", env=env) as svc:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout_s=FIRST_START_S)
+        leader = svc.proc.pid  # start.sh exec's the deepspeed runner: it leads the session's process group
+        assert len(group_pids(leader)) >= 4, group_pids(leader)  # runner, launch.py, 2 ranks
+        os.kill(leader, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: not group_pids(leader), 30, "every process of the killed launcher's group to exit")
+        gone_s = time.monotonic() - t0
+        assert listening_pids(port) == []
+        assert "is gone; exiting" in svc.log_text()
+    print(f"\n[drill] kill -9 of the launcher: all ranks gone after {gone_s:.1f} s")

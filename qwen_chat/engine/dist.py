@@ -167,13 +167,18 @@ def _is_ancestor(pid: int) -> bool:
 
 
 def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (dead, not yet reaped by its parent) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Thread]:
