@@ -239,7 +239,24 @@ def test_supervisorctl_restart_mid_stream(supervised):
     (("--model", "tiny", "--no-such-flag"), "app.py: error: unrecognized arguments: --no-such-flag"),
 ], ids=["missing-model", "bad-flag"])
 def test_failed_startup_ends_fatal_with_readable_log(tmp_path, tiny_cache, bad_args, reason):
-    port = free_port()
+    assert_startup_ends_fatal(tmp_path, tiny_cache, bad_args, reason, free_port())
+
+
+@drill
+def test_busy_port_ends_fatal_instead_of_restarting_forever(tmp_path, tiny_cache):
+    """The port is bound before the model loads, so a port taken by another program fails every attempt within
+    startsecs and Supervisor gives up (FATAL) instead of counting each attempt as started."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        assert_startup_ends_fatal(tmp_path, tiny_cache, ("--model", "tiny"), f"app.py: cannot listen on 127.0.0.1:{port}", port,
+                                  port_owned_elsewhere=True)
+
+
+def assert_startup_ends_fatal(tmp_path, tiny_cache, bad_args, reason, port, port_owned_elsewhere=False):
     argv = service_argv(port, tmp_path / "history", tiny_cache)
     model_at = argv.index("--model")
     argv = argv[:model_at] + argv[model_at + 2:] + list(bad_args)
@@ -264,7 +281,8 @@ def test_failed_startup_ends_fatal_with_readable_log(tmp_path, tiny_cache, bad_a
         assert attempts == retries + 1, f"{attempts} start attempts for startretries={retries}"
         time.sleep(2)  # FATAL is final: no further attempt is made
         assert sup.state() == "FATAL" and sup.log_text().count(reason) == log.count(reason)
-        assert listening_pids(port) == []
+        if not port_owned_elsewhere:
+            assert listening_pids(port) == []
         assert "gave up" in (tmp_path / "sv" / "supervisord.log").read_text()
     print(f"\n[drill] failing start-up {bad_args}: FATAL after {elapsed:.1f} s, {attempts} attempts")
 
