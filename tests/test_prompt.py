@@ -2,6 +2,8 @@
 without old reasoning (C17), typed special tokens stay text (C25-like inputs too), context policy."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
@@ -279,3 +281,19 @@ def test_context_too_long_reports_token_counts(tiny_loaded):
     err = info.value
     assert err.prompt_tokens == full.num_tokens and err.context_length == full.num_tokens + 10
     assert str(full.num_tokens) in str(err) and str(full.num_tokens + 10) in str(err)
+
+
+@pytest.mark.parametrize("budget", [64, 100, 256, 1024])
+@pytest.mark.parametrize("name", ["coffee.png", "chelsea.png", "hubble_deep_field.jpg"])
+def test_visual_tokens_never_exceed_the_budget(tiny_loaded, tmp_path, budget, name):
+    """Each image costs at most ``image_token_budget`` visual tokens, whatever the rounding to 32 px."""
+    from qwen_chat.images import ImageLimits, normalize_image
+
+    data = (Path(__file__).parent / "fixtures" / "images" / name).read_bytes()
+    path = tmp_path / "img.png"
+    path.write_bytes(normalize_image(data, ImageLimits(token_budget=budget)).png)
+    prompt = build_prompt(tiny_loaded, [ChatMessage(role="user", text="hi", images=(str(path),))],
+                          enable_thinking=False, image_token_budget=budget, context_length=8192, max_new_tokens=64)
+    visual = int((prompt.input_ids == 248056).sum())
+    assert visual == int(prompt.image_grid_thw.prod()) // 4
+    assert 1 <= visual <= budget

@@ -22,7 +22,7 @@ checkpoint whose template does not trim, only whitespace around a message can di
 Images: each path is opened with Pillow (the files are already normalised RGB, see ``qwen_chat.images``)
 and run through the image processor with ``longest_edge = image_token_budget * 1024`` pixels (facts file:
 ``smart_resize`` keeps the pixel count in [shortest_edge, longest_edge], one visual token per 1024 px) and
-``shortest_edge = min(processor default, longest_edge)``.
+``shortest_edge = min(processor default, longest_edge / 4)`` (so rounding up never overshoots the budget).
 
 Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
 1. If they do not fit, drop the oldest whole turns (a user message with the assistant replies that follow
@@ -131,7 +131,10 @@ def _image_kwargs(image_processor: Any, image_token_budget: int) -> dict:
         raise InvalidInput(f"image_token_budget must be at least 1, got {image_token_budget}")
     longest = int(image_token_budget) * PIXELS_PER_VISUAL_TOKEN
     default_shortest = int(image_processor.size["shortest_edge"])
-    return {"size": {"shortest_edge": min(default_shortest, longest), "longest_edge": longest}}
+    # The lower bound must stay well below the cap: smart_resize rounds *up* (ceil) when it enlarges an image to
+    # shortest_edge, which with shortest_edge == longest_edge (budgets <= 64 tokens with the 65536 px default)
+    # overshoots the budget (a 600x400 photo came out at 72 tokens for a 64-token budget).
+    return {"size": {"shortest_edge": min(default_shortest, longest // 4), "longest_edge": longest}}
 
 
 def _open_image(path: str) -> Image.Image:
