@@ -163,6 +163,11 @@ def _install_sigterm(executor) -> None:
         return
 
     def on_sigterm(signum, frame):
+        # The launcher forwards the group's SIGTERM, so it arrives twice: a second run of this handler inside
+        # the first one's executor.close() would deadlock on the executor's lock.
+        if qdist.STOPPING.is_set():
+            return
+        qdist.STOPPING.set()
         log.info("rank 0: SIGTERM; stopping all ranks")
         if not executor.close():
             qdist.die("rank 0: a worker rank was already gone at shutdown")

@@ -181,6 +181,14 @@ def _alive(pid: int) -> bool:
         return True
 
 
+#: Set once this rank has begun an orderly shutdown (a stop signal); the launcher watchdog then stands aside.
+STOPPING = threading.Event()
+
+#: Seconds the watchdog waits after the launcher vanished before it ends the rank: a SIGTERM to the whole
+#: group (Supervisor stop) also ends the launcher at once, and the rank's own shutdown must win that race.
+LAUNCHER_GONE_GRACE_S = 5.0
+
+
 def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Thread]:
     """Leave the process (code 1) as soon as the launcher that started this rank is gone.
 
@@ -201,9 +209,17 @@ def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Threa
         while True:
             time.sleep(interval_s)
             if os.getppid() != parent:
-                die(f"rank pid {os.getpid()}: the launcher (parent pid {parent}) is gone; exiting")
-            if watch_leader and not _alive(leader):
-                die(f"rank pid {os.getpid()}: the launcher's process group leader (pid {leader}) is gone; exiting")
+                gone = f"the launcher (parent pid {parent}) is gone"
+            elif watch_leader and not _alive(leader):
+                gone = f"the launcher's process group leader (pid {leader}) is gone"
+            else:
+                continue
+            # An orderly stop (SIGTERM to the group) ends the launcher too: give this rank's own shutdown
+            # (exit message from rank 0, with its own timers) the time to finish first.
+            time.sleep(LAUNCHER_GONE_GRACE_S)
+            if not STOPPING.is_set():
+                die(f"rank pid {os.getpid()}: {gone}; exiting")
+            return
 
     thread = threading.Thread(target=watch, name="launcher-watchdog", daemon=True)
     thread.start()
@@ -341,6 +357,9 @@ def worker_loop(local_executor, group: dist.ProcessGroup) -> None:
     rank = dist.get_rank()
 
     def on_stop_signal(signum, frame):
+        if STOPPING.is_set():  # the launcher forwards the group's signal: one grace timer is enough
+            return
+        STOPPING.set()
         name = signal.Signals(signum).name
         log.info("rank %d: %s; waiting up to %.0f s for rank 0's exit message", rank, name, WORKER_SIGTERM_GRACE_S)
         timer = threading.Timer(WORKER_SIGTERM_GRACE_S, die,
