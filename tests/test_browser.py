@@ -184,6 +184,9 @@ def test_stop_button_and_thinking_presets(server, page):
     wait_for(lambda: temperature.input_value() == "1")
     page.locator("#thinking input[type=checkbox]").click()
     wait_for(lambda: temperature.input_value() == "0.7")
+    # the seed starts empty (a fresh random seed per reply), not 0; and the backend got no seed
+    assert page.locator("#seed input, #seed textarea").first.input_value() == ""
+    assert call.settings.seed is None
 
 
 def test_page_left_open_across_a_restart_appends_to_saved_history(browser, tmp_path):

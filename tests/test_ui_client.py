@@ -153,6 +153,9 @@ def test_bad_image_shows_message_saves_nothing_and_next_turn_works(ui, tmp_path,
     assert name in notice
     assert out_id == conv_id
     assert texts(out_chat, "user") == ["hello"]  # the page shows what is saved, no failed bubble
+    # the refused file leaves the input box, the typed text stays for a retry
+    box = box.get("value", box) if isinstance(box, dict) else box  # gradio_client shows the update
+    assert box == {"text": "look at this", "files": []}
     assert len(saved(store, conv_id).messages) == n_before
     assert len(backend.calls) == n_calls
     chat, _, notice, _, _ = send(client, "and now text only", conv_id=conv_id)

@@ -25,6 +25,7 @@ from qwen_chat.chat_types import (
     TOP_K_RANGE,
     TOP_P_RANGE,
     ChatError,
+    InvalidImage,
     GenerationSettings,
 )
 from qwen_chat.web.handlers import (
@@ -107,7 +108,10 @@ def _render_settings(c: SimpleNamespace) -> None:
         c.top_k = gr.Slider(*TOP_K_RANGE, value=preset.top_k, step=1, label="Top-k")
         c.presence_penalty = gr.Slider(*PRESENCE_PENALTY_RANGE, value=preset.presence_penalty, step=0.05,
                                        label="Presence penalty")
-        c.seed = gr.Number(label="Seed (empty: random)", value=None, precision=0, elem_id="seed")
+        # A Textbox, not gr.Number: Gradio's number field shows an empty value as 0, which made every reply
+        # use seed 0 (identical regenerations).  handlers.parse_seed turns "" into "fresh random seed".
+        c.seed = gr.Textbox(label="Seed (empty: random)", value="", placeholder="random", max_lines=1,
+                            elem_id="seed")
 
 
 def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
@@ -117,16 +121,19 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
     def choices(user: str, selected: Optional[str]) -> Any:
         return gr.update(choices=ctl.conversation_choices(user), value=selected or None)
 
-    def on_disk(user: str, conv_id: str, notice: str, session: Session):
+    def on_disk(user: str, conv_id: str, notice: str, session: Session, box: Any = None):
         """The conversation as saved (after a refused turn); an unknown/foreign id leaves the page empty."""
         try:
             messages = ctl.open(user, conv_id)[0] if conv_id else []
         except ChatError:
             messages, conv_id = [], ""
-        return messages, conv_id, notice, gr.skip(), session, choices(user, conv_id)
+        return messages, conv_id, notice, gr.skip() if box is None else box, session, choices(user, conv_id)
 
-    def run(turns, user: str, conv_id: str, session: Session):
-        """Relay ``TurnView``s; a ChatError shows as a notice + toast and the chat shows what is on disk."""
+    def run(turns, user: str, conv_id: str, session: Session, message: Optional[dict] = None):
+        """Relay ``TurnView``s; a ChatError shows as a notice + toast and the chat shows what is on disk.
+
+        A refused image is taken out of the input box (the typed text stays), so the next Send does not
+        trip over the same file again."""
         cleared = False
         try:
             for view in turns:
@@ -135,7 +142,10 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
                 cleared = True
                 yield view.messages, view.conv_id, safe_markdown(view.notice), box, session, listed
         except ChatError as e:
-            yield on_disk(user, conv_id, warn(str(e)), session)
+            box = None
+            if isinstance(e, InvalidImage) and message:
+                box = gr.update(value={"text": message.get("text") or "", "files": []})
+            yield on_disk(user, conv_id, warn(str(e)), session, box)
             return
         if not cleared:  # nothing to send (blank message): change nothing on the page (C15)
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), session, gr.skip()
@@ -152,7 +162,7 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
             return
         turns = ctl.send(user, conv_id or None, message.get("text"), message.get("files") or [],
                          system_prompt or "", settings, session)
-        yield from run(turns, user, conv_id, session)
+        yield from run(turns, user, conv_id, session, message)
 
     def regenerate(conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
                    presence_penalty, seed, request: gr.Request):
