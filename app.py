@@ -104,7 +104,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.info("serving http://%s:%d (model %s)", cfg.host, cfg.port, backend.info.name)
         while web.is_alive():
             web.join(timeout=1.0)  # short joins keep the main thread responsive to signals
-        return 0 if not server.started or server.should_exit else 1
+        # Only a signal (SystemExit from the handler, through the finally) stops the server on purpose; a web
+        # thread that ended by itself failed, and Supervisor should restart the service.
+        print("app.py: the web server stopped unexpectedly", file=sys.stderr)
+        return 1
     finally:
         server.should_exit = True
         web.join(timeout=15)
