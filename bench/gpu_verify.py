@@ -18,45 +18,17 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sharding_bench import _MEM, _STOP  # noqa: E402  (the bootstrap's rank / stop lines)
+from sharding_bench import _MEM, _STOP, run_bounded  # noqa: E402  (rank / stop lines; bounded runs)
 
 MODES = ("single", "tp", "single_eager", "tp_eager")
 _TS = re.compile(r"^\[rank (\d+)\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
 _CAPTURED = re.compile(r"captured (\d+) decode graphs in ([\d.]+) s")
-
-
-def run_bounded(seconds: float, log: Path, cmd: list[str]) -> int:
-    t0 = time.monotonic()
-    with open(log, "w") as fh:
-        fh.write(f"# launch {time.time():.3f} {' '.join(cmd)}\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(seconds)
-        except subprocess.TimeoutExpired:
-            print(f"timeout after {seconds:.0f} s: {log.name}", flush=True)
-            fh.write(f"# TIMEOUT after {seconds:.0f} s\n")
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                code = proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                code = proc.wait()
-    try:  # ranks left behind by a launcher that died first
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    print(f"{log.name}: exit {code} after {time.monotonic() - t0:.0f} s", flush=True)
-    return code
 
 
 def _epoch(stamp: str) -> float:

@@ -107,18 +107,23 @@ def collect(logs: Path) -> dict:
 
 def run_bounded(seconds: float, log: Path, cmd: list[str]) -> int:
     """Run ``cmd`` in its own process group with output to ``log``; after ``seconds`` end the whole group
-    (launcher and ranks: SIGTERM, then SIGKILL 5 s later).  Returns the exit code (negative: signal)."""
+    (launcher and ranks: SIGTERM, then SIGKILL 5 s later).  The log starts with ``# launch <epoch> <cmd>``
+    (start-up time is measured from it) and gets ``# TIMEOUT after N s`` when the limit hit.  Returns the exit
+    code (negative: signal)."""
     import os
     import signal
     import subprocess
 
     t0 = time.monotonic()
     with open(log, "w") as fh:
+        fh.write(f"# launch {time.time():.3f} {' '.join(cmd)}\n")
+        fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(seconds)
         except subprocess.TimeoutExpired:
-            print(f"timeout after {seconds:.0f} s: {' '.join(cmd[:3])}...", flush=True)
+            print(f"timeout after {seconds:.0f} s: {log.name}", flush=True)
+            fh.write(f"# TIMEOUT after {seconds:.0f} s\n")
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 code = proc.wait(5)
