@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import random
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
-import uvicorn
 from fastapi import FastAPI
 from PIL import Image
 
@@ -41,6 +39,7 @@ from qwen_chat.chat_types import (
 )
 from qwen_chat.config import ServiceConfig
 from qwen_chat.web import api, ops
+from tests.service_harness import RunningServer
 
 VOCAB = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango")
@@ -176,29 +175,11 @@ class FakeBackend:
                 self.active -= 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_app(app: FastAPI, startup_timeout_s: float = 30.0) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("uvicorn test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    """``RunningServer`` (tests/service_harness.py) yielding the base URL without a trailing slash."""
+    with RunningServer(app, timeout_s=startup_timeout_s) as server:
+        yield server.url.rstrip("/")
 
 
 def build_app(backend, cfg: ServiceConfig) -> tuple[FastAPI, ops.InstrumentedBackend]:

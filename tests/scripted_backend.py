@@ -122,47 +122,5 @@ class ScriptedBackend:
                 self.active -= 1
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    """Serve a FastAPI app with uvicorn in a background thread on a free port (context manager).
-
-    ``url`` is ``http://127.0.0.1:PORT/``.  Start-up polls ``/healthz`` (bounded by ``timeout_s`` seconds);
-    exit asks uvicorn to shut down and joins the thread.
-    """
-
-    def __init__(self, app, port: Optional[int] = None, timeout_s: float = 30.0):
-        import uvicorn
-
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._timeout_s = timeout_s
-
-    def __enter__(self) -> "RunningServer":
-        import httpx
-
-        self._thread.start()
-        deadline = time.monotonic() + self._timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "healthz", timeout=2).status_code in (200, 503):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.__exit__(None, None, None)
-        raise TimeoutError(f"server on port {self.port} did not answer within {self._timeout_s} s")
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
+# Re-exported for the UI tests that import them from here.
+from tests.service_harness import RunningServer, free_port  # noqa: E402,F401

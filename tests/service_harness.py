@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -73,6 +74,41 @@ def service_argv(port: int, history_dir: Path, cache_dir: Path, *extra: str, mod
     """``bash start.sh --model tiny --port PORT --history-dir DIR --cache-dir DIR [extra...]``."""
     return ["bash", str(start_script()), "--model", model, "--port", str(port), "--history-dir", str(history_dir),
             "--cache-dir", str(cache_dir), *extra]
+
+
+class RunningServer:
+    """Serve a FastAPI app with uvicorn in a background thread on a free port (context manager).
+
+    ``url`` is ``http://127.0.0.1:PORT/``.  Start-up polls ``/healthz`` (bounded by ``timeout_s`` seconds);
+    exit asks uvicorn to shut down and joins the thread.
+    """
+
+    def __init__(self, app, port: Optional[int] = None, timeout_s: float = 30.0):
+        import uvicorn  # noqa: PLC0415 (only in-process servers need it)
+
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> "RunningServer":
+        self._thread.start()
+        deadline = time.monotonic() + self._timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "healthz", timeout=2).status_code in (200, 503):
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"server on port {self.port} did not answer within {self._timeout_s} s")
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
 
 
 def health(base_url: str, timeout_s: float = 5.0) -> tuple[Optional[int], dict]:

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.service_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "multirank" / "driver.py"
@@ -34,12 +35,6 @@ LAUNCHER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 
 TEXT = "Tell me about rockets."
 IMAGE_TEXT = "What is in this picture?"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(tmp: Path) -> dict:
