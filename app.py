@@ -23,7 +23,6 @@ import signal
 import socket
 import sys
 import threading
-from pathlib import Path
 from typing import Optional, Sequence
 
 log = logging.getLogger("qwen_chat")
@@ -42,22 +41,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _missing_checkpoint(model: str) -> Optional[str]:
-    """A message when ``--model`` names a local path (not ``tiny``, not ``owner/name``) without a checkpoint."""
-    if model == "tiny":
-        return None
-    path = Path(model).expanduser()
-    looks_local = model.startswith(("/", ".", "~")) or path.exists() or model.count("/") != 1
-    if looks_local and not (path / "config.json").is_file():
-        return (f"No checkpoint folder at {model!r} (no config.json there). Use --model PATH with a downloaded "
-                f"Qwen3.5 checkpoint folder, a hub id such as Qwen/Qwen3.5-9B, or --model tiny for the built-in "
-                f"demo model")
-    return None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse the command line, serve the UI + API on ``cfg.host:cfg.port`` (rank 0) and start the engine."""
-    from qwen_chat.config import ConfigError, ServiceConfig
+    from qwen_chat.config import ConfigError, ServiceConfig, local_checkpoint_problem
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -65,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"app.py: configuration error: {e}", file=sys.stderr)
         return 2
-    problem = _missing_checkpoint(cfg.model)
+    problem = local_checkpoint_problem(cfg.model)  # before the heavy imports: fails within startsecs
     if problem:
         print(f"app.py: cannot start the engine: {problem}", file=sys.stderr)
         return 1

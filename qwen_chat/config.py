@@ -9,11 +9,35 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-9B"
+
+
+MODEL_HINT = ("Pass --model PATH with a local Qwen3.5 checkpoint folder, or --model tiny for the built-in demo "
+              "model (random weights, no download).")
+
+
+def local_checkpoint_problem(model: str) -> Optional[str]:
+    """Why ``--model`` cannot name a checkpoint, judged from the file system alone (no torch, no network).
+
+    None for ``tiny``, for a folder holding ``config.json``, and for anything shaped like a hub id
+    (``owner/name``, which only a download can settle).  Otherwise the reason, ending with ``MODEL_HINT``
+    (which names ``--model PATH`` and ``--model tiny``).  Used by app.py before the heavy imports, so a wrong
+    path fails within Supervisor's startsecs, and by ``loading.resolve_checkpoint``.
+    """
+    if model == "tiny":
+        return None
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            return f"{local} has no config.json, so it is not a checkpoint folder. {MODEL_HINT}"
+        return None
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        return f"No checkpoint folder at {model!r} and it is not a hub id (owner/name). {MODEL_HINT}"
+    return None
 
 
 class ConfigError(ValueError):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.utils import is_torchvision_available
 
 from qwen_chat.chat_types import ModelInfo
+from qwen_chat.config import MODEL_HINT, local_checkpoint_problem
 from qwen_chat.engine.tiny import DEMO_CONFIG_KEY, DEMO_MARKER_FILE, build_tiny_checkpoint
 
 log = logging.getLogger(__name__)
@@ -94,17 +94,14 @@ def resolve_checkpoint(model: str, cache_dir: Optional[Path] = None) -> Path:
         ModelUnavailable: the folder has no ``config.json``, or the hub id is unknown, gated, or not cached
             while offline.  The message names ``--model PATH`` and ``--model tiny``.
     """
-    hint = ("Pass --model PATH with a local Qwen3.5 checkpoint folder, or --model tiny for the built-in demo "
-            "model (random weights, no download).")
+    hint = MODEL_HINT
     if model == "tiny":
         return build_tiny_checkpoint(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
-    local = Path(model).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            raise ModelUnavailable(f"{local} has no config.json, so it is not a checkpoint folder. {hint}")
-        return local.resolve()
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ModelUnavailable(f"No checkpoint folder at {model!r} and it is not a hub id (owner/name). {hint}")
+    problem = local_checkpoint_problem(model)
+    if problem:
+        raise ModelUnavailable(problem)
+    if Path(model).expanduser().is_dir():
+        return Path(model).expanduser().resolve()
     try:
         return Path(snapshot_download(model, allow_patterns=HUB_ALLOW_PATTERNS))
     except LocalEntryNotFoundError as exc:
