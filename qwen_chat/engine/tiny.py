@@ -31,6 +31,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from qwen_chat.engine.tokenizer_build import build_qwen35_tokenizer
+from qwen_chat.pending import DEMO_MARKER
 
 #: Bump whenever the config, weights recipe, tokenizer or template of the tiny model changes; the cache
 #: folder name includes it, so an old build is never reused by mistake.
@@ -38,7 +39,7 @@ TINY_MODEL_VERSION = "3"
 
 #: Marker key in config.json and marker file name in the checkpoint folder.
 DEMO_CONFIG_KEY = "qwen_chat_demo"
-DEMO_MARKER_FILE = "QWEN_CHAT_DEMO"
+DEMO_MARKER_FILE = DEMO_MARKER  # the web layer reads it before the engine loads (qwen_chat.pending)
 
 #: Seed of the random weights (fixed: two builds give identical tensors).
 TINY_SEED = 20260301
