@@ -279,3 +279,60 @@ def test_graph_ladder_and_context_buckets(model):
     assert runner.context_buckets() == [512, 1024, 2048, 3000]
     assert runner._context_bucket(513) == 1024 and runner._context_bucket(2049) == 3000
     assert runner.capture_all() == 0  # CPU: no graphs, nothing to capture
+
+
+@pytest.mark.parametrize("make_seq, pad_to", [
+    (lambda gen: Seq(text_ids(gen, 37)), 64),
+    (lambda gen: Seq(text_ids(gen, 37)), 130),   # padding longer than the 64-token chunk of the delta rule
+    (lambda gen: Seq(text_ids(gen, 2)), 128),    # shorter than the conv window (K - 1 = 3)
+    (image_seq, 100),
+])
+def test_padded_prefill_keeps_no_trace_of_the_padding(model, make_seq, pad_to):
+    """The CUDA-graph prefill runs a prompt padded at the end to its bucket.  The padded forward (forced here
+    with ``pad_to``) must give the reference's last-position logits and leave the slot's KV, conv and recurrent
+    state such that 8 decode steps still match the reference."""
+    gen = torch.Generator().manual_seed(11)
+    seq, other = make_seq(gen), Seq(text_ids(gen, 20))
+    runner = ModelRunner(model, num_slots=2, max_context=160, device="cpu")
+    runner.prefill(1, other.prompt())  # a live neighbour: its state must not be touched
+    errs = [rel_err(runner.prefill(0, seq.prompt(), pad_to=pad_to), seq.reference(model))]
+    assert runner.lengths[0] == len(seq.ids)
+    for _ in range(8):
+        toks = torch.randint(0, 290, (2,), generator=gen)
+        seq.ids.append(int(toks[0]))
+        other.ids.append(int(toks[1]))
+        out = runner.decode([0, 1], toks)
+        errs += [rel_err(out[0], seq.reference(model)), rel_err(out[1], other.reference(model))]
+    assert max(errs) <= TOL, errs
+
+
+def test_pad_to_outside_the_prompt_and_context_is_refused(model):
+    runner = ModelRunner(model, num_slots=1, max_context=64, device="cpu")
+    prompt = PreparedPrompt(input_ids=torch.arange(10))
+    for bad in (9, 65):
+        with pytest.raises(ValueError, match="pad_to must be in 10..64"):
+            runner.prefill(0, prompt, pad_to=bad)
+
+
+def test_projections_are_fused_without_extra_memory():
+    """Each layer's token-mixer input projections and the MLP's gate/up read one fused weight; the modules keep
+    views of it (no copy), a second runner on the same model reuses it, and the model's own forward is
+    unchanged."""
+    torch.manual_seed(0)
+    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        before = m(input_ids=ids).logits
+    n_before = sum(p.numel() for p in m.parameters())
+    runner = ModelRunner(m, num_slots=1, max_context=32, device="cpu")
+    assert runner.impl["fused_projection_groups"] == 2 * 8
+    la = m.model.language_model.layers[0].linear_attn
+    fused, sizes = runner._fused[0]["mix"]
+    assert sizes == [la.in_proj_qkv.out_features, la.in_proj_z.out_features, 4, 4]
+    assert la.in_proj_a.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert torch.equal(fused[-4:], la.in_proj_a.weight)
+    again = ModelRunner(m, num_slots=1, max_context=32, device="cpu")
+    assert again._fused[0]["mix"][0].data_ptr() == fused.data_ptr()
+    assert sum(p.numel() for p in m.parameters()) == n_before
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids).logits, before)

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 #: Smallest context bucket (tokens) of the decode attention; buckets double up to ``max_context``.
 MIN_CONTEXT_BUCKET = 512
+#: Prompt lengths (tokens) for which the prefill is captured in a CUDA graph; a prompt of L tokens runs padded to
+#: the smallest bucket >= L (buckets above ``max_context`` are dropped; longer prompts run eagerly).
+PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
 
 
 def _resolve_chunk_rule() -> tuple[Callable, str]:
@@ -53,6 +56,41 @@ def _resolve_chunk_rule() -> tuple[Callable, str]:
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
         return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule"
+
+
+def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor, list[int]]]:
+    """Put the weights of projections that read the same input into one matrix, so one GEMM replaces several.
+
+    Applies only when every module is a plain ``torch.nn.Linear`` without bias or hooks, all on one device and
+    dtype with the same input width (not to DeepSpeed's sharded or hooked replacements).  The fused matrix
+    [sum(out_features), in_features] is built once and each module's ``weight`` is rebound to its row block (a
+    view), so the model keeps working unchanged and no memory is added; called again on already-fused modules
+    it returns the same storage.
+
+    Returns ``(weight, out_sizes)`` (``F.linear(x, weight).split(out_sizes, -1)`` equals ``[m(x) for m in mods]``)
+    or None when the modules cannot be fused.
+    """
+    if len(mods) < 2 or any(type(m) is not torch.nn.Linear or m.bias is not None or m._forward_hooks
+                            or m._forward_pre_hooks for m in mods):
+        return None
+    ws = [m.weight for m in mods]
+    if len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or not all(w.is_contiguous() for w in ws):
+        return None
+    sizes = [int(w.shape[0]) for w in ws]
+    n_in = int(ws[0].shape[1])
+    storage = ws[0].untyped_storage()
+    offsets = [ws[0].storage_offset() + n_in * sum(sizes[:j]) for j in range(len(ws))]
+    with torch.no_grad():
+        if all(w.untyped_storage().data_ptr() == storage.data_ptr() and w.storage_offset() == o
+               for w, o in zip(ws, offsets)):  # fused before (another runner on the same model)
+            fused = ws[0].new_empty(0).set_(storage, offsets[0], (sum(sizes), n_in), (n_in, 1))
+            return fused, sizes
+        fused = torch.cat([w.detach() for w in ws], dim=0)
+        start = 0
+        for m, n in zip(mods, sizes):
+            m.weight = torch.nn.Parameter(fused[start:start + n], requires_grad=m.weight.requires_grad)
+            start += n
+    return fused, sizes
 
 
 def _is_zero3(model: torch.nn.Module) -> bool:
@@ -116,6 +154,21 @@ class ModelRunner:
                      "attention": "torch.sdpa", "cuda_graphs": self.use_cuda_graphs,
                      "decode_glue": "torch.compile" if compile_glue else "eager"}
 
+        self._groups: list[dict[str, list]] = []
+        self._fused: list[dict[str, tuple[torch.Tensor, list[int]]]] = []
+        for layer in self._layers:
+            if hasattr(layer, "linear_attn"):
+                la = layer.linear_attn
+                groups = {"mix": [la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a]}
+            else:
+                at = layer.self_attn
+                groups = {"mix": [at.q_proj, at.k_proj, at.v_proj]}
+            groups["mlp"] = [layer.mlp.gate_proj, layer.mlp.up_proj]
+            self._groups.append(groups)
+            self._fused.append({} if zero3 else {k: f for k, mods in groups.items()
+                                                 if (f := fuse_linears(mods)) is not None})
+        self.impl["fused_projection_groups"] = sum(len(f) for f in self._fused)
+
         self._build_state(tc)
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
         # Table built with the model's own rotary module over positions 0..max_context-1 (plus the largest
@@ -131,6 +184,9 @@ class ModelRunner:
         self._active = [False] * (self.num_slots + 1)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._prefill_out: dict[int, torch.Tensor] = {}
+        self.impl["prefill"] = "cuda graphs (bucketed)" if self.use_cuda_graphs else "eager"
         if self.use_cuda_graphs:
             self._alloc_static_buffers()
         log.info("ModelRunner: %d slots x %d tokens, dtype %s, impl %s", self.num_slots, self.max_context,
@@ -195,16 +251,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, slot: int, prompt: PreparedPrompt) -> torch.Tensor:
+    def prefill(self, slot: int, prompt: PreparedPrompt, pad_to: Optional[int] = None) -> torch.Tensor:
         """Run the whole prompt through the model into ``slot`` (replacing whatever it held).
 
         Images: features from the model's own vision tower (``model.model.get_image_features``) replace the
         embeddings at the image-pad positions; M-RoPE positions from ``model.model.get_rope_index``, whose
         delta is kept for the slot's decode positions.
 
+        With CUDA graphs a prompt of L <= max(``prefill_buckets()``) tokens replays the graph of the smallest
+        bucket >= L: the prompt is padded at the end and the padding changes nothing the slot keeps (see
+        ``_prefill_forward``).  ``pad_to`` forces that padded form eagerly (tests compare it with the unpadded
+        one); it must be >= the prompt length and <= ``max_context``.
+
         Returns: fp32 logits [vocab_size] of the last prompt position.
         Raises: ContextTooLong if the prompt does not fit ``max_context``; InvalidInput for an empty prompt, token
-        ids outside the embedding table, or a pad-token count that does not match the image features.
+        ids outside the embedding table, or a pad-token count that does not match the image features;
+        ValueError for a ``pad_to`` outside L..max_context.
         """
         self._check_slot(slot)
         ids = prompt.input_ids.to(self.device, torch.long).reshape(-1)
@@ -214,6 +276,8 @@ class ModelRunner:
         if L >= self.max_context:
             raise ContextTooLong(f"prompt of {L} tokens does not fit the context of {self.max_context} tokens "
                                  "(one position is needed for the reply)", L, self.max_context)
+        if pad_to is not None and not L <= pad_to <= self.max_context:
+            raise ValueError(f"pad_to must be in {L}..{self.max_context} (got {pad_to})")
         lo, hi = int(ids.min()), int(ids.max())  # an out-of-range id would be a device-side assert on CUDA
         if lo < 0 or hi >= self._embed.num_embeddings:
             raise InvalidInput(f"prompt token ids must be in 0..{self._embed.num_embeddings - 1} (got {lo}..{hi})")
@@ -241,65 +305,104 @@ class ModelRunner:
         else:
             pos = torch.arange(L, device=self.device).view(1, 1, -1).expand(3, 1, -1)
         cos, sin = self._lm.rotary_emb(emb, pos)  # [1, L, rotary_dim]
+        bucket = self._prefill_bucket(L) if pad_to is None else None
+        if bucket is not None:
+            logits = self._prefill_graph(slot, emb, cos, sin, L, bucket)
+        else:
+            if pad_to is not None and pad_to > L:
+                emb, cos, sin = (F.pad(t, (0, 0, 0, pad_to - L)) for t in (emb, cos, sin))
+            logits = self._prefill_forward(emb, cos, sin, torch.tensor([slot], device=self.device),
+                                           torch.tensor([L], device=self.device))
+        self.lengths[slot] = L
+        self.rope_deltas[slot] = delta
+        self._active[slot] = True
+        return logits.reshape(-1)
+
+    def _prefill_forward(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_t: torch.Tensor,
+                         n_t: torch.Tensor) -> torch.Tensor:
+        """The prefill forward of one prompt, padded or not, with tensor ops only (capturable in a CUDA graph).
+
+        emb: [1, P, hidden] input embeddings (model dtype); cos/sin: [1, P, rotary_dim]; slot_t: int64 [1], the
+        slot to fill; n_t: int64 [1], the real prompt length n <= P.  Positions n..P-1 are padding and leave no
+        trace in what the slot keeps: the Gated DeltaNet layers see them with beta = 0 and log-decay g = 0, so
+        S_t = S_{t-1} exactly (the delta rule's update is scaled by beta, its decay is exp(g)); the conv state
+        is taken from the last K-1 real positions; attention is causal, so real positions never see padding,
+        and the padding's KV entries (positions >= n) are overwritten by decode before any query reaches them.
+        Returns fp32 logits [1, vocab_size] of position n - 1.
+        """
+        P = emb.shape[1]
+        valid = (self._ctx_range[:P] < n_t).to(self.dtype)  # [P]
         h = emb
         for i, layer in enumerate(self._layers):
             x = layer.input_layernorm(h)
             if self._kinds[i] == "linear":
-                x = self._linear_prefill(i, layer.linear_attn, slot, x)
+                x = self._linear_prefill(i, layer.linear_attn, slot_t, n_t, valid, x)
             else:
-                x = self._attn_prefill(i, layer.self_attn, slot, x, cos, sin)
+                x = self._attn_prefill(i, layer.self_attn, slot_t, x, cos, sin)
             h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self._lm_head(self._final_norm(h[:, -1:]))
-        self.lengths[slot] = L
-        self.rope_deltas[slot] = delta
-        self._active[slot] = True
-        return logits.reshape(-1).float()
+            mlp = layer.mlp
+            gate, up = self._project(i, "mlp", layer.post_attention_layernorm(h))
+            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        last = h.index_select(1, n_t - 1)  # [1, 1, hidden]
+        return self._lm_head(self._final_norm(last)).reshape(1, -1).float()
 
-    def _attn_prefill(self, i, at, slot, x, cos, sin):
+    def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Outputs of layer ``i``'s projection group ``group`` ("mix": the token mixer's input projections,
+        "mlp": gate and up) for input x [..., hidden]: one GEMM over the fused weight when the group was fused
+        (``fuse_linears``), else one module call each.  Returns a tuple of [..., out_features] tensors (views
+        into one output when fused)."""
+        fused = self._fused[i].get(group)
+        if fused is None:
+            return tuple(m(x) for m in self._groups[i][group])
+        w, sizes = fused
+        return F.linear(x, w).split(sizes, dim=-1)
+
+    def _attn_prefill(self, i, at, slot_t, x, cos, sin):
         g = self._geo[i]
-        B, L, _ = x.shape
+        B, P, _ = x.shape
         hd = g["hd"]
-        q, gate = torch.chunk(at.q_proj(x).view(B, L, -1, 2 * hd), 2, dim=-1)
-        gate = gate.reshape(B, L, -1)
-        q = at.q_norm(q).transpose(1, 2)                                     # [1, nq, L, hd]
-        k = at.k_norm(at.k_proj(x).view(B, L, -1, hd)).transpose(1, 2)      # [1, nkv, L, hd]
-        v = at.v_proj(x).view(B, L, -1, hd).transpose(1, 2)
+        qg, kx, vx = self._project(i, "mix", x)
+        q, gate = torch.chunk(qg.reshape(B, P, -1, 2 * hd), 2, dim=-1)
+        gate = gate.reshape(B, P, -1)
+        q = at.q_norm(q).transpose(1, 2)                                     # [1, nq, P, hd]
+        k = at.k_norm(kx.reshape(B, P, -1, hd)).transpose(1, 2)             # [1, nkv, P, hd]
+        v = vx.reshape(B, P, -1, hd).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        self.k_cache[i][slot, :, :L] = k[0]
-        self.v_cache[i][slot, :, :L] = v[0]
+        self.k_cache[i][slot_t, :, :P] = k.to(self.k_cache[i].dtype)
+        self.v_cache[i][slot_t, :, :P] = v.to(self.v_cache[i].dtype)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=g["scale"], enable_gqa=True)
-        o = o.transpose(1, 2).reshape(B, L, -1) * torch.sigmoid(gate)
+        o = o.transpose(1, 2).reshape(B, P, -1) * torch.sigmoid(gate)
         return at.o_proj(o)
 
-    def _linear_prefill(self, i, la, slot, x):
+    def _linear_prefill(self, i, la, slot_t, n_t, valid, x):
         g = self._geo[i]
-        B, L, _ = x.shape
+        B, P, _ = x.shape
         K = g["K"]
-        qkv = la.in_proj_qkv(x).transpose(1, 2)  # [1, C, L]
-        z = la.in_proj_z(x)
-        b, a = la.in_proj_b(x), la.in_proj_a(x)
-        tail = qkv[..., -(K - 1):]
-        if tail.shape[-1] < K - 1:
-            tail = F.pad(tail, (K - 1 - tail.shape[-1], 0))
-        self.conv_state[i][slot].copy_(tail[0])
-        mixed = ACT2FN[la.activation](la.conv1d(qkv.to(la.conv1d.weight.dtype))[..., :L]).to(x.dtype)
+        qkv, z, b, a = self._project(i, "mix", x)
+        qkv = qkv.transpose(1, 2)  # [1, C, P]
+        # conv state: the last K-1 real inputs (zeros before the first token)
+        idx = n_t - (K - 1) + self._ctx_range[:K - 1]
+        tail = qkv[0].index_select(1, idx.clamp(min=0)) * (idx >= 0).to(qkv.dtype)   # [C, K-1]
+        self.conv_state[i].index_copy_(0, slot_t, tail[None].to(self.conv_state[i].dtype))
+        mixed = ACT2FN[la.activation](la.conv1d(qkv.to(la.conv1d.weight.dtype))[..., :P]).to(x.dtype)
         mixed = mixed.transpose(1, 2)
         q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
-        q = q.reshape(B, L, -1, g["dk"])
-        k = k.reshape(B, L, -1, g["dk"])
-        v = v.reshape(B, L, -1, g["dv"])
+        q = q.reshape(B, P, -1, g["dk"])
+        k = k.reshape(B, P, -1, g["dk"])
+        v = v.reshape(B, P, -1, g["dv"])
         rep = g["nv"] // g["nk"]
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        beta = b.sigmoid()
-        gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
+        mask = valid[None, :, None]
+        beta = b.sigmoid() * mask.to(b.dtype)
+        gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias) * mask.float()
         out, state = self._chunk_rule(q, k, v, g=gdecay, beta=beta, initial_state=None,
                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
-        self.rec_state[i][slot].copy_(state[0].float().transpose(-1, -2))  # [HV, dk, dv] -> [HV, dv, dk]
+        # [1, HV, dk, dv] -> value-major [1, HV, dv, dk]
+        self.rec_state[i].index_copy_(0, slot_t, state.float().transpose(-1, -2).contiguous())
         core = la.norm(out.reshape(-1, g["dv"]).to(x.dtype), z.reshape(-1, g["dv"]))
-        return la.out_proj(core.reshape(B, L, -1))
+        return la.out_proj(core.reshape(B, P, -1))
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
@@ -359,7 +462,8 @@ class ModelRunner:
                 x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
             h, x = k["add_norm"](h, x, layer.post_attention_layernorm)
             mlp = layer.mlp
-            x = mlp.down_proj(k["swiglu"](mlp.gate_proj(x), mlp.up_proj(x), mlp.act_fn))
+            gate, up = self._project(i, "mlp", x)
+            x = mlp.down_proj(k["swiglu"](gate, up, mlp.act_fn))
             nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
             h, x = k["add_norm"](h, x, nxt)
         return self._lm_head(x).float()
@@ -368,8 +472,9 @@ class ModelRunner:
         g = self._geo[i]
         B = x.shape[0]
         kc, vc = self.k_cache[i], self.v_cache[i]
-        q, gate = self._glue["attn_pre"](at.q_proj(x), at.k_proj(x), at.v_proj(x), at.q_norm, at.k_norm, cos, sin,
-                                         kc, vc, slot_idx, pos, g["hd"], g["nkv"])
+        qg, kx, vx = self._project(i, "mix", x)
+        q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, slot_idx, pos,
+                                         g["hd"], g["nkv"])
         if self._fused_attention:
             o = self._glue["attn_core"](q, kc, vc, slot_idx, pos, ctx, g["scale"])
         else:  # eager: gathered copy + SDPA (cheaper than the broadcast form without a compiler)
@@ -381,8 +486,9 @@ class ModelRunner:
 
     def _linear_decode(self, i, la, slot_idx, x):
         g = self._geo[i]
+        qkv, z, b, a = self._project(i, "mix", x)
         core = self._glue["gdn_step"](
-            la.in_proj_qkv(x), la.in_proj_z(x), la.in_proj_b(x), la.in_proj_a(x), self.conv_state[i],
+            qkv, z, b, a, self.conv_state[i],
             self.rec_state[i], slot_idx, la.conv1d.weight[:, 0, :], la.A_log, la.dt_bias, la.norm,
             la.activation, g["key_dim"], g["dk"], g["dv"])
         return la.out_proj(core)
@@ -440,18 +546,23 @@ class ModelRunner:
 
     @torch.no_grad()
     def capture_all(self, batch_sizes: Sequence[int] | None = None,
-                    context_buckets: Sequence[int] | None = None) -> int:
-        """Compile and capture decode graphs ahead of serving (otherwise each (batch, context) pair is captured,
-        and the glue compiled, on first use: about 30 s for the first one on the 9B).  Defaults: every padded
-        batch size x every context bucket.  Every rank of a tensor-parallel group must call this with the same
-        arguments.  Returns the number of graphs held (0 without CUDA graphs)."""
+                    context_buckets: Sequence[int] | None = None,
+                    prefill_buckets: Sequence[int] | None = None) -> int:
+        """Compile and capture decode and prefill graphs ahead of serving (otherwise each is captured, and the
+        glue compiled or fla's kernels tuned, on first use: about 30 s for the first decode graph on the 9B).
+        Defaults: every padded batch size x every context bucket, and every prefill bucket.  Every rank of a
+        tensor-parallel group must call this with the same arguments.  Returns the number of graphs held (0
+        without CUDA graphs)."""
         if not self.use_cuda_graphs:
             return 0
         for bp in batch_sizes or self.graph_batch_sizes():
             for ctx in context_buckets or self.context_buckets():
                 if (bp, ctx) not in self._graphs:
                     self._capture(bp, ctx)
-        return len(self._graphs)
+        for P in prefill_buckets or self.prefill_buckets():
+            if P not in self._prefill_graphs:
+                self._capture_prefill(P)
+        return len(self._graphs) + len(self._prefill_graphs)
 
     def _decode_graph(self, slots, tokens, pos, rope, ctx) -> torch.Tensor:
         B = len(slots)
@@ -467,3 +578,57 @@ class ModelRunner:
         self._s_rope[:bp].copy_(torch.tensor(rope + [0] * pad), non_blocking=True)
         self._graphs[key].replay()
         return self._s_out[key][:B].clone()
+
+    # ------------------------------------------------------------------ prefill graphs
+    def prefill_buckets(self) -> list[int]:
+        """Prompt lengths with a captured prefill graph (``PREFILL_BUCKETS`` up to ``max_context``); empty
+        without CUDA graphs."""
+        if not self.use_cuda_graphs:
+            return []
+        return [b for b in PREFILL_BUCKETS if b <= self.max_context]
+
+    def _prefill_bucket(self, n: int) -> Optional[int]:
+        """The bucket a prompt of n tokens is padded to, or None when it runs eagerly."""
+        return next((b for b in self.prefill_buckets() if b >= n), None)
+
+    def _alloc_prefill_buffers(self) -> None:
+        if hasattr(self, "_p_emb"):
+            return
+        P = max(self.prefill_buckets())
+        dev, hidden, rot = self.device, self._embed.embedding_dim, self._cos_table.shape[-1]
+        self._p_emb = torch.zeros(1, P, hidden, device=dev, dtype=self.dtype)
+        self._p_cos = torch.zeros(1, P, rot, device=dev, dtype=self._cos_table.dtype)
+        self._p_sin = torch.zeros(1, P, rot, device=dev, dtype=self._sin_table.dtype)
+        self._p_slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self._p_n = torch.ones(1, dtype=torch.long, device=dev)
+
+    def _capture_prefill(self, P: int) -> None:
+        """Capture the prefill forward padded to P tokens (run into the scratch slot while capturing)."""
+        self._alloc_prefill_buffers()
+        self._p_slot.fill_(self._scratch)
+        self._p_n.fill_(P)
+        args = (self._p_emb[:, :P], self._p_cos[:, :P], self._p_sin[:, :P], self._p_slot, self._p_n)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # Triton autotuning and cuBLAS workspaces happen here, outside the capture
+                self._prefill_forward(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            self._prefill_out[P] = self._prefill_forward(*args)
+        self._prefill_graphs[P] = graph
+
+    def _prefill_graph(self, slot: int, emb, cos, sin, n: int, P: int) -> torch.Tensor:
+        """Copy the prompt into the static buffers (zero padding up to P) and replay bucket P's graph."""
+        if P not in self._prefill_graphs:
+            self._capture_prefill(P)
+        for buf, src in ((self._p_emb, emb), (self._p_cos, cos), (self._p_sin, sin)):
+            buf[:, :n].copy_(src)
+            buf[:, n:P].zero_()
+        self._p_slot.fill_(slot)
+        self._p_n.fill_(n)
+        self._prefill_graphs[P].replay()
+        return self._prefill_out[P].clone()
