@@ -161,7 +161,7 @@ def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, g
         lg = runner.prefill(s, PreparedPrompt(input_ids=random_ids(prompt_len, gen)))
         sampler.start(s, SamplingParams(seed=1000 + s, max_new_tokens=new, stop_token_ids=(), **PRESET))
         last.append(sampler.sample([s], lg[None])[0])
-    tokens = torch.tensor(last, device=dev)
+    tokens = torch.tensor(last)  # host ints, as the executor feeds them
     decode_times = []
     sync(dev)
     t0 = time.perf_counter()
@@ -169,7 +169,7 @@ def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, g
         t = time.perf_counter()
         lg = runner.decode(slots, tokens)
         if sample:
-            tokens = torch.tensor(sampler.sample(slots, lg), device=dev)
+            tokens = torch.tensor(sampler.sample(slots, lg))
         else:
             tokens = lg.argmax(-1)
             sync(dev)
@@ -182,6 +182,40 @@ def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, g
     return {"streams": batch, "prompt_tokens": prompt_len, "decode_steps": steps,
             "aggregate_tok_s": batch * steps / total, "per_stream_tok_s": steps / total,
             "median_step_ms": statistics.median(decode_times) * 1e3, "sampling": sample}
+
+
+def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> dict:
+    """Batch-1 decode as the service runs it: one request through the rank-0 ``Scheduler`` and
+    ``LocalExecutor`` (plans, sampling, token routing to the request's stream).  Decode tok/s = (tokens - 1) /
+    (time of the last token - time of the first)."""
+    from qwen_chat.chat_types import CancelToken
+    from qwen_chat.engine.executor import LocalExecutor
+    from qwen_chat.engine.scheduler import Scheduler
+
+    sched = Scheduler(LocalExecutor(runner, sampler), num_slots=runner.num_slots, max_queue=4, eos_ids=(),
+                      max_context=runner.max_context)
+    try:
+        prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen), max_new_tokens=new)
+        params = SamplingParams(seed=7, max_new_tokens=new, stop_token_ids=(), **PRESET)
+        t_submit = time.perf_counter()
+        stamps = [time.perf_counter() for _ in sched.submit(prompt, params, CancelToken())]
+    finally:
+        sched.shutdown()
+    return {"prompt_tokens": prompt_len, "tokens": len(stamps), "ttft_ms": (stamps[0] - t_submit) * 1e3,
+            "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def prefill_graph_vs_eager(runner, sampler, dev, lengths, gen) -> list:
+    """TTFT of text prompts through the prefill graphs (padded to the bucket) and eagerly (``pad_to`` = the
+    prompt length forces the eager path), median of 3 after a warm-up each."""
+    rows = []
+    for n in lengths:
+        prompt = PreparedPrompt(input_ids=random_ids(n, gen))
+        graph = ttft(runner, sampler, dev, prompt, 3)
+        eager = ttft(runner, sampler, dev, prompt, 3, pad_to=n)
+        rows.append({"prompt_tokens": n, "bucket": runner._prefill_bucket(n), "graph_ms": graph["ttft_ms"],
+                     "eager_ms": eager["ttft_ms"]})
+    return rows
 
 
 def profile_decode(runner, dev, batch: int, prompt_len: int, steps: int, gen) -> dict:
@@ -245,13 +279,13 @@ def profile_prefill(runner, dev, prompt_len: int, gen) -> dict:
             "top_cpu_self": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in cpu[:15]]}
 
 
-def ttft(runner, sampler, dev, prompt: PreparedPrompt, repeats: int) -> dict:
+def ttft(runner, sampler, dev, prompt: PreparedPrompt, repeats: int, pad_to=None) -> dict:
     """Prefill + first sampled token, synchronised; first run is a warm-up."""
     sampler.start(0, SamplingParams(seed=1, max_new_tokens=8, stop_token_ids=(), **PRESET))
 
     def once():
         runner.free(0)
-        return sampler.sample([0], runner.prefill(0, prompt)[None])
+        return sampler.sample([0], runner.prefill(0, prompt, pad_to=pad_to)[None])
 
     once()
     times = [timed(once, dev)[0] for _ in range(repeats)]
@@ -357,6 +391,10 @@ def table(doc) -> str:
         for x in rows:
             row(f"{variant}: {x['streams']} streams aggregate tok/s", f"{x['aggregate_tok_s']:.0f}",
                 ">= 2000" if x["streams"] == 32 and variant == "compiled" else "")
+    if "batch1_scheduler" in s:
+        row("engine batch 1 via scheduler (tok/s)", f"{s['batch1_scheduler']['decode_tok_s']:.1f}")
+    for x in s.get("prefill_graph_vs_eager", []):
+        row(f"TTFT {x['prompt_tokens']} tok: graph / eager ms", f"{x['graph_ms']:.1f} / {x['eager_ms']:.1f}")
     if "greedy" in s:
         g = s["greedy"]
         row("greedy agreement (positions)", f"{g['position_agreement'] * 100:.1f}%")
@@ -409,10 +447,10 @@ def main(argv=None) -> int:
                                                                       (argv if argv is not None else sys.argv[1:]))}
     # Sizes (smoke: tiny, to exercise every path on CPU in seconds)
     P = dict(prompt=512, new=256, base_new=16, b1_new=129, ttft_1k=1024, ttft_8k=8192, img_px=1024,
-             streams=(1, 4, 16, 32), max_context=9216, greedy_n=8, greedy_len=64, greedy_new=32, bw_bytes=2 << 30)
+             streams=(1, 4, 16, 32), max_context=9216, prefill_cmp=(100, 1000, 1500, 2500, 4000), greedy_n=8, greedy_len=64, greedy_new=32, bw_bytes=2 << 30)
     if smoke:
         P.update(prompt=24, new=6, base_new=2, b1_new=5, ttft_1k=40, ttft_8k=80, img_px=64, streams=(1, 4),
-                 max_context=256, greedy_n=2, greedy_len=10, greedy_new=4, bw_bytes=1 << 20)
+                 max_context=256, greedy_n=2, prefill_cmp=(30,), greedy_len=10, greedy_new=4, bw_bytes=1 << 20)
     run.doc["sizes"] = {k: v for k, v in P.items()}
     gen = torch.Generator().manual_seed(0)
     config = build_config(smoke)
@@ -488,6 +526,10 @@ def main(argv=None) -> int:
                                                 PreparedPrompt(input_ids=random_ids(P["ttft_8k"], gen)), 2))
             run.section("ttft_image_1mp", lambda: ttft(runner, sampler, dev,
                                                        image_prompt(config, gen, P["img_px"]), 2))
+            run.section("prefill_graph_vs_eager", lambda: prefill_graph_vs_eager(runner, sampler, dev,
+                                                                                 P["prefill_cmp"], gen))
+            run.section("batch1_scheduler", lambda: scheduler_decode(runner, sampler, dev, P["prompt"],
+                                                                     P["b1_new"], gen))
         rows = []
         for b in P["streams"]:
             if b == 1 and res is not None:

@@ -40,8 +40,9 @@ BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 #: Smallest context bucket (tokens) of the decode attention; buckets double up to ``max_context``.
 MIN_CONTEXT_BUCKET = 512
 #: Prompt lengths (tokens) for which the prefill is captured in a CUDA graph; a prompt of L tokens runs padded to
-#: the smallest bucket >= L (buckets above ``max_context`` are dropped; longer prompts run eagerly).
-PREFILL_BUCKETS = (128, 256, 512, 1024, 2048, 4096)
+#: the smallest bucket >= L (buckets above ``max_context`` are dropped; longer prompts run eagerly).  Steps of
+#: at most 1.5x above 256 tokens bound the padding's extra GPU work where prefill is compute-bound.
+PREFILL_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def _resolve_chunk_rule() -> tuple[Callable, str]:
@@ -498,19 +499,20 @@ class ModelRunner:
         n = BATCH_LADDER[-1]
         dev = self.device
         self._scratch = self.num_slots
-        self._s_slots = torch.full((n,), self._scratch, dtype=torch.long, device=dev)
-        self._s_tokens = torch.zeros(n, dtype=torch.long, device=dev)
-        self._s_pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self._s_rope = torch.zeros(n, dtype=torch.long, device=dev)
+        # Graph inputs, rows: slot, token, position, rope position.  Filled on the host in a pinned buffer and
+        # sent with one asynchronous copy per step; the event guards the pinned buffer against reuse too early.
+        self._s_in = torch.zeros(4, n, dtype=torch.long, device=dev)
+        self._s_slots, self._s_tokens, self._s_pos, self._s_rope = self._s_in.unbind(0)
+        self._h_in = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
+        self._h_in_np = self._h_in.numpy()
+        self._in_copied = torch.cuda.Event()
         self._s_out: dict[tuple[int, int], torch.Tensor] = {}
 
     def _capture(self, bp: int, ctx: int) -> None:
         """Capture the decode step for padded batch ``bp`` and context bucket ``ctx`` (inputs point at the
         scratch slot during warm-up and capture, so no live sequence is touched)."""
+        self._s_in.zero_()
         self._s_slots.fill_(self._scratch)
-        self._s_tokens.zero_()
-        self._s_pos.zero_()
-        self._s_rope.zero_()
         args = (self._s_slots[:bp], self._s_tokens[:bp], self._s_pos[:bp], self._s_rope[:bp], ctx)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -570,12 +572,18 @@ class ModelRunner:
         key = (bp, ctx)
         if key not in self._graphs:
             self._capture(bp, ctx)
-        pad = bp - B
-        self._s_slots[:bp].copy_(torch.tensor(slots + [self._scratch] * pad), non_blocking=True)
-        self._s_tokens[:B].copy_(tokens.reshape(-1), non_blocking=True)
-        self._s_tokens[B:bp].zero_()
-        self._s_pos[:bp].copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
-        self._s_rope[:bp].copy_(torch.tensor(rope + [0] * pad), non_blocking=True)
+        h = self._h_in_np
+        self._in_copied.synchronize()  # the previous step's copy has read the pinned buffer
+        h[:, B:bp] = 0
+        h[0, :bp] = self._scratch
+        h[0, :B], h[2, :B], h[3, :B] = slots, pos, rope
+        on_host = tokens.device.type == "cpu"
+        if on_host:
+            h[1, :B] = tokens.reshape(-1).numpy()
+        self._s_in.copy_(self._h_in, non_blocking=True)
+        self._in_copied.record()
+        if not on_host:
+            self._s_tokens[:B].copy_(tokens.reshape(-1))
         self._graphs[key].replay()
         return self._s_out[key][:B].clone()
 

@@ -87,6 +87,7 @@ def test_graph_decode_matches_reference_with_joins_and_leaves(model, compile_glu
     join(0, CudaSeq(text_ids(gen, 3)))
     step(5)
     assert len(runner._graphs) >= 2
+    assert sorted(runner._prefill_graphs) == [128, 1024]  # the joins above ran through prefill graphs
     assert max(errs) <= GPU_TOL, max(errs)
 
 
