@@ -205,6 +205,55 @@ def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> di
             "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
+def executor_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> dict:
+    """Batch-1 decode through ``LocalExecutor.execute`` on this thread (step plans, sampling, no scheduler
+    thread): separates the executor's cost from the scheduler's in ``scheduler_decode``."""
+    from qwen_chat.engine.executor import LocalExecutor
+    from qwen_chat.engine.requests import PrefillItem, StepPlan
+
+    ex = LocalExecutor(runner, sampler)
+    params = SamplingParams(seed=7, max_new_tokens=new, stop_token_ids=(), **PRESET)
+    prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen), max_new_tokens=new)
+    tok = ex.execute(StepPlan(free_slots=[0], prefills=[PrefillItem(0, prompt, params)]))[0]
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(new - 1):
+        tok = ex.execute(StepPlan(decode_slots=[0], decode_tokens=[tok]))[0]
+    dt_s = time.perf_counter() - t0
+    runner.free(0)
+    return {"prompt_tokens": prompt_len, "decode_steps": new - 1, "decode_tok_s": (new - 1) / dt_s}
+
+
+def profile_scheduler(runner, sampler, dev, prompt_len: int, new: int, gen) -> dict:
+    """CPU-side profile of batch-1 decode through the scheduler (what the service runs): wall ms per token and
+    the CPU ops with the most self time, to show where the time beyond the GPU kernels goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        res = scheduler_decode(runner, sampler, dev, prompt_len, new, gen)
+    ev = prof.key_averages()
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    cpu = sorted(((e.self_cpu_time_total, e.count, e.key) for e in ev), reverse=True)
+    return {"profiled_decode_tok_s": res["decode_tok_s"], "tokens": res["tokens"],
+            "gpu_kernel_ms_total": sum(dev_t(e) for e in ev) / 1e3,
+            "top_cpu_self": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in cpu[:25]]}
+
+
+def first_eager_prefills(runner, dev, lengths, gen) -> list:
+    """Wall time of the first eager prefill at each length (one-off kernel compilation/tuning shows here),
+    then a second run of the same length."""
+    rows = []
+    for n in lengths:
+        prompt = PreparedPrompt(input_ids=random_ids(n, gen))
+        runner.free(0)
+        first, _ = timed(lambda: runner.prefill(0, prompt, pad_to=n), dev)
+        runner.free(0)
+        second, _ = timed(lambda: runner.prefill(0, prompt, pad_to=n), dev)
+        runner.free(0)
+        rows.append({"prompt_tokens": n, "first_ms": first * 1e3, "second_ms": second * 1e3})
+    return rows
+
+
 def prefill_graph_vs_eager(runner, sampler, dev, lengths, gen) -> list:
     """TTFT of text prompts through the prefill graphs (padded to the bucket) and eagerly (``pad_to`` = the
     prompt length forces the eager path), median of 3 after a warm-up each."""
@@ -393,6 +442,10 @@ def table(doc) -> str:
                 ">= 2000" if x["streams"] == 32 and variant == "compiled" else "")
     if "batch1_scheduler" in s:
         row("engine batch 1 via scheduler (tok/s)", f"{s['batch1_scheduler']['decode_tok_s']:.1f}")
+    if "batch1_executor" in s:
+        row("engine batch 1 via executor (tok/s)", f"{s['batch1_executor']['decode_tok_s']:.1f}")
+    for x in s.get("first_eager_prefills", []):
+        row(f"first eager prefill {x['prompt_tokens']} tok: 1st / 2nd ms", f"{x['first_ms']:.0f} / {x['second_ms']:.0f}")
     for x in s.get("prefill_graph_vs_eager", []):
         row(f"TTFT {x['prompt_tokens']} tok: graph / eager ms", f"{x['graph_ms']:.1f} / {x['eager_ms']:.1f}")
     if "greedy" in s:
@@ -447,10 +500,11 @@ def main(argv=None) -> int:
                                                                       (argv if argv is not None else sys.argv[1:]))}
     # Sizes (smoke: tiny, to exercise every path on CPU in seconds)
     P = dict(prompt=512, new=256, base_new=16, b1_new=129, ttft_1k=1024, ttft_8k=8192, img_px=1024,
-             streams=(1, 4, 16, 32), max_context=9216, prefill_cmp=(100, 1000, 1500, 2500, 4000), greedy_n=8, greedy_len=64, greedy_new=32, bw_bytes=2 << 30)
+             streams=(1, 4, 16, 32), max_context=9216, prefill_cmp=(100, 1000, 1500, 2000, 2500, 4000),
+             first_eager=(2500, 4500, 6000, 4200), greedy_n=8, greedy_len=64, greedy_new=32, bw_bytes=2 << 30)
     if smoke:
         P.update(prompt=24, new=6, base_new=2, b1_new=5, ttft_1k=40, ttft_8k=80, img_px=64, streams=(1, 4),
-                 max_context=256, greedy_n=2, prefill_cmp=(30,), greedy_len=10, greedy_new=4, bw_bytes=1 << 20)
+                 max_context=256, greedy_n=2, prefill_cmp=(30,), first_eager=(50, 60), greedy_len=10, greedy_new=4, bw_bytes=1 << 20)
     run.doc["sizes"] = {k: v for k, v in P.items()}
     gen = torch.Generator().manual_seed(0)
     config = build_config(smoke)
@@ -508,7 +562,9 @@ def main(argv=None) -> int:
             for b in P["streams"]:
                 runner.capture_all([next(x for x in (1, 2, 4, 8, 16, 32, 48, 64) if x >= b)],
                                    [runner._context_bucket(P["prompt"] + P["new"])])
-            return {"capture_s": time.perf_counter() - t0}
+            sampler.warm_up()
+            return {"capture_s": time.perf_counter() - t0, "graphs": len(runner._graphs),
+                    "prefill_graphs": sorted(runner._prefill_graphs)}
 
         run.section(f"capture_{name}", warm)
         res = run.section(f"batch1_{name}", lambda: engine_decode(runner, sampler, dev, 1, P["prompt"],
@@ -522,6 +578,7 @@ def main(argv=None) -> int:
             run.section("ttft_1k", lambda: ttft(runner, sampler, dev,
                                                 PreparedPrompt(input_ids=random_ids(P["ttft_1k"], gen)), 3))
             run.section("profile_prefill_1k", lambda: profile_prefill(runner, dev, P["ttft_1k"], gen))
+            run.section("first_eager_prefills", lambda: first_eager_prefills(runner, dev, P["first_eager"], gen))
             run.section("ttft_8k", lambda: ttft(runner, sampler, dev,
                                                 PreparedPrompt(input_ids=random_ids(P["ttft_8k"], gen)), 2))
             run.section("ttft_image_1mp", lambda: ttft(runner, sampler, dev,
@@ -530,6 +587,10 @@ def main(argv=None) -> int:
                                                                                  P["prefill_cmp"], gen))
             run.section("batch1_scheduler", lambda: scheduler_decode(runner, sampler, dev, P["prompt"],
                                                                      P["b1_new"], gen))
+            run.section("batch1_executor", lambda: executor_decode(runner, sampler, dev, P["prompt"],
+                                                                   P["b1_new"], gen))
+            run.section("profile_scheduler_b1", lambda: profile_scheduler(runner, sampler, dev, P["prompt"],
+                                                                          40, gen))
         rows = []
         for b in P["streams"]:
             if b == 1 and res is not None:

@@ -23,6 +23,39 @@ from qwen_chat.engine.requests import SamplingParams
 UNIFORM_BLOCK = 256
 #: Largest top_k handled with ``torch.topk``; rows without top-k (0) use a full sort.
 TOPK_FAST_LIMIT = 1024
+#: Batches whose rows all have 0 < top_k <= FUSED_TOPK (Qwen's presets use 20) are sampled by
+#: ``draw_top_k``, one fused function (compiled on CUDA) instead of ~40 separate small kernels per step.
+FUSED_TOPK = 64
+
+
+def draw_top_k(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tensor, temperature: torch.Tensor,
+               top_k: torch.Tensor, top_p: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,
+               K: int) -> torch.Tensor:
+    """One token per row with the module's order of operations, for rows that all have 0 < top_k <= K.
+
+    logits: float [B, V]; presence: bool [slots, V]; penalty, temperature, top_p: float32 [slots]; top_k: int64
+    [slots]; idx: int64 [B] (each row's slot); u: float32 [B] uniforms in [0, 1); K: static candidate count
+    (<= V).  Greedy rows (temperature 0) take the argmax of the raw logits.  Returns int64 [B].
+    Same maths as ``Sampler._nucleus`` + the inverse-CDF draw in ``Sampler.sample``: the K largest candidates
+    masked to each row's own top_k hold the same tokens as its top_k largest, in the same order.
+    """
+    x = logits.float()
+    x = x - penalty[idx][:, None] * presence[idx].float()
+    temp = temperature[idx]
+    x = x / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+    vals, ids = torch.topk(x, K, dim=-1)  # sorted descending
+    k = top_k[idx]
+    rank = torch.arange(K, device=x.device)[None, :]
+    vals = vals.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep = (mass_before < top_p[idx][:, None]) | (rank == 0)
+    probs = probs * keep
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    cdf = torch.cumsum(probs, dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=K - 1)
+    drawn = ids.gather(1, choice)[:, 0]
+    return torch.where(temp == 0, logits.float().argmax(dim=-1), drawn)
 
 
 class Sampler:
@@ -46,6 +79,21 @@ class Sampler:
         self._top_p = torch.ones(self.num_slots, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
         self._penalty = torch.zeros(self.num_slots, dtype=torch.float32, device=dev)
+        self._fused_k = min(FUSED_TOPK, self.vocab_size)
+        # On CUDA the fused path is compiled (dynamic batch size); on CPU it runs as written.
+        self._draw_top_k = (torch.compile(draw_top_k, dynamic=True, fullgraph=True) if dev.type == "cuda"
+                            else draw_top_k)
+
+    def warm_up(self) -> None:
+        """Compile the fused top-k path (CUDA only) for one row and for a batch (B >= 2 shares one dynamic-shape
+        compilation) before serving, so no request waits for it.  Reads the tables, changes nothing."""
+        if self._draw_top_k is draw_top_k:
+            return
+        for b in (1, 2):
+            idx = torch.zeros(b, dtype=torch.long, device=self.device)
+            self._draw_top_k(torch.zeros(b, self.vocab_size, device=self.device), self.presence, self._penalty,
+                             self._temperature, self._top_k, self._top_p, idx,
+                             torch.zeros(b, device=self.device), self._fused_k)
 
     def start(self, slot: int, params: SamplingParams) -> None:
         """Begin a new reply in ``slot``: store ``params``, seed the slot's generator with ``params.seed``
@@ -132,10 +180,13 @@ class Sampler:
         self._check(slots, logits)
         idx = torch.tensor(slots, device=self.device)
         u = self._uniforms(slots, idx)
-        greedy_tok = logits.float().argmax(dim=-1)
         if all(self.params[s].temperature == 0 for s in slots):
-            tokens = greedy_tok
+            tokens = logits.float().argmax(dim=-1)
+        elif all(0 < self.params[s].top_k <= self._fused_k for s in slots):
+            tokens = self._draw_top_k(logits, self.presence, self._penalty, self._temperature, self._top_k,
+                                      self._top_p, idx, u, self._fused_k)
         else:
+            greedy_tok = logits.float().argmax(dim=-1)
             probs, ids = self._nucleus(slots, logits, idx)
             cdf = torch.cumsum(probs, dim=-1)
             target = (u * cdf[:, -1])[:, None]
