@@ -199,10 +199,25 @@ def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> di
         params = SamplingParams(seed=7, max_new_tokens=new, stop_token_ids=(), **PRESET)
         t_submit = time.perf_counter()
         stamps = [time.perf_counter() for _ in sched.submit(prompt, params, CancelToken())]
+        totals = sched.stats()["totals"]
     finally:
         sched.shutdown()
     return {"prompt_tokens": prompt_len, "tokens": len(stamps), "ttft_ms": (stamps[0] - t_submit) * 1e3,
-            "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+            "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            "ms_per_step_in_executor": totals["step_seconds"] / totals["steps"] * 1e3, "steps": totals["steps"],
+            "ms_per_token_seen": (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3}
+
+
+def scheduler_repeats(runner, sampler, dev, prompt_len: int, new: int, gen, repeats: int = 3) -> dict:
+    """``scheduler_decode`` ``repeats`` times with the default GIL switch interval, then as many with 0.5 ms."""
+    out = {"default_switch": [scheduler_decode(runner, sampler, dev, prompt_len, new, gen) for _ in range(repeats)]}
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    try:
+        out["switch_0.5ms"] = [scheduler_decode(runner, sampler, dev, prompt_len, new, gen) for _ in range(repeats)]
+    finally:
+        sys.setswitchinterval(old)
+    return out
 
 
 def executor_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> dict:
@@ -442,6 +457,11 @@ def table(doc) -> str:
                 ">= 2000" if x["streams"] == 32 and variant == "compiled" else "")
     if "batch1_scheduler" in s:
         row("engine batch 1 via scheduler (tok/s)", f"{s['batch1_scheduler']['decode_tok_s']:.1f}")
+    if "profile_scheduler_b1" in s:
+        row("profiled scheduler path (tok/s)", f"{s['profile_scheduler_b1']['profiled_decode_tok_s']:.1f}")
+    for variant, rows in s.get("scheduler_repeats", {}).items():
+        row(f"scheduler {variant}: tok/s (executor ms/step)",
+            " ".join(f"{x['decode_tok_s']:.0f}({x['ms_per_step_in_executor']:.2f})" for x in rows))
     if "batch1_executor" in s:
         row("engine batch 1 via executor (tok/s)", f"{s['batch1_executor']['decode_tok_s']:.1f}")
     for x in s.get("first_eager_prefills", []):
@@ -459,7 +479,7 @@ def table(doc) -> str:
     if "profile_prefill_1k" in s:
         p = s["profile_prefill_1k"]
         row("prefill 1k: GPU kernel ms (profiled wall ms)", f"{p['gpu_kernel_ms']:.1f} ({p['wall_ms_profiled']:.1f})")
-    for key in [k for k in s if k.startswith("profile_") and "prefill" not in k]:
+    for key in [k for k in s if k.startswith("profile_") and "kernel_ms_per_step" in s[k]]:
         p = s[key]
         row(f"{key}: kernel ms/step (wall ms)", f"{p['kernel_ms_per_step']:.2f} ({p['wall_ms_per_step']:.2f})")
         row(f"{key}: kernels per step", f"{p['kernels_per_step']:.0f}")
@@ -589,6 +609,8 @@ def main(argv=None) -> int:
                                                                      P["b1_new"], gen))
             run.section("batch1_executor", lambda: executor_decode(runner, sampler, dev, P["prompt"],
                                                                    P["b1_new"], gen))
+            run.section("scheduler_repeats", lambda: scheduler_repeats(runner, sampler, dev, P["prompt"],
+                                                                       P["b1_new"], gen))
             run.section("profile_scheduler_b1", lambda: profile_scheduler(runner, sampler, dev, P["prompt"],
                                                                           40, gen))
         rows = []

@@ -84,6 +84,7 @@ class Sampler:
         self._draw_top_k = (torch.compile(draw_top_k, dynamic=True, fullgraph=True) if dev.type == "cuda"
                             else draw_top_k)
 
+    @torch.no_grad()
     def warm_up(self) -> None:
         """Compile the fused top-k path (CUDA only) for one row and for a batch (B >= 2 shares one dynamic-shape
         compilation) before serving, so no request waits for it.  Reads the tables, changes nothing."""
@@ -171,6 +172,7 @@ class Sampler:
             if not 0 <= s < self.num_slots or self.params[s] is None:
                 raise ValueError(f"slot {s} has no sampling parameters (call start first)")
 
+    @torch.no_grad()  # one grad mode for every caller: the compiled path's guards include it
     def sample(self, slots: Sequence[int], logits: torch.Tensor) -> list[int]:
         """Draw one token per row and mark it as present for its slot.
 

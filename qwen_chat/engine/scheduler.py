@@ -185,6 +185,7 @@ class Scheduler:
         self._unhealthy_reason = ""
         self._totals = {
             "requests": 0, "rejected_busy": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
+            "step_seconds": 0.0,
             "decode_steps": 0, "max_decode_batch": 0,
             "finished": {"stop": 0, "length": 0, "cancelled": 0, "error": 0},
         }
@@ -228,7 +229,8 @@ class Scheduler:
         Keys: ``active`` (running sequences), ``queued`` (waiting for a slot), ``num_slots``, ``max_queue``,
         ``healthy`` (bool), ``reason`` (why unhealthy), ``step_running_s`` (seconds the step in progress has
         been running, 0.0 when idle), ``totals`` {requests, rejected_busy, prompt_tokens,
-        generated_tokens, steps, decode_steps, max_decode_batch, finished {stop, length, cancelled, error}}.
+        generated_tokens, steps, step_seconds (wall seconds spent inside the executor's steps), decode_steps,
+        max_decode_batch, finished {stop, length, cancelled, error}}.
         """
         started = self._step_started_at
         with self._cond:
@@ -281,6 +283,7 @@ class Scheduler:
                             self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
                         raise
                     finally:
+                        self._totals["step_seconds"] += time.monotonic() - self._step_started_at
                         self._step_started_at = None
                 except ChatError as exc:
                     if not prefilled:  # a decode step refused its input: nothing local to blame, treat as fatal
