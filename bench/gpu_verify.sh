@@ -83,9 +83,9 @@ tp() {
         "${drv[@]}" --out "$out/$1.out.json" -- "${common[@]}" --ds-config ds_config.json; }
 
 # single GPU on GPU 0 (pytest may still be running on GPU 1), then TP=2 once pytest is done
-single single "$(box 170 210)"
+single single "$(box "${SINGLE_S:-170}" 210)"
 wait $pytest_pid; echo "pytest tests/gpu: rc=$?" >>"$out/pytest.log"; tail -n 3 "$out/pytest.log"
-tp tp "$(box 210 25)"
+tp tp "$(box "${TP_S:-210}" 25)"
 # fall-backs: glue not compiled, only if time is left
 if [[ ! -f "$out/tp.out.json" ]] && (( $(left) > 110 )); then TORCH_COMPILE_DISABLE=1 tp tp_eager "$(box 150 25)"; fi
 if [[ ! -f "$out/single.out.json" ]] && (( $(left) > 90 )); then TORCH_COMPILE_DISABLE=1 single single_eager "$(box 120 20)"; fi
