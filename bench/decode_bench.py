@@ -521,7 +521,7 @@ def main(argv=None) -> int:
     # Sizes (smoke: tiny, to exercise every path on CPU in seconds)
     P = dict(prompt=512, new=256, base_new=16, b1_new=129, ttft_1k=1024, ttft_8k=8192, img_px=1024,
              streams=(1, 4, 16, 32), max_context=9216, prefill_cmp=(100, 1000, 1500, 2000, 2500, 4000),
-             first_eager=(2500, 4500, 6000, 4200), greedy_n=8, greedy_len=64, greedy_new=32, bw_bytes=2 << 30)
+             first_eager=(2500, 4500, 6500, 8192), greedy_n=8, greedy_len=64, greedy_new=32, bw_bytes=2 << 30)
     if smoke:
         P.update(prompt=24, new=6, base_new=2, b1_new=5, ttft_1k=40, ttft_8k=80, img_px=64, streams=(1, 4),
                  max_context=256, greedy_n=2, prefill_cmp=(30,), first_eager=(50, 60), greedy_len=10, greedy_new=4, bw_bytes=1 << 20)
