@@ -171,6 +171,8 @@ def test_tp2_start_up_report(tp_run):
     assert re.search(r"rank 0/2: device cpu, parameters held [\d.]+ M", log)
     assert re.search(r"rank 1/2: device cpu, parameters held [\d.]+ M", log)
     assert "sharding: tp (autotp_size=2, world 2" in log
+    # the tiny model's 3 Gated DeltaNet layers (16 key / 32 value heads) split by heads, not gathered
+    assert "TP: 3 Gated DeltaNet layers split by heads over 2 ranks (8 key / 16 value heads each)" in log
     assert "kernel: recurrent delta rule (decode) ->" in log
     assert "self-check passed on 2 rank(s)" in log
 

@@ -5,8 +5,9 @@ This is the only module of the service that imports ``deepspeed``.  Modes (``Sha
 - ``single``: no DeepSpeed; every rank holds the whole model (the default when no config is given).
 - ``tp``: ``deepspeed.initialize(model, config={"tensor_parallel": {"autotp_size": N}, "zero_optimization":
   {"stage": 0}, ...})`` then ``engine.module.eval()``.  DeepSpeed reads transformers' ``base_model_tp_plan`` of
-  Qwen3.5 (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel with one all-reduce; the Gated
-  DeltaNet projections ``colwise_gather_output``; the vision tower replicated).  The input embedding, which
+  Qwen3.5 (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel with one all-reduce; the vision
+  tower replicated), except the Gated DeltaNet layers, which are split by heads here instead of the plan's
+  ``colwise_gather_output`` (``_split_gated_deltanet``: one all-reduce per layer).  The input embedding, which
   that plan leaves whole, is split by vocabulary rows here (``VocabParallelEmbedding``), and the lm_head by
   output rows with gathered logits (``GatheredColumnLinear``, the plan's own style for it, applied here so it
   does not depend on the transformers version).  Needs deepspeed >= 0.19.6 and
@@ -261,6 +262,7 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
         check_versions()
         _split_input_embedding(model)
         _split_lm_head(model)
+        _split_gated_deltanet(model)
     engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
     _KEEP_ALIVE.append(engine)
     module = engine.module.eval()
@@ -345,6 +347,94 @@ def _split_lm_head(model: torch.nn.Module) -> None:
     model.lm_head = GatheredColumnLinear(head, rank, world)
     log.info("TP: lm_head split by output rows over %d ranks (%d x %d each), logits all-gathered", world,
              head.out_features // world, head.in_features)
+
+
+class RowParallelLinear(torch.nn.Module):
+    """One rank's input columns of a bias-free ``nn.Linear``; the partial outputs are summed by an all-reduce.
+
+    Holds ``weight_cols`` [O, I_local]: the columns of the full [O, I] weight that multiply this rank's slice
+    of the input (which the caller already has locally, e.g. its own attention heads).  Output [..., O] equals
+    the unsharded layer's (sum over ranks of the partial products).  Megatron-LM's RowParallelLinear (Shoeybi
+    et al. 2019, sec. 3).  The weight is not called ``weight`` so that DeepSpeed AutoTP, which matches plan
+    entries by parameter name, never splits it again.
+    """
+
+    def __init__(self, weight_cols: torch.Tensor, world_size: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_cols.shape
+        self.world_size = world_size
+        self.weight_cols = torch.nn.Parameter(weight_cols, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.linear(x, self.weight_cols)
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(out)
+        return out
+
+
+def _split_gated_deltanet(model: torch.nn.Module) -> int:
+    """Split every Gated DeltaNet layer by heads over the TP ranks (before AutoTP); returns the layers split.
+
+    transformers' tp_plan marks all five Gated DeltaNet projections ``colwise_gather_output``: each rank then
+    all-gathers four projection outputs and runs the whole recurrence, conv and out_proj itself (measured
+    2026-11-30 on 2 x H200: TP=2 decoded at 0.87x of one GPU).  Here rank r of N keeps key heads
+    [r * nk / N, (r + 1) * nk / N) and value heads [r * nv / N, (r + 1) * nv / N): the matching rows of
+    ``in_proj_qkv`` (its q, k and v blocks) and of the depthwise ``conv1d``, of ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``, ``A_log`` and ``dt_bias``, and the matching input columns of ``out_proj``
+    (``RowParallelLinear``: one all-reduce per layer).  Value head j reads key head j // (nv / nk) (the
+    ``repeat_interleave`` grouping), so a rank's value heads only need its own key heads; the gated RMSNorm
+    weight is per head dimension and stays whole.  The plan's ``linear_attn`` entries are removed so AutoTP
+    leaves these layers alone.  Skipped (returns 0) when the plan cannot be edited on this model.
+    """
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    plan = model.__dict__.get("_tp_plan")
+    if isinstance(plan, dict):
+        model._tp_plan = {k: v for k, v in plan.items() if ".linear_attn." not in k}
+    cfg_plan = getattr(model.config, "base_model_tp_plan", None)
+    if isinstance(cfg_plan, dict):
+        model.config.base_model_tp_plan = {k: v for k, v in cfg_plan.items() if ".linear_attn." not in k}
+    left = [k for k in (_get_hf_tp_plan(model) or {}) if ".linear_attn." in k]
+    if left:
+        log.warning("TP: tp_plan entries %s could not be removed; Gated DeltaNet stays gathered", left)
+        return 0
+    count = 0
+    for layer in model.model.language_model.layers:
+        la = getattr(layer, "linear_attn", None)
+        if la is None:
+            continue
+        nk, nv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+        nk_l, nv_l = nk // world, nv // world
+        k_rows = torch.arange(rank * nk_l * dk, (rank + 1) * nk_l * dk)
+        v_rows = torch.arange(rank * nv_l * dv, (rank + 1) * nv_l * dv)
+        heads = torch.arange(rank * nv_l, (rank + 1) * nv_l)
+        qkv_rows = torch.cat([k_rows, nk * dk + k_rows, 2 * nk * dk + v_rows])
+        with torch.no_grad():
+            for lin, rows in ((la.in_proj_qkv, qkv_rows), (la.in_proj_z, v_rows), (la.in_proj_b, heads),
+                              (la.in_proj_a, heads)):
+                lin.weight = torch.nn.Parameter(lin.weight.data[rows.to(lin.weight.device)].clone(),
+                                                requires_grad=False)
+                lin.out_features = lin.weight.shape[0]
+            conv = la.conv1d
+            conv.weight = torch.nn.Parameter(conv.weight.data[qkv_rows.to(conv.weight.device)].clone(),
+                                             requires_grad=False)
+            if conv.bias is not None:
+                conv.bias = torch.nn.Parameter(conv.bias.data[qkv_rows.to(conv.bias.device)].clone(),
+                                               requires_grad=False)
+            conv.in_channels = conv.out_channels = conv.groups = len(qkv_rows)
+            la.A_log = torch.nn.Parameter(la.A_log.data[heads.to(la.A_log.device)].clone(), requires_grad=False)
+            la.dt_bias = torch.nn.Parameter(la.dt_bias.data[heads.to(la.dt_bias.device)].clone(),
+                                            requires_grad=False)
+            w = la.out_proj.weight.data
+            la.out_proj = RowParallelLinear(w[:, v_rows.to(w.device)].clone(), world)
+        la.num_k_heads, la.num_v_heads = nk_l, nv_l
+        la.key_dim, la.value_dim = nk_l * dk, nv_l * dv
+        la.conv_dim = 2 * la.key_dim + la.value_dim
+        count += 1
+    log.info("TP: %d Gated DeltaNet layers split by heads over %d ranks (%d key / %d value heads each)", count,
+             world, nk_l if count else 0, nv_l if count else 0)
+    return count
 
 
 def _split_input_embedding(model: torch.nn.Module) -> None:
