@@ -28,7 +28,7 @@ from sharding_bench import _MEM, _STOP, run_bounded  # noqa: E402  (rank / stop 
 
 MODES = ("single", "tp", "single_eager", "tp_eager")
 _TS = re.compile(r"^\[rank (\d+)\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
-_CAPTURED = re.compile(r"captured (\d+) decode graphs in ([\d.]+) s")
+_CAPTURED = re.compile(r"captured (\d+) decode (?:and prefill )?graphs in ([\d.]+) s")
 
 
 def _epoch(stamp: str) -> float:

@@ -13,10 +13,16 @@ decode, ``mlp.gate_proj``/``up_proj``/``act_fn``/``down_proj``, ``model.lm_head(
 ZeRO-3 their forward hooks gather the parameters.  Local head counts are derived from the actual output widths
 (probed once at start-up), so the same code runs unsharded, tensor-parallel and ZeRO-3.
 
+Projections that read the same input (a layer's token-mixer input projections; the MLP's gate and up) are
+run as one GEMM over a fused weight when they are plain ``nn.Linear`` modules (``fuse_linears``; the modules
+keep views of it, so no memory is added and sharded or hooked modules are left alone).
+
 On CUDA (not ZeRO-3) the decode step is captured in CUDA graphs, one per (batch size, context bucket) of a
 ladder, with static input/output buffers; a batch is padded up to the ladder size with rows that point at a
-scratch slot.  The element-wise glue between the projections (``qwen_chat.engine.kernels``) is fused with
-``torch.compile`` there.  On CPU the same step runs eagerly.  Measured speed: docs/performance.md.
+scratch slot.  The prefill of a prompt of up to ``max(PREFILL_BUCKETS)`` tokens replays a graph too, padded at
+the end to its bucket (the padding is masked out of every state the slot keeps: ``_prefill_forward``).  The
+element-wise glue between the projections (``qwen_chat.engine.kernels``) is fused with ``torch.compile``
+there.  On CPU the same steps run eagerly.  Measured speed: docs/performance.md.
 
 Run the CPU parity tests with ``python -m pytest -q tests/test_runner.py``.
 """

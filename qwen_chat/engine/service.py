@@ -370,16 +370,17 @@ def build_runner(loaded, config: ServiceConfig):
     runner = ModelRunner(loaded.model, num_slots=config.max_batch, max_context=max_context, device=device)
     sampler = Sampler(config.max_batch, runner.vocab_size, device)
     if runner.use_cuda_graphs:
-        # Capture the decode graphs for every batch size and the short-context buckets and the prefill graphs,
-        # and compile the sampler, before the port says ready, so the first requests do not pay ~30 s of
-        # compile + capture each (longer contexts are captured on first use).  Every rank runs this with the
-        # same arguments.
+        # Capture the decode graphs for every batch size and the short-context buckets and the prefill graphs
+        # before the port says ready, so the first requests do not pay ~30 s of compile + capture each (longer
+        # contexts are captured on first use).  Every rank runs this with the same arguments.
         t0 = time.monotonic()
         short = [c for c in runner.context_buckets() if c <= 4096] or None
         held = runner.capture_all(context_buckets=short)
-        sampler.warm_up()
-        log.info("captured %d decode and prefill graphs and compiled the sampler in %.1f s", held,
-                 time.monotonic() - t0)
+        log.info("captured %d decode and prefill graphs in %.1f s", held, time.monotonic() - t0)
+    t0 = time.monotonic()
+    sampler.warm_up()  # compiles the fused top-k sampler on CUDA (also without graphs, e.g. ZeRO-3); CPU: nothing
+    if sampler.device.type == "cuda":
+        log.info("compiled the sampler in %.1f s", time.monotonic() - t0)
     return runner, sampler
 
 
