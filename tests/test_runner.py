@@ -13,7 +13,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from qwen_chat.chat_types import ContextTooLong, InvalidInput
 from qwen_chat.engine.kernels import attn_core
 from qwen_chat.engine.requests import PreparedPrompt
-from qwen_chat.engine.runner import ModelRunner
+from qwen_chat.engine.runner import ModelRunner, fuse_linears
 
 IMAGE, VSTART, VEND = 300, 302, 303
 VOCAB = 320
@@ -336,3 +336,19 @@ def test_projections_are_fused_without_extra_memory():
     assert sum(p.numel() for p in m.parameters()) == n_before
     with torch.no_grad():
         assert torch.equal(m(input_ids=ids).logits, before)
+
+
+def test_hooked_or_sharded_projections_are_not_fused():
+    """A module with a forward hook (how ZeRO-3 gathers weights) or of another class (DeepSpeed's sharded
+    layers) must keep being called as a module, so fusing is refused for its group."""
+    a, b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 6, bias=False)
+    assert fuse_linears([a, b]) is not None
+    c, d = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 6, bias=False)
+    d.register_forward_pre_hook(lambda mod, args: None)
+    assert fuse_linears([c, d]) is None
+
+    class Sharded(torch.nn.Linear):
+        pass
+
+    assert fuse_linears([torch.nn.Linear(8, 4, bias=False), Sharded(8, 6, bias=False)]) is None
+    assert fuse_linears([torch.nn.Linear(8, 4, bias=True), torch.nn.Linear(8, 6, bias=False)]) is None

@@ -70,8 +70,9 @@ def _resolve_chunk_rule() -> tuple[Callable, str]:
 def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor, list[int]]]:
     """Put the weights of projections that read the same input into one matrix, so one GEMM replaces several.
 
-    Applies only when every module is a plain ``torch.nn.Linear`` without bias or hooks, all on one device and
-    dtype with the same input width (not to DeepSpeed's sharded or hooked replacements).  The fused matrix
+    Applies only when every module is a plain ``torch.nn.Linear`` without bias or hooks, all on one (real)
+    device and dtype with the same input width (not to DeepSpeed's sharded or hooked replacements, nor to
+    accelerate-offloaded modules).  The fused matrix
     [sum(out_features), in_features] is built once and each module's ``weight`` is rebound to its row block (a
     view), so the model keeps working unchanged and no memory is added; called again on already-fused modules
     it returns the same storage.
@@ -80,10 +81,11 @@ def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor
     or None when the modules cannot be fused.
     """
     if len(mods) < 2 or any(type(m) is not torch.nn.Linear or m.bias is not None or m._forward_hooks
-                            or m._forward_pre_hooks for m in mods):
-        return None
+                            or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in mods):
+        return None  # (``_hf_hook``: accelerate's device-map/offload wrapper, which moves weights on call)
     ws = [m.weight for m in mods]
-    if len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or not all(w.is_contiguous() for w in ws):
+    if (len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"
+            or not all(w.is_contiguous() for w in ws)):
         return None
     sizes = [int(w.shape[0]) for w in ws]
     n_in = int(ws[0].shape[1])
