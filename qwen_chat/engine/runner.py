@@ -529,18 +529,24 @@ class ModelRunner:
         self._s_in.zero_()
         self._s_slots.fill_(self._scratch)
         args = (self._s_slots[:bp], self._s_tokens[:bp], self._s_pos[:bp], self._s_rope[:bp], ctx)
+        self._graphs[(bp, ctx)], self._s_out[(bp, ctx)] = self._warm_and_capture(self._decode_step, args)
+
+    def _warm_and_capture(self, fn: Callable, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run ``fn(*args)`` twice on a side stream (Inductor compilation, Triton autotuning and cuBLAS
+        workspaces happen there, outside the capture), then capture one call into a CUDA graph that shares the
+        runner's memory pool.  Returns (graph, the captured call's output tensor, rewritten by each replay)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._decode_step(*args)
+                fn(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._s_out[(bp, ctx)] = self._decode_step(*args)
-        self._graphs[(bp, ctx)] = graph
+            out = fn(*args)
+        return graph, out
 
     @torch.no_grad()
     def graph_batch_sizes(self) -> list[int]:
@@ -631,18 +637,7 @@ class ModelRunner:
         self._p_slot.fill_(self._scratch)
         self._p_n.fill_(P)
         args = (self._p_emb[:, :P], self._p_cos[:, :P], self._p_sin[:, :P], self._p_slot, self._p_n)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # Triton autotuning and cuBLAS workspaces happen here, outside the capture
-                self._prefill_forward(*args)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._prefill_out[P] = self._prefill_forward(*args)
-        self._prefill_graphs[P] = graph
+        self._prefill_graphs[P], self._prefill_out[P] = self._warm_and_capture(self._prefill_forward, args)
 
     def _prefill_graph(self, slot: int, emb, cos, sin, n: int, P: int) -> torch.Tensor:
         """Copy the prompt into the static buffers (zero padding up to P) and replay bucket P's graph."""
