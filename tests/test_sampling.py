@@ -173,3 +173,22 @@ def test_fused_top_k_path_draws_the_same_tokens_as_the_general_path():
         assert a[2] == int(logits[2].argmax())
         drawn.append(a[0])
     assert len(set(drawn)) > 5  # really sampling, not collapsing to the argmax
+
+
+def test_a_failing_compiled_sampler_falls_back_to_the_same_maths(caplog):
+    """If compiling the fused path fails at start-up (a GPU or driver Inductor cannot handle), the sampler keeps
+    serving with the uncompiled function instead of failing every request."""
+    from qwen_chat.engine import sampling
+
+    s = Sampler(2, V, "cpu")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor: no kernel for this GPU")
+
+    s._draw_top_k = broken
+    with caplog.at_level("WARNING"):
+        s.warm_up()
+    assert s._draw_top_k is sampling.draw_top_k
+    assert "runs uncompiled" in caplog.text
+    s.start(0, params(temperature=0.7, top_k=20, seed=1))
+    assert 0 <= s.sample([0], logits_batch(1))[0] < V

@@ -13,11 +13,14 @@ Every rank of a tensor-parallel group therefore samples identical tokens.
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
 
 from qwen_chat.engine.requests import SamplingParams
+
+log = logging.getLogger(__name__)
 
 #: Uniforms drawn per refill of a slot's block (one per sampled token).
 UNIFORM_BLOCK = 256
@@ -28,34 +31,58 @@ TOPK_FAST_LIMIT = 1024
 FUSED_TOPK = 64
 
 
+def scaled_logits(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tensor,
+                  temperature: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Presence penalty, then temperature: float32 [B, V].
+
+    logits: float [B, V]; presence: bool [slots, V]; penalty, temperature: float32 [slots]; idx: int64 [B] (each
+    row's slot).  Rows with temperature 0 are left unscaled (they are greedy and never drawn from).
+    """
+    x = logits.float() - penalty[idx][:, None] * presence[idx].float()
+    temp = temperature[idx]
+    return x / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+
+
+def nucleus_probs(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p over candidates sorted in descending order, renormalised.
+
+    vals: float32 [B, n] sorted descending; k: int64 [B] (0 = no top-k); top_p: float32 [B].  Returns float32
+    [B, n], rows summing to 1: the k best (all when k = 0), then the smallest prefix whose mass before each kept
+    candidate is < top_p (the first candidate always kept), zeros elsewhere.
+    """
+    rank = torch.arange(vals.shape[-1], device=vals.device)[None, :]
+    vals = vals.masked_fill((k[:, None] > 0) & (rank >= k[:, None]), float("-inf"))
+    probs = torch.softmax(vals, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    probs = probs * ((mass_before < top_p[:, None]) | (rank == 0))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def inverse_cdf(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draw ``ids[b, j]`` for the first j whose cumulative probability exceeds ``u[b]`` times the row's mass.
+
+    probs: float32 [B, n]; ids: int64 [B, n]; u: float32 [B] in [0, 1).  Returns int64 [B].
+    """
+    cdf = torch.cumsum(probs, dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.shape[-1] - 1)
+    return ids.gather(1, choice)[:, 0]
+
+
 def draw_top_k(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tensor, temperature: torch.Tensor,
                top_k: torch.Tensor, top_p: torch.Tensor, idx: torch.Tensor, u: torch.Tensor,
                K: int) -> torch.Tensor:
-    """One token per row with the module's order of operations, for rows that all have 0 < top_k <= K.
+    """One token per row for batches whose rows all have 0 < top_k <= K: the whole draw in one function, which
+    ``torch.compile`` fuses into a few kernels on CUDA.
 
     logits: float [B, V]; presence: bool [slots, V]; penalty, temperature, top_p: float32 [slots]; top_k: int64
     [slots]; idx: int64 [B] (each row's slot); u: float32 [B] uniforms in [0, 1); K: static candidate count
     (<= V).  Greedy rows (temperature 0) take the argmax of the raw logits.  Returns int64 [B].
-    Same maths as ``Sampler._nucleus`` + the inverse-CDF draw in ``Sampler.sample``: the K largest candidates
-    masked to each row's own top_k hold the same tokens as its top_k largest, in the same order.
+    The same functions as the general path in ``Sampler.sample``; the K largest candidates cut to each row's
+    own top_k are its top_k largest, in the same order.
     """
-    x = logits.float()
-    x = x - penalty[idx][:, None] * presence[idx].float()
-    temp = temperature[idx]
-    x = x / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
-    vals, ids = torch.topk(x, K, dim=-1)  # sorted descending
-    k = top_k[idx]
-    rank = torch.arange(K, device=x.device)[None, :]
-    vals = vals.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = torch.softmax(vals, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep = (mass_before < top_p[idx][:, None]) | (rank == 0)
-    probs = probs * keep
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    cdf = torch.cumsum(probs, dim=-1)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=K - 1)
-    drawn = ids.gather(1, choice)[:, 0]
-    return torch.where(temp == 0, logits.float().argmax(dim=-1), drawn)
+    vals, ids = torch.topk(scaled_logits(logits, presence, penalty, temperature, idx), K, dim=-1)
+    drawn = inverse_cdf(nucleus_probs(vals, top_k[idx], top_p[idx]), ids, u)
+    return torch.where(temperature[idx] == 0, logits.float().argmax(dim=-1), drawn)
 
 
 class Sampler:
@@ -90,11 +117,15 @@ class Sampler:
         compilation) before serving, so no request waits for it.  Reads the tables, changes nothing."""
         if self._draw_top_k is draw_top_k:
             return
-        for b in (1, 2):
-            idx = torch.zeros(b, dtype=torch.long, device=self.device)
-            self._draw_top_k(torch.zeros(b, self.vocab_size, device=self.device), self.presence, self._penalty,
-                             self._temperature, self._top_k, self._top_p, idx,
-                             torch.zeros(b, device=self.device), self._fused_k)
+        try:
+            for b in (1, 2):
+                idx = torch.zeros(b, dtype=torch.long, device=self.device)
+                self._draw_top_k(torch.zeros(b, self.vocab_size, device=self.device), self.presence,
+                                 self._penalty, self._temperature, self._top_k, self._top_p, idx,
+                                 torch.zeros(b, device=self.device), self._fused_k)
+        except Exception as exc:  # a compiler that fails on this GPU/driver: same maths, uncompiled
+            log.warning("sampler: compiling the fused top-k path failed (%s); it runs uncompiled", exc)
+            self._draw_top_k = draw_top_k
 
     def start(self, slot: int, params: SamplingParams) -> None:
         """Begin a new reply in ``slot``: store ``params``, seed the slot's generator with ``params.seed``
@@ -129,25 +160,13 @@ class Sampler:
         Returns (probs float32 [B, n], token_ids int64 [B, n]); probs rows sum to 1, with zeros for removed
         tokens; n = V, or the largest top_k of the batch when every row has one.
         """
-        x = logits.float()
-        if any(self.params[s].presence_penalty != 0 for s in slots):  # decided on the host: no device sync
-            x = x - self._penalty[idx][:, None] * self.presence[idx].float()
-        temp = self._temperature[idx]
-        x = x / torch.where(temp > 0, temp, torch.ones_like(temp))[:, None]
+        x = scaled_logits(logits, self.presence, self._penalty, self._temperature, idx)
         ks = [self.params[s].top_k if 0 < self.params[s].top_k < self.vocab_size else 0 for s in slots]
         if min(ks) > 0 and max(ks) <= TOPK_FAST_LIMIT:
             vals, ids = torch.topk(x, max(ks), dim=-1)  # sorted descending
         else:
             vals, ids = torch.sort(x, dim=-1, descending=True)
-        k = self._top_k[idx]
-        rank = torch.arange(vals.shape[-1], device=self.device)[None, :]
-        vals = vals.masked_fill((k[:, None] > 0) & (rank >= k[:, None]), float("-inf"))
-        probs = torch.softmax(vals, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        keep = mass_before < self._top_p[idx][:, None]
-        keep[:, 0] = True
-        probs = probs * keep
-        return probs / probs.sum(dim=-1, keepdim=True), ids
+        return nucleus_probs(vals, self._top_k[idx], self._top_p[idx]), ids
 
     def distribution(self, slots: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """The distribution each row would be sampled from, scattered back to vocabulary order.
@@ -188,12 +207,7 @@ class Sampler:
             tokens = self._draw_top_k(logits, self.presence, self._penalty, self._temperature, self._top_k,
                                       self._top_p, idx, u, self._fused_k)
         else:
-            greedy_tok = logits.float().argmax(dim=-1)
-            probs, ids = self._nucleus(slots, logits, idx)
-            cdf = torch.cumsum(probs, dim=-1)
-            target = (u * cdf[:, -1])[:, None]
-            choice = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
-            drawn = ids.gather(1, choice)[:, 0]
-            tokens = torch.where(self._temperature[idx] == 0, greedy_tok, drawn)
+            drawn = inverse_cdf(*self._nucleus(slots, logits, idx), u)
+            tokens = torch.where(self._temperature[idx] == 0, logits.float().argmax(dim=-1), drawn)
         self.presence[idx, tokens] = True
         return tokens.tolist()
