@@ -98,6 +98,9 @@ def collect(d: Path) -> dict:
             entry["steps"] = {k: {kk: v.get(kk) for kk in ("prompt_tokens", "ttft_s", "decode_tok_s", "finish")}
                               for k, v in res["steps"].items()}
             entry["tokens"] = {k: v.get("tokens") for k, v in res["steps"].items()}
+            entry["profiles"] = {k: {kk: v.get(kk) for kk in ("decode_tok_s", "kernel_ms_per_token",
+                                                            "kernels_per_token", "top_kernels")}
+                                 for k, v in res["steps"].items() if "top_kernels" in v}
         if not entry["completed"]:
             entry["log_tail"] = text.splitlines()[-40:]
         modes[mode] = entry
@@ -168,6 +171,12 @@ def table(res: dict) -> str:
             lines.append(f"TP=2 / single decode speed (mean over {len(ks)} prompts): {ratio:.2f}x (target >= 1.5x)")
     for mode, e in res["modes"].items():
         lines.append(f"{mode}: runner {e.get('runner_impl', '-')}; kernels {e.get('kernels', '-')}")
+        for name, pr in (e.get("profiles") or {}).items():
+            lines.append(f"{mode} {name} (profiled, rank 0): {_f(pr.get('decode_tok_s'), '{:.1f}')} tok/s, "
+                         f"{_f(pr.get('kernel_ms_per_token'))} ms of kernels in "
+                         f"{_f(pr.get('kernels_per_token'), '{:.0f}')} kernels per token; top: " + "; ".join(
+                             f"{k['name'][:48]} {k['ms_per_token']:.3f} ms x{k['calls_per_token']:.0f}"
+                             for k in pr["top_kernels"][:8]))
         if e.get("errors"):
             lines.append(f"{mode} errors (last): " + " || ".join(e["errors"][-3:]))
     py = res.get("pytest_tests_gpu")

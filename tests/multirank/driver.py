@@ -13,6 +13,9 @@ steps executed in order on rank 0 (the web layer is not involved):
   records the finish reason and the completion tokens;
 - ``{"op": "expect_error", "name": N, "text": T, "images": [paths]}``: ``stream_chat`` must raise a
   ``ChatError`` before streaming; records its class and message;
+- ``{"op": "profile", "name": N, "text": T, "max_new_tokens": K}``: like ``greedy``, under ``torch.profiler`` on
+  rank 0; records the decode rate and the GPU kernels with the most time per generated token (under TP the
+  collectives show as NCCL kernels; their time includes waiting for the other ranks);
 - ``{"op": "idle", "seconds": S}``: rank 0 stays idle (workers wait on the control group);
 - ``{"op": "hold"}``: write the results, then keep serving (heartbeats) until killed or SIGTERM.
 
@@ -44,6 +47,21 @@ def greedy_settings(max_new_tokens: int) -> GenerationSettings:
 def run_step(engine, step: dict) -> dict:
     op = step["op"]
     msgs = [ChatMessage(role="user", text=step.get("text", "Hello"), images=tuple(step.get("images", ())))]
+    if op == "profile":
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            res = run_step(engine, {**step, "op": "greedy"})
+        n = max(1, len(res["tokens"]))
+        dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        rows = sorted(((dev_t(e), e.count, e.key) for e in prof.key_averages() if dev_t(e) > 0), reverse=True)
+        kernels = [r for r in rows if not r[2].startswith(("aten::", "cudaGraph"))]
+        return {**res, "tokens_profiled": n, "kernel_ms_per_token": sum(r[0] for r in kernels) / 1e3 / n,
+                "kernels_per_token": sum(r[1] for r in kernels) / n,
+                "top_kernels": [{"name": k[:110], "ms_per_token": t / 1e3 / n, "calls_per_token": c / n}
+                                for t, c, k in kernels[:25]]}
     if op == "greedy":
         settings = greedy_settings(64)
         prompt = engine.prepare(msgs, settings)
