@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_chat.chat_types import GenerationSettings, InvalidImage, InvalidInput
+from qwen_chat.chat_types import GenerationSettings, InvalidImage, InvalidInput, StreamUpdate
 from qwen_chat.history.store import HistoryStore
 from qwen_chat.web.handlers import (
     ChatController,
@@ -142,6 +142,23 @@ def test_stop_token_ends_the_stream_with_stopped_status(ctl):
     reply = ctl.store.user("local").load(views[-1].conv_id).messages[-1]
     assert reply.status == "stopped"
     assert views[-1].messages[-1]["content"][0]["text"].endswith("*[stopped by the user]*")
+
+
+def test_stream_ended_by_a_shutdown_is_saved_as_interrupted_not_stopped(ctl):
+    """The engine drains open streams with finish "cancelled" when the service shuts down (SIGTERM, Supervisor
+    restart).  Nobody pressed Stop, so the reply is saved as interrupted, not as stopped by the user."""
+    class ShutDown(ScriptedBackend):
+        def _stream(self, call, cancel):
+            for i, update in enumerate(super()._stream(call, cancel)):
+                if i == 3:
+                    yield StreamUpdate(answer=update.answer, finish_reason="cancelled")
+                    return
+                yield update
+
+    ctl.backend = ShutDown(answer=" ".join(f"w{i}" for i in range(50)))
+    views = list(ctl.send("local", None, "long story", [], "", GenerationSettings.preset(False), Session()))
+    reply = ctl.store.user("local").load(views[-1].conv_id).messages[-1]
+    assert reply.status == "interrupted" and reply.text == "w0 w1 w2 w3"
 
 
 def test_engine_fault_mid_stream_is_saved_as_error_and_shown(ctl):

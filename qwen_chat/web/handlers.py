@@ -471,6 +471,10 @@ class ChatController:
                     yield TurnView(chatbot_messages(messages + [live], history.image_path, len(messages)),
                                    conv_id, " ".join(x for x in (notes, update.notice) if x))
             status = FINISH_TO_STATUS.get(last.finish_reason or "", "stopped")
+            if last.finish_reason == "cancelled" and not cancel.cancelled:
+                # Nobody pressed Stop or closed the page: the engine ended the stream because the service is
+                # shutting down (Supervisor restart, SIGTERM), which is what "interrupted" means.
+                status = "interrupted"
         except GeneratorExit:
             cancel.cancel()  # the UI's Stop (or a closed tab) closed us: stop the engine too
             raise
