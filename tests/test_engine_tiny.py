@@ -198,6 +198,7 @@ def test_concurrent_requests_batch_together_without_cross_talk(make_engine):
     assert both, "the two requests never shared a decode step"
     assert any(p.prefills and p.decode_slots for p in ex.plans), "request 2 did not join a running batch"
     assert engine.stats()["max_decode_batch"] == 2
+    assert engine.stats()["step_seconds_total"] > 0  # engine busy time, exported on /metrics
 
 
 def test_queue_full_raises_busy(make_engine):

@@ -218,8 +218,8 @@ class ChatEngine:
         """Flat numbers for /metrics (``qwen_chat.web.ops`` reads them at scrape time).
 
         Keys: ``queue_depth`` and ``running`` (requests now), ``num_slots``, ``max_queue``, ``*_total``
-        counters since start (requests, rejected_busy, prompt_tokens, generated_tokens, decode_steps, and
-        finished_<reason>), ``max_decode_batch`` (largest decode batch seen), ``step_running_s`` (seconds
+        counters since start (requests, rejected_busy, prompt_tokens, generated_tokens, decode_steps,
+        step_seconds: wall seconds the engine spent inside steps, and finished_<reason>), ``max_decode_batch`` (largest decode batch seen), ``step_running_s`` (seconds
         the step in progress has been running, 0 when idle), and ``gpu_memory_bytes`` (list
         with this process's allocated CUDA bytes; only on CUDA).
         """
@@ -235,6 +235,7 @@ class ChatEngine:
             "prompt_tokens_total": t["prompt_tokens"],
             "generated_tokens_total": t["generated_tokens"],
             "decode_steps_total": t["decode_steps"],
+            "step_seconds_total": t["step_seconds"],
             "max_decode_batch": t["max_decode_batch"],
             "step_running_s": s["step_running_s"],
         }
