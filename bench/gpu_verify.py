@@ -1,9 +1,5 @@
 """Helpers of ``bench/gpu_verify.sh`` (the one-call GPU verification on a 2-GPU host; see that script).
 
-    python bench/gpu_verify.py run --seconds S --log DIR/MODE.log -- CMD...
-        # like ``sharding_bench.py run`` (own process group, ended after S seconds), but the log starts with
-        # a ``# launch <epoch>`` line, so that the start-up time (launch -> rank 0's engine self-check) can be
-        # read from the log afterwards
     python bench/gpu_verify.py collect --dir DIR --out FILE.json [--command ...]
         # one JSON (and a printed table) from DIR: pytest.log, <mode>.log + <mode>.out[.partial].json for each
         # mode found (single, tp, and the eager fall-backs single_eager, tp_eager), versions (env.json)
@@ -24,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sharding_bench import _MEM, _STOP, run_bounded  # noqa: E402  (rank / stop lines; bounded runs)
+from sharding_bench import _MEM, _STOP  # noqa: E402  (rank and stop lines)
 
 MODES = ("single", "tp", "single_eager", "tp_eager")
 _TS = re.compile(r"^\[rank (\d+)\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ [\w.]+: (.*)$")
@@ -187,18 +183,11 @@ def table(res: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--seconds", type=float, required=True)
-    r.add_argument("--log", type=Path, required=True)
-    r.add_argument("command", nargs=argparse.REMAINDER)
     c = sub.add_parser("collect")
     c.add_argument("--dir", type=Path, required=True)
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--command", default="")
     args = p.parse_args()
-    if args.cmd == "run":
-        command = args.command[1:] if args.command[:1] == ["--"] else args.command
-        return run_bounded(args.seconds, args.log, command)
     res = collect(args.dir)
     res["command"] = args.command
     args.out.write_text(json.dumps(res, indent=1))

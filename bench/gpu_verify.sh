@@ -72,7 +72,7 @@ drv=(tests/multirank/driver.py --scenario bench/sharding_scenario.json)
 run_mode() {  # run_mode MODE SECONDS launcher-args...
     local mode=$1 secs=$2; shift 2
     echo "== $(date +%T) $mode (box $secs s, left $(left) s)"
-    python3 bench/gpu_verify.py run --seconds "$secs" --log "$out/$mode.log" -- "$@"
+    python3 bench/sharding_bench.py run --seconds "$secs" --log "$out/$mode.log" -- "$@"  # log starts "# launch <epoch>"
     [[ -f "$out/$mode.out.json" ]] && rm -f "$out/$mode.out.partial.json"
     grep -E "captured|self-check passed|runner implementation|rank [0-9]/[0-9]: device|Error" "$out/$mode.log" | cut -c1-300 | tail -n 12
 }

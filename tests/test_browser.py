@@ -19,6 +19,7 @@ from qwen_chat.config import ServiceConfig
 from qwen_chat.history.store import HistoryStore
 from qwen_chat.web.server import build_app
 from tests.scripted_backend import RunningServer, ScriptedBackend
+from tests.service_harness import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -79,14 +80,9 @@ def send(pg, text: str, image: Path | None = None) -> None:
     pg.locator("#msg textarea").press("Enter")
 
 
-def wait_for(predicate, timeout_s: float = 60.0, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"condition not met within {timeout_s} s")
+def wait_for(predicate, timeout_s: float = 60.0):
+    """``service_harness.wait_until`` with the page's defaults (60 s, polled every 50 ms)."""
+    return wait_until(predicate, timeout_s, "the page condition", poll_s=0.05)
 
 
 def reopen_from_sidebar(pg, url: str, title: str) -> None:

@@ -130,30 +130,43 @@ def test_image_changes_logits(model):
     assert rel_err(la, lb) > 1e-3
 
 
+class LiveBatch:
+    """Sequences joining, decoding together and leaving one runner, each step compared with the reference.
+
+    ``errs`` collects the relative error of every prefill and of every row of every decode step.
+    """
+
+    def __init__(self, runner: ModelRunner, model, gen: torch.Generator):
+        self.runner, self.model, self.gen = runner, model, gen
+        self.live: dict[int, Seq] = {}
+        self.errs: list[float] = []
+
+    def join(self, slot: int, seq: Seq) -> None:
+        self.live[slot] = seq
+        self.errs.append(rel_err(self.runner.prefill(slot, seq.prompt()), seq.reference(self.model)))
+
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            slots = list(self.live)
+            toks = torch.randint(0, 290, (len(slots),), generator=self.gen)
+            for s, t in zip(slots, toks.tolist()):
+                self.live[s].ids.append(t)
+            out = self.runner.decode(slots, toks.to(self.runner.device))
+            assert out.shape == (len(slots), self.runner.vocab_size) and out.dtype == torch.float32
+            self.errs.extend(rel_err(out[r], self.live[s].reference(self.model)) for r, s in enumerate(slots))
+
+    def leave(self, slot: int) -> None:
+        self.runner.free(slot)
+        del self.live[slot]
+
+
 def test_batch_of_sequences_joining_and_leaving(model):
     """Slots of different lengths decode together; sequences join, leave and a freed slot is reused."""
     gen = torch.Generator().manual_seed(4)
     runner = ModelRunner(model, num_slots=3, max_context=128, device="cpu")
-    live: dict[int, Seq] = {}
-    errs: list[float] = []
-
-    def join(slot, seq):
-        live[slot] = seq
-        errs.append(rel_err(runner.prefill(slot, seq.prompt()), seq.reference(model)))
-
-    def step(n):
-        for _ in range(n):
-            slots = list(live)
-            toks = torch.randint(0, 290, (len(slots),), generator=gen)
-            for s, t in zip(slots, toks.tolist()):
-                live[s].ids.append(t)
-            out = runner.decode(slots, toks)
-            assert out.shape == (len(slots), VOCAB) and out.dtype == torch.float32
-            errs.extend(rel_err(out[r], live[s].reference(model)) for r, s in enumerate(slots))
-
-    def leave(slot):
-        runner.free(slot)
-        del live[slot]
+    assert runner.vocab_size == VOCAB
+    batch = LiveBatch(runner, model, gen)
+    join, step, leave, errs = batch.join, batch.step, batch.leave, batch.errs
 
     join(0, Seq(text_ids(gen, 9)))
     step(3)

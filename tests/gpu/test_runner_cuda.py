@@ -10,7 +10,7 @@ import torch
 from qwen_chat.engine.requests import SamplingParams
 from qwen_chat.engine.runner import ModelRunner
 from qwen_chat.engine.sampling import Sampler
-from tests.test_runner import TOL, Seq, image_seq, rel_err, small_config, text_ids
+from tests.test_runner import TOL, LiveBatch, Seq, image_seq, rel_err, small_config, text_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -61,20 +61,8 @@ def test_graph_decode_matches_reference_with_joins_and_leaves(model, compile_glu
     gen = torch.Generator().manual_seed(7)
     runner = ModelRunner(model, num_slots=4, max_context=1100, device="cuda", compile_glue=compile_glue)
     assert runner.use_cuda_graphs
-    live, errs = {}, []
-
-    def join(slot, seq):
-        live[slot] = seq
-        errs.append(rel_err(runner.prefill(slot, seq.prompt()), seq.reference(model)))
-
-    def step(n):
-        for _ in range(n):
-            slots = list(live)
-            toks = torch.randint(0, 290, (len(slots),), generator=gen)
-            for s, t in zip(slots, toks.tolist()):
-                live[s].ids.append(t)
-            out = runner.decode(slots, toks.cuda())
-            errs.extend(rel_err(out[r], live[s].reference(model)) for r, s in enumerate(slots))
+    batch = LiveBatch(runner, model, gen)
+    join, step, errs = batch.join, batch.step, batch.errs
 
     join(0, CudaSeq(text_ids(gen, 9)))
     step(4)
@@ -82,8 +70,7 @@ def test_graph_decode_matches_reference_with_joins_and_leaves(model, compile_glu
     join(2, CudaSeq(img.ids, img.image))
     join(3, CudaSeq(text_ids(gen, 520)))  # crosses into the 1024 context bucket
     step(6)  # batch of 3 runs padded to 4
-    runner.free(0)
-    del live[0]
+    batch.leave(0)
     join(0, CudaSeq(text_ids(gen, 3)))
     step(5)
     assert len(runner._graphs) >= 2
