@@ -151,49 +151,58 @@ def greedy_agreement(model, runner, dev, n_prompts: int, prompt_len: int, new: i
             "reference_logit_absmax_median": float(ref_all.abs().amax(-1).median())}
 
 
-def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, gen, sample=True) -> dict:
-    """Prefill ``batch`` prompts, sample the first token, then ``new - 1`` batched decode steps (timed)."""
+def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, gen, pipelined: bool = True) -> dict:
+    """Prefill ``batch`` prompts (first token sampled), then ``new - 1`` batched decode steps, timed.
+
+    pipelined (what the service's scheduler does in one process): ``LocalExecutor.launch`` queues step N+1 on
+    the device, fed from the device's copy of step N's tokens, before ``collect`` waits for step N's tokens.
+    Otherwise each step is ``runner.decode`` + ``sampler.sample`` and waits for its tokens (the host and the GPU
+    take turns)."""
+    from qwen_chat.engine.executor import LocalExecutor
+    from qwen_chat.engine.requests import PrefillItem, StepPlan
+
     slots = list(range(batch))
-    for s in slots:
-        runner.free(s)
+    ex = LocalExecutor(runner, sampler)
     last = []
     for s in slots:
-        lg = runner.prefill(s, PreparedPrompt(input_ids=random_ids(prompt_len, gen)))
-        sampler.start(s, SamplingParams(seed=1000 + s, max_new_tokens=new, stop_token_ids=(), **PRESET))
-        last.append(sampler.sample([s], lg[None])[0])
-    tokens = torch.tensor(last)  # host ints, as the executor feeds them
-    decode_times = []
+        sp = SamplingParams(seed=1000 + s, max_new_tokens=new, stop_token_ids=(), **PRESET)
+        item = PrefillItem(s, PreparedPrompt(input_ids=random_ids(prompt_len, gen)), sp)
+        last.append(ex.execute(StepPlan(free_slots=[s], prefills=[item]))[s])
+    steps = new - 1
     sync(dev)
     t0 = time.perf_counter()
-    for _ in range(new - 1):
-        t = time.perf_counter()
-        lg = runner.decode(slots, tokens)
-        if sample:
-            tokens = torch.tensor(sampler.sample(slots, lg))
-        else:
-            tokens = lg.argmax(-1)
-            sync(dev)
-        decode_times.append(time.perf_counter() - t)
+    if pipelined:
+        plan = StepPlan(decode_slots=slots, tokens_on_device=True)
+        inflight = ex.launch(plan)
+        for _ in range(steps - 1):
+            ahead = ex.launch(plan)
+            ex.collect(inflight)
+            inflight = ahead
+        ex.collect(inflight)
+    else:
+        tokens = torch.tensor(last)  # host ints, as the executor feeds them
+        for _ in range(steps):
+            tokens = torch.tensor(sampler.sample(slots, runner.decode(slots, tokens)))
     sync(dev)
     total = time.perf_counter() - t0
     for s in slots:
         runner.free(s)
-    steps = new - 1
-    return {"streams": batch, "prompt_tokens": prompt_len, "decode_steps": steps,
+    return {"streams": batch, "prompt_tokens": prompt_len, "decode_steps": steps, "pipelined": pipelined,
             "aggregate_tok_s": batch * steps / total, "per_stream_tok_s": steps / total,
-            "median_step_ms": statistics.median(decode_times) * 1e3, "sampling": sample}
+            "mean_step_ms": total / steps * 1e3, "sampling": True}
 
 
-def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> dict:
+def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen, overlap: bool = True) -> dict:
     """Batch-1 decode as the service runs it: one request through the rank-0 ``Scheduler`` and
-    ``LocalExecutor`` (plans, sampling, token routing to the request's stream).  Decode tok/s = (tokens - 1) /
-    (time of the last token - time of the first)."""
+    ``LocalExecutor`` (plans, sampling, token routing to the request's stream), with steps launched ahead
+    (``overlap``, the service's mode in one process) or not.  Decode tok/s = (tokens - 1) / (time of the last
+    token - time of the first)."""
     from qwen_chat.chat_types import CancelToken
     from qwen_chat.engine.executor import LocalExecutor
     from qwen_chat.engine.scheduler import Scheduler
 
     sched = Scheduler(LocalExecutor(runner, sampler), num_slots=runner.num_slots, max_queue=4, eos_ids=(),
-                      max_context=runner.max_context)
+                      max_context=runner.max_context, overlap=overlap)
     try:
         prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen), max_new_tokens=new)
         params = SamplingParams(seed=7, max_new_tokens=new, stop_token_ids=(), **PRESET)
@@ -440,7 +449,8 @@ def table(doc) -> str:
         row("batch-1 roofline (tok/s)", f"{hw['roofline_batch1_tok_s']:.0f}")
     if "baseline" in s:
         row("transformers generate batch 1 (tok/s)", f"{s['baseline']['tok_s']:.1f}")
-    for key, label in (("batch1_compiled", "engine batch 1 (tok/s)"),
+    for key, label in (("batch1_compiled", "engine batch 1, steps launched ahead (tok/s)"),
+                       ("batch1_compiled_sync", "engine batch 1, each step waited for (tok/s)"),
                        ("batch1_eager_glue", "engine batch 1, glue not compiled (tok/s)")):
         if key in s:
             row(label, f"{s[key]['aggregate_tok_s']:.1f}", ">= 200" if key == "batch1_compiled" else "")
@@ -457,6 +467,8 @@ def table(doc) -> str:
                 ">= 2000" if x["streams"] == 32 and variant == "compiled" else "")
     if "batch1_scheduler" in s:
         row("engine batch 1 via scheduler (tok/s)", f"{s['batch1_scheduler']['decode_tok_s']:.1f}")
+    if "batch1_scheduler_sync" in s:
+        row("  same, overlap off (tok/s)", f"{s['batch1_scheduler_sync']['decode_tok_s']:.1f}")
     if "profile_scheduler_b1" in s:
         row("profiled scheduler path (tok/s)", f"{s['profile_scheduler_b1']['profiled_decode_tok_s']:.1f}")
     for variant, rows in s.get("scheduler_repeats", {}).items():
@@ -589,6 +601,8 @@ def main(argv=None) -> int:
         run.section(f"capture_{name}", warm)
         res = run.section(f"batch1_{name}", lambda: engine_decode(runner, sampler, dev, 1, P["prompt"],
                                                                    P["b1_new"], gen))
+        run.section(f"batch1_{name}_sync", lambda: engine_decode(runner, sampler, dev, 1, P["prompt"],
+                                                                 P["b1_new"], gen, pipelined=False))
         run.section(f"profile_{name}_b1", lambda: profile_decode(runner, dev, 1, P["prompt"], 5, gen))
         if name == "compiled":
             run.section(f"profile_{name}_b32", lambda: profile_decode(runner, dev, max(P["streams"]), P["prompt"],
@@ -607,6 +621,8 @@ def main(argv=None) -> int:
                                                                                  P["prefill_cmp"], gen))
             run.section("batch1_scheduler", lambda: scheduler_decode(runner, sampler, dev, P["prompt"],
                                                                      P["b1_new"], gen))
+            run.section("batch1_scheduler_sync", lambda: scheduler_decode(runner, sampler, dev, P["prompt"],
+                                                                          P["b1_new"], gen, overlap=False))
             run.section("batch1_executor", lambda: executor_decode(runner, sampler, dev, P["prompt"],
                                                                    P["b1_new"], gen))
             run.section("scheduler_repeats", lambda: scheduler_repeats(runner, sampler, dev, P["prompt"],

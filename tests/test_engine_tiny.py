@@ -69,7 +69,7 @@ def make_engine(tiny_loaded, runner_and_sampler):
             runner.free(slot)
         ex = SpyExecutor(runner, sampler, gate=gate)
         engine = ChatEngine(tiny_loaded, runner, ex, image_token_budget=64, max_context=max_context,
-                            max_queue=max_queue, num_slots=num_slots)
+                            max_queue=max_queue, num_slots=num_slots, overlap=False)  # scripts rewrite execute()
         engines.append(engine)
         return engine, ex
 

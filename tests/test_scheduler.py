@@ -50,7 +50,9 @@ class FakeRunner:
         self.prompt_lens[slot] = len(self.seqs[slot])
         return self._logits(self.seqs[slot], 0)
 
-    def decode(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, slots: list[int], tokens, token_table=None) -> torch.Tensor:
+        if tokens is None:  # overlap mode: the last sampled token of each slot, as the real runner reads it
+            tokens = token_table[torch.tensor(slots)]
         assert tokens.dtype == torch.int64 and tokens.shape == (len(slots),)
         rows = []
         for slot, tok in zip(slots, tokens.tolist()):
@@ -69,6 +71,12 @@ class FakeSampler:
     def __init__(self, num_slots: int, vocab_size: int, device="cpu"):
         self.gens: dict[int, torch.Generator] = {}
         self.temps: dict[int, float] = {}
+        self.last_tokens = torch.zeros(num_slots, dtype=torch.int64)
+
+    def sample_async(self, slots, logits):
+        out = torch.tensor(self.sample(slots, logits), dtype=torch.int64)
+        self.last_tokens[torch.tensor(list(slots), dtype=torch.int64)] = out
+        return out
 
     def start(self, slot: int, params: SamplingParams) -> None:
         self.gens[slot] = torch.Generator().manual_seed(params.seed)
@@ -95,14 +103,14 @@ class SpyExecutor(LocalExecutor):
         self.fail_on_step = fail_on_step
         self.step_started = threading.Event()
 
-    def execute(self, plan):
+    def launch(self, plan):  # execute() runs launch() too, so both scheduler modes pass here
         self.plans.append(plan)
         self.step_started.set()
         if self.gate is not None:
             assert self.gate.wait(10)
         if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
             raise RuntimeError("simulated device error")
-        return super().execute(plan)
+        return super().launch(plan)
 
 
 def prompt(*ids: int) -> PreparedPrompt:
@@ -114,11 +122,23 @@ def params(max_new: int = 20, temperature: float = 0.0, seed: int = 0) -> Sampli
                           max_new_tokens=max_new, stop_token_ids=())
 
 
+OVERLAP = False  # set per test by the ``mode`` fixture
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def mode(request):
+    """Every test runs with the scheduler waiting for each step and with steps launched ahead (overlap)."""
+    global OVERLAP
+    OVERLAP = request.param
+    yield request.param
+    OVERLAP = False
+
+
 def make(num_slots=2, max_queue=4, eos_after=None, gate=None, fail_on_step=None, max_context=None, on_fatal=None):
     runner = FakeRunner(num_slots, eos_after)
     ex = SpyExecutor(runner, FakeSampler(num_slots, VOCAB), gate=gate, fail_on_step=fail_on_step)
     sched = Scheduler(ex, num_slots=num_slots, max_queue=max_queue, eos_ids=(EOS,), max_context=max_context,
-                      on_fatal=on_fatal)
+                      on_fatal=on_fatal, overlap=OVERLAP)
     return sched, ex, runner
 
 
@@ -213,7 +233,8 @@ def test_cancel_frees_slot_within_one_step_and_next_request_runs(cleanup):
             steps_at_cancel = len(ex.plans)
             cancel.cancel()
     assert h.finish_reason == "cancelled"
-    assert len(ex.plans) <= steps_at_cancel + 2  # the step already running, then the one that frees it
+    # the step already running (and, in overlap mode, the one launched ahead), then the one that frees it
+    assert len(ex.plans) <= steps_at_cancel + (3 if OVERLAP else 2)
     h2 = sched.submit(prompt(3, 3), params(max_new=4), CancelToken())
     assert len(list(h2)) == 4 and h2.finish_reason == "length"
     assert 0 in runner.freed
@@ -323,7 +344,8 @@ def test_real_runner_batched_streams_equal_solo_streams():
     model = Qwen3_5ForConditionalGeneration(small_config()).eval()
     runner = ModelRunner(model, num_slots=3, max_context=256, device="cpu")
     ex = SpyExecutor(runner, Sampler(3, runner.vocab_size, "cpu"))
-    sched = Scheduler(ex, num_slots=3, max_queue=4, eos_ids=(runner.vocab_size - 1,), max_context=256)
+    sched = Scheduler(ex, num_slots=3, max_queue=4, eos_ids=(runner.vocab_size - 1,), max_context=256,
+                      overlap=OVERLAP)
     try:
         g = torch.Generator().manual_seed(1)
         prompts = [PreparedPrompt(input_ids=torch.randint(0, 300, (n,), generator=g)) for n in (5, 17, 9)]
@@ -343,7 +365,7 @@ def test_prefill_budget_spreads_long_prompts_over_steps(cleanup):
     gate = threading.Event()
     runner = FakeRunner(3)
     ex = SpyExecutor(runner, FakeSampler(3, VOCAB), gate=gate)
-    sched = Scheduler(ex, num_slots=3, max_queue=4, eos_ids=(EOS,), prefill_token_budget=10)
+    sched = Scheduler(ex, num_slots=3, max_queue=4, eos_ids=(EOS,), prefill_token_budget=10, overlap=OVERLAP)
     cleanup(sched)
     h0 = sched.submit(prompt(1), params(max_new=30), CancelToken())
     assert ex.step_started.wait(10)

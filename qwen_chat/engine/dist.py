@@ -286,8 +286,12 @@ class DistributedExecutor:
     def execute(self, plan: StepPlan) -> dict[int, int]:
         """Broadcast ``plan`` to every rank and run it here; returns {slot: sampled token id}.
 
-        Raises: NotReady once ``close`` has sent the exit message.  Exits the process on any other failure.
+        Raises: NotReady once ``close`` has sent the exit message; ValueError for a plan with
+        ``tokens_on_device`` (each rank would read its own token table; the scheduler only sends those to a
+        ``LocalExecutor``).  Exits the process on any other failure.
         """
+        if plan.tokens_on_device:
+            raise ValueError("a plan with tokens_on_device cannot be broadcast to other ranks")
         with self._lock:
             if self._closed:
                 raise NotReady("the engine is shutting down")

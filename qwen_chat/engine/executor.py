@@ -36,18 +36,20 @@ class LocalExecutor:
 
     Args:
         runner: ``qwen_chat.engine.runner.ModelRunner`` (``prefill(slot, prompt) -> fp32 [V]``,
-            ``decode(slots, tokens int64 [B]) -> fp32 [B, V]``, ``free(slot)``).
+            ``decode(slots, tokens int64 [B] | None, token_table=None) -> fp32 [B, V]``, ``free(slot)``,
+            ``num_slots``).
         sampler: ``qwen_chat.engine.sampling.Sampler`` (``start(slot, params)``,
-            ``sample(slots, logits [B, V]) -> list[int]``).
+            ``sample_async(slots, logits [B, V]) -> int64 [B]``, ``last_tokens`` int64 [num_slots]).
     """
 
     def __init__(self, runner, sampler) -> None:
         self.runner = runner
         self.sampler = sampler
+        self._host = None  # two pinned int64 [num_slots] buffers for the sampled tokens (CUDA)
+        self._turn = 0
 
     def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Run one plan: free ``plan.free_slots``; prefill each ``plan.prefills`` item and sample its first
-        token; then one batched decode over ``plan.decode_slots`` fed with ``plan.decode_tokens`` and sample.
+        """Run one plan and wait for its tokens: ``collect(launch(plan))``.
 
         Op ``"selfcheck"`` runs like ``"step"`` (the scheduler sends a short real request as the check);
         ``"exit"`` does nothing here (the worker loop in ``dist.py`` acts on it).
@@ -60,9 +62,23 @@ class LocalExecutor:
         """
         if plan.op == "exit":
             return {}
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> "Launched":
+        """Queue one plan on the device and return without waiting for its result: free ``plan.free_slots``;
+        prefill each ``plan.prefills`` item and sample its first token; then one batched decode over
+        ``plan.decode_slots`` and sample.  The decode feeds ``plan.decode_tokens``, or with
+        ``plan.tokens_on_device`` the last token sampled for each slot (``Sampler.last_tokens``), so a plan can
+        be launched before the previous one's tokens reached the host.  At most two launched plans may await
+        ``collect`` at a time (their tokens come back through two pinned buffers).  Prefills do wait for the
+        device (they check the prompt's token ids there).
+
+        Raises ValueError for an op other than step/selfcheck, mismatched decode lists, or a slot both prefilled
+        and decoded; whatever the runner or sampler raise (before anything of a refused prefill ran).
+        """
         if plan.op not in STEP_OPS:
             raise ValueError(f"unknown step op {plan.op!r}; expected one of {STEP_OPS + ('exit',)}")
-        if len(plan.decode_slots) != len(plan.decode_tokens):
+        if not plan.tokens_on_device and len(plan.decode_slots) != len(plan.decode_tokens):
             raise ValueError(
                 f"decode_slots ({len(plan.decode_slots)}) and decode_tokens ({len(plan.decode_tokens)}) differ in length"
             )
@@ -74,16 +90,53 @@ class LocalExecutor:
         for slot in plan.free_slots:
             self.runner.free(slot)
 
-        out: dict[int, int] = {}
+        slots: list[int] = []
+        parts: list[torch.Tensor] = []
         with torch.no_grad():
             for item in plan.prefills:
                 self.sampler.start(item.slot, item.sampling)
                 logits = self.runner.prefill(item.slot, item.prompt)  # fp32 [V]
-                out[item.slot] = int(self.sampler.sample([item.slot], logits.view(1, -1))[0])
+                parts.append(self.sampler.sample_async([item.slot], logits.view(1, -1)))
+                slots.append(item.slot)
             if plan.decode_slots:
-                tokens = torch.tensor(plan.decode_tokens, dtype=torch.int64)
-                logits = self.runner.decode(list(plan.decode_slots), tokens)  # fp32 [B, V]
-                sampled = self.sampler.sample(list(plan.decode_slots), logits)
-                for slot, token in zip(plan.decode_slots, sampled):
-                    out[slot] = int(token)
-        return out
+                decode_slots = list(plan.decode_slots)
+                if plan.tokens_on_device:
+                    logits = self.runner.decode(decode_slots, None, token_table=self.sampler.last_tokens)
+                else:
+                    logits = self.runner.decode(decode_slots, torch.tensor(plan.decode_tokens, dtype=torch.int64))
+                parts.append(self.sampler.sample_async(decode_slots, logits))  # fp32 [B, V] -> int64 [B]
+                slots.extend(decode_slots)
+        if not slots:
+            return Launched([], None, None)
+        tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if tokens.device.type != "cuda":
+            return Launched(slots, tokens, None)
+        if self._host is None:
+            n = self.runner.num_slots
+            self._host = [torch.zeros(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        turn = self._turn
+        self._turn ^= 1
+        host = self._host[turn][:len(slots)]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Launched(slots, host, done)
+
+    def collect(self, launched: "Launched") -> dict[int, int]:
+        """Wait for a launched plan's tokens.  Returns {slot: sampled token id} for every prefilled and decoded
+        slot of that plan."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        if launched.tokens is None:
+            return {}
+        return dict(zip(launched.slots, launched.tokens.tolist()))
+
+
+class Launched:
+    """A plan queued by ``LocalExecutor.launch``: its sampled slots, the tensor their tokens arrive in (int64
+    [n], pinned host memory on CUDA), and the CUDA event after which that tensor holds them (None on CPU)."""
+
+    __slots__ = ("slots", "tokens", "done")
+
+    def __init__(self, slots: list[int], tokens, done) -> None:
+        self.slots, self.tokens, self.done = slots, tokens, done

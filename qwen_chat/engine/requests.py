@@ -68,6 +68,9 @@ class StepPlan:
     ``free_slots``: sequences that finished or were cancelled; their state is released first.
     ``prefills``: new sequences that join this step (their first token is sampled from the prefill logits).
     ``decode_slots``/``decode_tokens``: running sequences and the token each feeds in (int64 lists, same length).
+    ``tokens_on_device``: each decoded slot feeds the last token sampled for it, read on the device
+    (``decode_tokens`` is then ignored): the single-process scheduler launches a step before the previous
+    step's tokens reached the host.  Never broadcast to other ranks (they would each read their own table).
     """
 
     op: str = "step"
@@ -75,3 +78,4 @@ class StepPlan:
     prefills: list[PrefillItem] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
+    tokens_on_device: bool = False

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from qwen_chat.chat_types import ContextTooLong, InvalidInput
+from qwen_chat.engine import gemv
 from qwen_chat.engine.kernels import apply_rotary, glue_functions, l2norm
 from qwen_chat.engine.requests import PreparedPrompt
 
@@ -122,6 +123,9 @@ class ModelRunner:
         use_cuda_graphs: capture the decode step in CUDA graphs; None = on for CUDA unless ZeRO-3.
         compile_glue: fuse the decode step's element-wise glue with ``torch.compile`` (qwen_chat.engine.kernels);
             None = same as ``use_cuda_graphs``.
+        fast_gemv: run the projections of batches of <= ``gemv.MAX_ROWS`` rows through the Triton kernels of
+            ``qwen_chat.engine.gemv`` (plain ``nn.Linear`` modules only); None = same as ``use_cuda_graphs``
+            when Triton is importable.
 
     Attributes: ``num_slots``, ``max_context``, ``vocab_size`` (logits width), ``impl`` (dict: which
     implementation each op resolved to, for the start-up log).
@@ -132,7 +136,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, *, num_slots: int, max_context: int, device, dtype=None,
-                 use_cuda_graphs: Optional[bool] = None, compile_glue: Optional[bool] = None):
+                 use_cuda_graphs: Optional[bool] = None, compile_glue: Optional[bool] = None,
+                 fast_gemv: Optional[bool] = None):
         if num_slots < 1 or max_context < 1:
             raise ValueError(f"num_slots and max_context must be >= 1 (got {num_slots}, {max_context})")
         self.model = model
@@ -179,6 +184,20 @@ class ModelRunner:
             self._fused.append({} if zero3 else {k: f for k, mods in groups.items()
                                                  if (f := fuse_linears(mods)) is not None})
         self.impl["fused_projection_groups"] = sum(len(f) for f in self._fused)
+        if fast_gemv is None:
+            fast_gemv = self.use_cuda_graphs and gemv.triton is not None
+        if fast_gemv and (self.device.type != "cuda" or gemv.triton is None):
+            raise ValueError("fast_gemv needs a CUDA device and Triton")
+        self._fast_gemv = bool(fast_gemv)
+        # Single projections the Triton GEMV may read directly (plain, unhooked, bias-free nn.Linear).
+        singles = [model.lm_head] + [getattr(layer, "linear_attn", None) and layer.linear_attn.out_proj
+                                     for layer in self._layers]
+        singles += [layer.self_attn.o_proj for layer in self._layers if hasattr(layer, "self_attn")]
+        singles += [layer.mlp.down_proj for layer in self._layers]
+        self._plain = {id(m) for m in singles if m is not None and not zero3 and type(m) is torch.nn.Linear
+                       and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks
+                                                   or hasattr(m, "_hf_hook"))}
+        self.impl["projections"] = "triton gemv (<= %d rows)" % gemv.MAX_ROWS if self._fast_gemv else "torch"
 
         self._build_state(tc)
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
@@ -366,7 +385,13 @@ class ModelRunner:
         if fused is None:
             return tuple(m(x) for m in self._groups[i][group])
         w, sizes = fused
-        return F.linear(x, w).split(sizes, dim=-1)
+        return (gemv.linear(x, w) if self._fast_gemv else F.linear(x, w)).split(sizes, dim=-1)
+
+    def _linear(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``mod(x)``, through the Triton GEMV when enabled and ``mod`` is a plain ``nn.Linear``."""
+        if self._fast_gemv and id(mod) in self._plain:
+            return gemv.linear(x, mod.weight)
+        return mod(x)
 
     def _attn_prefill(self, i, at, slot_t, x, cos, sin):
         g = self._geo[i]
@@ -422,17 +447,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
-    def decode(self, slots: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, slots: Sequence[int], tokens: Optional[torch.Tensor],
+               token_table: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Feed one token to each of ``slots`` (all prefilled, distinct) and return their next-token logits.
 
-        tokens: int64 [B] (any device).  Returns fp32 logits [B, vocab_size] on the runner's device.
-        Raises ContextTooLong when a slot's cache is full (the scheduler should stop it one token earlier).
+        tokens: int64 [B] (any device), or None to feed each slot ``token_table[slot]`` (int64 [num_slots] on
+        the runner's device, e.g. ``Sampler.last_tokens``: read on the device, so the host need not wait for the
+        previous step's tokens).  Nothing here waits for the GPU.  Returns fp32 logits [B, vocab_size] on the
+        runner's device.
+        Raises ContextTooLong when a slot's cache is full (the scheduler should stop it one token earlier);
+        ValueError for empty, duplicate or unprefilled slots, or tokens that do not match them.
         """
         slots = [int(s) for s in slots]
         B = len(slots)
         if B == 0:
             raise ValueError("decode needs at least one slot")
-        if tokens.numel() != B:
+        if tokens is None:
+            if token_table is None or token_table.dim() != 1 or token_table.numel() < self.num_slots:
+                raise ValueError("decode without tokens needs a token_table of num_slots entries")
+        elif tokens.numel() != B:
             raise ValueError(f"{B} slots but {tokens.numel()} tokens")
         if len(set(slots)) != B:
             raise ValueError(f"duplicate slots in a decode batch: {slots}")
@@ -447,11 +480,13 @@ class ModelRunner:
         rope = [p + self.rope_deltas[s] for p, s in zip(pos, slots)]
         ctx = self._context_bucket(max(pos) + 1)
         if self.use_cuda_graphs and B <= BATCH_LADDER[-1]:
-            logits = self._decode_graph(slots, tokens, pos, rope, ctx)
+            logits = self._decode_graph(slots, tokens, pos, rope, ctx, token_table)
         else:
             dev = self.device
-            logits = self._decode_step(torch.tensor(slots, device=dev), tokens.to(dev, torch.long).reshape(-1),
-                                       torch.tensor(pos, device=dev), torch.tensor(rope, device=dev), ctx)
+            slot_t = torch.tensor(slots, device=dev)
+            tok_t = token_table[slot_t] if tokens is None else tokens.to(dev, torch.long).reshape(-1)
+            logits = self._decode_step(slot_t, tok_t, torch.tensor(pos, device=dev), torch.tensor(rope, device=dev),
+                                       ctx)
         for s in slots:
             self.lengths[s] += 1
         return logits
@@ -479,10 +514,10 @@ class ModelRunner:
             h, x = k["add_norm"](h, x, layer.post_attention_layernorm)
             mlp = layer.mlp
             gate, up = self._project(i, "mlp", x)
-            x = mlp.down_proj(k["swiglu"](gate, up, mlp.act_fn))
+            x = self._linear(mlp.down_proj, k["swiglu"](gate, up, mlp.act_fn))
             nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
             h, x = k["add_norm"](h, x, nxt)
-        return self._lm_head(x).float()
+        return self._linear(self._lm_head, x).float()
 
     def _attn_decode(self, i, at, slot_idx, pos, x, cos, sin, ctx):
         g = self._geo[i]
@@ -498,7 +533,7 @@ class ModelRunner:
             mask = (self._ctx_range[:ctx][None, :] <= pos[:, None]).view(B, 1, 1, ctx)
             # The query heads of one KV group act as that group's "query positions": no KV head expansion.
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"])
-        return at.o_proj(self._glue["attn_post"](o, gate))
+        return self._linear(at.o_proj, self._glue["attn_post"](o, gate))
 
     def _linear_decode(self, i, la, slot_idx, x):
         g = self._geo[i]
@@ -507,7 +542,7 @@ class ModelRunner:
             qkv, z, b, a, self.conv_state[i],
             self.rec_state[i], slot_idx, la.conv1d.weight[:, 0, :], la.A_log, la.dt_bias, la.norm,
             la.activation, g["key_dim"], g["dk"], g["dv"])
-        return la.out_proj(core)
+        return self._linear(la.out_proj, core)
 
     # ------------------------------------------------------------------ CUDA graphs
     def _alloc_static_buffers(self) -> None:
@@ -587,7 +622,7 @@ class ModelRunner:
                 self._capture_prefill(P)
         return len(self._graphs) + len(self._prefill_graphs)
 
-    def _decode_graph(self, slots, tokens, pos, rope, ctx) -> torch.Tensor:
+    def _decode_graph(self, slots, tokens, pos, rope, ctx, token_table=None) -> torch.Tensor:
         B = len(slots)
         bp = next(b for b in BATCH_LADDER if b >= B)
         key = (bp, ctx)
@@ -598,12 +633,14 @@ class ModelRunner:
         h[:, B:bp] = 0
         h[0, :bp] = self._scratch
         h[0, :B], h[2, :B], h[3, :B] = slots, pos, rope
-        on_host = tokens.device.type == "cpu"
+        on_host = tokens is not None and tokens.device.type == "cpu"
         if on_host:
             h[1, :B] = tokens.reshape(-1).numpy()
         self._s_in.copy_(self._h_in, non_blocking=True)
         self._in_copied.record()
-        if not on_host:
+        if tokens is None:
+            torch.index_select(token_table, 0, self._s_slots[:B], out=self._s_tokens[:B])
+        elif not on_host:
             self._s_tokens[:B].copy_(tokens.reshape(-1))
         self._graphs[key].replay()
         return self._s_out[key][:B].clone()

@@ -76,13 +76,14 @@ def draw_top_k(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tens
 
     logits: float [B, V]; presence: bool [slots, V]; penalty, temperature, top_p: float32 [slots]; top_k: int64
     [slots]; idx: int64 [B] (each row's slot); u: float32 [B] uniforms in [0, 1); K: static candidate count
-    (<= V).  Greedy rows (temperature 0) take the argmax of the raw logits.  Returns int64 [B].
-    The same functions as the general path in ``Sampler.sample``; the K largest candidates cut to each row's
-    own top_k are its top_k largest, in the same order.
+    (<= V).  Returns int64 [B] (greedy rows, temperature 0, are not handled here: ``Sampler.sample_async``
+    replaces them by the argmax, which as a separate kernel spreads over many thread blocks, while fused here it
+    made the whole pass one block per row: 0.15 ms per step at batch 1 on an H200, bench/results gemv-probe).
+    The same functions as the general path in ``Sampler.sample_async``; the K largest candidates cut to each
+    row's own top_k are its top_k largest, in the same order.
     """
     vals, ids = torch.topk(scaled_logits(logits, presence, penalty, temperature, idx), K, dim=-1)
-    drawn = inverse_cdf(nucleus_probs(vals, top_k[idx], top_p[idx]), ids, u)
-    return torch.where(temperature[idx] == 0, logits.float().argmax(dim=-1), drawn)
+    return inverse_cdf(nucleus_probs(vals, top_k[idx], top_p[idx]), ids, u)
 
 
 class Sampler:
@@ -107,6 +108,18 @@ class Sampler:
         self._top_k = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
         self._penalty = torch.zeros(self.num_slots, dtype=torch.float32, device=dev)
         self._fused_k = min(FUSED_TOPK, self.vocab_size)
+        #: The last token sampled for each slot (int64 [num_slots], on the device): the runner reads a decode
+        #: step's inputs from here (``ModelRunner.decode(..., token_table=)``) without a trip through the host.
+        self.last_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
+        # Row indices and uniform columns reach the device through pinned buffers and asynchronous copies (a
+        # plain torch.tensor(..., device="cuda") waits for the whole stream, so the host could not run ahead of
+        # the GPU).  Two buffers: a step's copy may still be queued while the next step fills the other one.
+        # (flat, so that the used part is one contiguous block: a strided pinned slice would be copied through
+        # pageable memory, which waits for the stream)
+        self._staging = ([torch.zeros(2 * self.num_slots, dtype=torch.long, pin_memory=True) for _ in range(2)]
+                         if dev.type == "cuda" else None)
+        self._staged = [None, None]  # the event after each buffer's copy
+        self._stage_turn = 0
         # On CUDA the fused path is compiled (dynamic batch size); on CPU it runs as written.
         self._draw_top_k = (torch.compile(draw_top_k, dynamic=True, fullgraph=True) if dev.type == "cuda"
                             else draw_top_k)
@@ -143,8 +156,27 @@ class Sampler:
         self._top_k[slot] = int(params.top_k) if 0 < params.top_k < self.vocab_size else 0
         self._penalty[slot] = float(params.presence_penalty)
 
-    def _uniforms(self, slots: Sequence[int], idx: torch.Tensor) -> torch.Tensor:
-        """One uniform in [0, 1) per row, each from its own slot's generator.  float32 [B]."""
+    def _to_device(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """int64 [len(rows), B] on the device from host ints, without waiting for the stream (CUDA: pinned
+        double buffer and a non-blocking copy)."""
+        if self._staging is None:
+            return torch.tensor(rows, dtype=torch.long, device=self.device)
+        turn = self._stage_turn
+        self._stage_turn ^= 1
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()  # that buffer's previous copy has been read by the GPU
+        n = len(rows[0])
+        buf = self._staging[turn][:len(rows) * n].view(len(rows), n)
+        buf.copy_(torch.tensor(rows, dtype=torch.long))
+        out = buf.to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._staged[turn] = ev
+        return out
+
+    def _rows(self, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(idx, u): each row's slot (int64 [B]) and one uniform in [0, 1) per row, each from its own slot's
+        generator (float32 [B]), on the device."""
         cols = []
         for s in slots:
             if self._next[s] >= UNIFORM_BLOCK:
@@ -152,7 +184,8 @@ class Sampler:
                 self._next[s] = 0
             cols.append(self._next[s])
             self._next[s] += 1
-        return self._uniform[idx, torch.tensor(cols, device=self.device)]
+        idx, col = self._to_device([list(slots), cols]).unbind(0)
+        return idx, self._uniform[idx, col]
 
     def _nucleus(self, slots: Sequence[int], logits: torch.Tensor, idx: torch.Tensor):
         """Penalised, tempered, top-k/top-p filtered distribution of each row, sorted by probability.
@@ -191,23 +224,31 @@ class Sampler:
             if not 0 <= s < self.num_slots or self.params[s] is None:
                 raise ValueError(f"slot {s} has no sampling parameters (call start first)")
 
-    @torch.no_grad()  # one grad mode for every caller: the compiled path's guards include it
     def sample(self, slots: Sequence[int], logits: torch.Tensor) -> list[int]:
-        """Draw one token per row and mark it as present for its slot.
+        """Draw one token per row and mark it as present for its slot (``sample_async``, then wait for the
+        result).  slots: B distinct slot ids; logits: float [B, V] on the sampler's device.  Returns B token
+        ids."""
+        return self.sample_async(slots, logits).tolist()
 
-        slots: B distinct slot ids; logits: float [B, V] on the sampler's device.  Returns B token ids.
-        """
+    @torch.no_grad()  # one grad mode for every caller: the compiled path's guards include it
+    def sample_async(self, slots: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """Draw one token per row, mark it as present for its slot and store it in ``last_tokens``, all queued
+        on the device without waiting for it.  slots: B distinct slot ids; logits: float [B, V] on the
+        sampler's device.  Returns int64 [B] on the device.  Raises ValueError for logits of the wrong shape or
+        a slot without parameters."""
         slots = [int(s) for s in slots]
         self._check(slots, logits)
-        idx = torch.tensor(slots, device=self.device)
-        u = self._uniforms(slots, idx)
+        idx, u = self._rows(slots)
         if all(self.params[s].temperature == 0 for s in slots):
             tokens = logits.float().argmax(dim=-1)
-        elif all(0 < self.params[s].top_k <= self._fused_k for s in slots):
-            tokens = self._draw_top_k(logits, self.presence, self._penalty, self._temperature, self._top_k,
-                                      self._top_p, idx, u, self._fused_k)
         else:
-            drawn = inverse_cdf(*self._nucleus(slots, logits, idx), u)
-            tokens = torch.where(self._temperature[idx] == 0, logits.float().argmax(dim=-1), drawn)
+            if all(0 < self.params[s].top_k <= self._fused_k for s in slots):
+                tokens = self._draw_top_k(logits, self.presence, self._penalty, self._temperature, self._top_k,
+                                          self._top_p, idx, u, self._fused_k)
+            else:
+                tokens = inverse_cdf(*self._nucleus(slots, logits, idx), u)
+            if any(self.params[s].temperature == 0 for s in slots):
+                tokens = torch.where(self._temperature[idx] == 0, logits.float().argmax(dim=-1), tokens)
         self.presence[idx, tokens] = True
-        return tokens.tolist()
+        self.last_tokens[idx] = tokens
+        return tokens

@@ -135,6 +135,20 @@ class _Request:
         self.last_token: Optional[int] = None
 
 
+@dataclass
+class _InFlight:
+    """A step launched on the device (overlap mode): the executor's handle, its requests, its launch time."""
+
+    launched: object
+    prefilled: list
+    decoded: list
+    started: float
+
+    @property
+    def requests(self) -> list:
+        return self.prefilled + self.decoded
+
+
 class Scheduler:
     """Owns the slots, the waiting queue and the single model thread (started by the constructor).
 
@@ -150,6 +164,13 @@ class Scheduler:
         on_fatal: called once, with the reason, on the scheduler thread after an engine failure (a step
             raised something other than a ``ChatError``, or the loop itself broke) once the affected streams
             have ended; the service uses it to exit the process so that Supervisor restarts it.
+        overlap: launch each step before the previous step's tokens reach the host (the executor must have
+            ``launch(plan)``/``collect(launched)``, and plans carry ``tokens_on_device``: a ``LocalExecutor``,
+            one process).  The host then builds plans, routes tokens and wakes streams while the GPU computes,
+            instead of the GPU idling for it on every step.  A sequence that samples a stop token has already
+            been fed to the next step; that step's token for it is discarded (its slot is freed afterwards),
+            and sequences that reach their length limit are left out of the step ahead, so no step goes past
+            ``max_new_tokens`` or the context.
     """
 
     def __init__(
@@ -162,6 +183,7 @@ class Scheduler:
         max_context: Optional[int] = None,
         prefill_token_budget: int = 8192,
         on_fatal: Optional[Callable[[str], None]] = None,
+        overlap: bool = False,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -172,6 +194,10 @@ class Scheduler:
         self.max_context = max_context
         self.prefill_token_budget = int(prefill_token_budget)
         self.on_fatal = on_fatal
+        self.overlap = bool(overlap)
+        if self.overlap and not (hasattr(executor, "launch") and hasattr(executor, "collect")):
+            raise ValueError("overlap needs an executor with launch() and collect() (LocalExecutor)")
+        self._last_collect_at = 0.0
         self._fatal_reported = False
         self._step_started_at: Optional[float] = None  # time.monotonic() when the running step began
         self._cond = threading.Condition()
@@ -266,41 +292,23 @@ class Scheduler:
             self._cond.notify()
 
     def _loop(self) -> None:
+        inflight: Optional[_InFlight] = None  # the step launched on the device whose tokens are not back yet
         try:
             while True:
-                plan, prefilled, decoded = self._next_plan()
+                plan, prefilled, decoded = self._next_plan(inflight)
                 if plan is None:
                     return
-                if not (plan.free_slots or plan.prefills or plan.decode_slots):
-                    continue
-                try:
-                    try:
-                        self._step_started_at = time.monotonic()
-                        tokens = self.executor.execute(plan)
-                    except BaseException:
-                        # The step may have stopped before its frees ran; freeing a slot twice is harmless.
-                        with self._cond:
-                            self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
-                        raise
-                    finally:
-                        self._totals["step_seconds"] += time.monotonic() - self._step_started_at
-                        self._step_started_at = None
-                except ChatError as exc:
-                    if not prefilled:  # a decode step refused its input: nothing local to blame, treat as fatal
-                        log.exception("decode step refused its input; failing %d request(s)", len(decoded))
-                        self._fail_step(decoded, exc)
-                        continue
-                    # A prompt the runner refused (it raises before touching the decode state): only this
-                    # step's new requests fail, with the user-facing message; running sequences re-run the
-                    # same decode in the next step (their state and their sampler were not advanced).
-                    log.warning("prefill refused (%s); failing %d new request(s)", exc, len(prefilled))
-                    self._fail_requests(prefilled, str(exc))
-                    continue
-                except Exception as exc:  # noqa: BLE001 - any other failure may have corrupted the state
-                    log.exception("engine step failed; failing %d request(s)", len(prefilled) + len(decoded))
-                    self._fail_step(prefilled + decoded, exc)
-                    continue
-                self._deliver(prefilled + decoded, tokens)
+                launched = failure = None
+                if plan.free_slots or plan.prefills or plan.decode_slots:
+                    if self.overlap:
+                        launched, failure = self._launch(plan, prefilled, decoded, inflight)
+                    else:
+                        self._run(plan, prefilled, decoded)
+                if inflight is not None:  # what the previous step produced reaches its streams first
+                    self._collect(inflight, launched)
+                if failure is not None:
+                    self._step_failed(*failure)
+                inflight = launched
         except BaseException as exc:  # the loop itself broke: nobody may wait forever on a stream
             log.exception("scheduler loop died")
             self._mark_unhealthy(f"scheduler loop died: {exc!r}")
@@ -310,10 +318,85 @@ class Scheduler:
             if not self._healthy:
                 self._report_fatal()
 
-    def _next_plan(self) -> tuple[Optional[StepPlan], list[_Request], list[_Request]]:
-        """Build the next plan under the lock (waits while there is nothing to do)."""
+    def _run(self, plan: StepPlan, prefilled: list[_Request], decoded: list[_Request]) -> None:
+        """One step, waiting for its tokens (``executor.execute``), then route them."""
+        try:
+            try:
+                self._step_started_at = time.monotonic()
+                tokens = self.executor.execute(plan)
+            except BaseException:
+                # The step may have stopped before its frees ran; freeing a slot twice is harmless.
+                with self._cond:
+                    self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
+                raise
+            finally:
+                self._totals["step_seconds"] += time.monotonic() - self._step_started_at
+                self._step_started_at = None
+        except Exception as exc:  # noqa: BLE001 - see _step_failed
+            self._step_failed(exc, prefilled, decoded)
+            return
+        self._deliver(prefilled + decoded, tokens)
+
+    def _launch(self, plan: StepPlan, prefilled: list[_Request], decoded: list[_Request],
+                inflight: Optional["_InFlight"]) -> tuple[Optional["_InFlight"], Optional[tuple]]:
+        """Queue a step on the device (overlap mode).  Returns (the step, None), or (None, arguments for
+        ``_step_failed``) when it was refused or failed; the caller collects the step in flight first."""
+        started = time.monotonic()
+        if self._step_started_at is None:
+            self._step_started_at = started
+        try:
+            try:
+                launched = self.executor.launch(plan)
+            except BaseException:
+                with self._cond:
+                    self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
+                raise
+        except Exception as exc:  # noqa: BLE001 - see _step_failed
+            if inflight is None:
+                self._step_started_at = None
+            others = [] if isinstance(exc, ChatError) or inflight is None else inflight.requests
+            return None, (exc, prefilled, decoded + [r for r in others if r not in decoded])
+        return _InFlight(launched, prefilled, decoded, started), None
+
+    def _collect(self, step: "_InFlight", following: Optional["_InFlight"]) -> None:
+        """Wait for a launched step's tokens and route them (overlap mode)."""
+        try:
+            tokens = self.executor.collect(step.launched)
+        except Exception as exc:  # noqa: BLE001 - a device failure: the state may be corrupted
+            log.exception("engine step failed; failing %d request(s)", len(step.requests))
+            self._fail_step(step.requests + (following.requests if following else []), exc)
+            return
+        finally:
+            now = time.monotonic()
+            self._totals["step_seconds"] += now - max(step.started, self._last_collect_at)
+            self._last_collect_at = now
+            self._step_started_at = following.started if following is not None else None
+        self._deliver(step.requests, tokens)
+
+    def _step_failed(self, exc: Exception, prefilled: list[_Request], decoded: list[_Request]) -> None:
+        """A step raised: fail whom it concerns (see the comments); a non-ChatError marks the engine broken."""
+        if isinstance(exc, ChatError):
+            if not prefilled:  # a decode step refused its input: nothing local to blame, treat as fatal
+                log.error("decode step refused its input (%s); failing %d request(s)", exc, len(decoded))
+                self._fail_step(decoded, exc)
+                return
+            # A prompt the runner refused (it raises before touching the decode state): only this step's new
+            # requests fail, with the user-facing message; running sequences re-run the same decode in the
+            # next step (their state and their sampler were not advanced).
+            log.warning("prefill refused (%s); failing %d new request(s)", exc, len(prefilled))
+            self._fail_requests(prefilled, str(exc))
+            return
+        log.error("engine step failed; failing %d request(s)", len(prefilled) + len(decoded), exc_info=exc)
+        self._fail_step(prefilled + decoded, exc)
+
+    def _next_plan(self, inflight: Optional["_InFlight"] = None
+                   ) -> tuple[Optional[StepPlan], list[_Request], list[_Request]]:
+        """Build the next plan under the lock (waits while there is nothing to do and no step is in flight).
+
+        With a step in flight (overlap mode) its sequences are decoded again on the device's copy of their
+        last token, except those whose in-flight token reaches ``max_new_tokens`` or the context."""
         with self._cond:
-            while not (self._stopping or self._waiting or self._running or self._to_free):
+            while inflight is None and not (self._stopping or self._waiting or self._running or self._to_free):
                 self._cond.wait()
             if self._stopping:
                 return None, [], []
@@ -324,12 +407,16 @@ class Scheduler:
             for req in [r for r in self._waiting if r.handle.abandoned]:
                 self._waiting.remove(req)
                 self._retire(req, "cancelled")
-            plan = StepPlan(free_slots=self._to_free)
+            plan = StepPlan(free_slots=self._to_free, tokens_on_device=self.overlap)
             self._to_free = []
             # Running sequences decode one token; waiting ones are prefilled into free slots.
             decoded = list(self._running.values())
+            if inflight is not None:
+                ahead = {id(r) for r in inflight.requests}
+                decoded = [r for r in decoded if id(r) not in ahead or not self._at_limit(r, 1)]
             plan.decode_slots = [r.slot for r in decoded]
-            plan.decode_tokens = [int(r.last_token) for r in decoded]
+            if not self.overlap:
+                plan.decode_tokens = [int(r.last_token) for r in decoded]
             prefilled: list[_Request] = []
             budget = self.prefill_token_budget
             while self._waiting and self._free_slots:
@@ -349,6 +436,13 @@ class Scheduler:
                 self._totals["max_decode_batch"] = max(self._totals["max_decode_batch"], len(decoded))
             return plan, prefilled, decoded
 
+    def _at_limit(self, req: _Request, pending: int = 0) -> bool:
+        """True when ``req`` has reached max_new_tokens or the context after ``pending`` more tokens."""
+        h = req.handle
+        done = h.completion_tokens + pending
+        return done >= req.sampling.max_new_tokens or (
+            self.max_context is not None and h.prompt_tokens + done >= self.max_context)
+
     def _deliver(self, reqs: list[_Request], tokens: dict[int, int]) -> None:
         now = time.monotonic()
         with self._cond:
@@ -366,8 +460,7 @@ class Scheduler:
                     self._retire(req, "stop")
                     continue
                 h._push(token)
-                at_context = self.max_context is not None and h.prompt_tokens + h.completion_tokens >= self.max_context
-                if h.completion_tokens >= req.sampling.max_new_tokens or at_context:
+                if self._at_limit(req):
                     self._retire(req, "length")
 
     def _retire(self, req: _Request, reason: FinishReason, error: str = "") -> None:

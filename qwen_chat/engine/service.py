@@ -100,6 +100,8 @@ class ChatEngine:
         info: what the UI shows; default ``loaded.info`` with ``context_length = max_context``.
         on_fatal: called with the reason after an engine failure (see ``Scheduler``); ``build_engine`` passes
             ``exit_process_soon`` so that Supervisor restarts a broken engine.  None: stay up, unhealthy.
+        overlap: launch each step before the previous one's tokens are back (``Scheduler`` ``overlap``);
+            None = on for a ``LocalExecutor`` (one process), off for ``DistributedExecutor``.
 
     Stop ids: ``<|endoftext|>`` and ``<|im_end|>``; thinking ids ``<think>``/``</think>``; all looked up in
     the loaded tokenizer (Qwen3.5: 248044, 248046, 248068, 248069; qwen3_5-facts.md "Tokens").
@@ -117,6 +119,7 @@ class ChatEngine:
         num_slots: int,
         info: Optional[ModelInfo] = None,
         on_fatal: Optional[Callable[[str], None]] = None,
+        overlap: Optional[bool] = None,
     ) -> None:
         if runner is not None and max_context > runner.max_context:
             raise ValueError(f"max_context {max_context} exceeds the runner's {runner.max_context}")
@@ -130,8 +133,10 @@ class ChatEngine:
         tok = loaded.tokenizer
         self.eos_ids = (_token_id(tok, "<|endoftext|>"), _token_id(tok, "<|im_end|>"))
         self.think_ids = (_token_id(tok, "<think>"), _token_id(tok, "</think>"))
+        if overlap is None:
+            overlap = isinstance(executor, LocalExecutor)
         self.scheduler = Scheduler(executor, num_slots=num_slots, max_queue=max_queue, eos_ids=self.eos_ids,
-                                   max_context=self.max_context, on_fatal=on_fatal)
+                                   max_context=self.max_context, on_fatal=on_fatal, overlap=overlap)
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure
         self._closed = False

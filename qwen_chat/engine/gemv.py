@@ -1,0 +1,150 @@
+"""Decode-time projections (skinny GEMMs) as Triton kernels: y[B, N] = x[B, K] @ W[N, K]^T for B <= 16.
+
+A batch-1 decode step is bound by reading the weights once (qwen3_5-facts.md: ~15.9 GB per step for the 9B
+text model and LM head).  cuBLAS picks split-K kernels plus a separate reduction kernel for several of the
+decode shapes and reads some of them well below the copy bandwidth (docs/performance.md, profile of
+2026-11-30).  These kernels stream each weight row block once, without split-K, with fp32 accumulation:
+
+- ``B == 1``: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` tiles, multiplying the
+  tile by the broadcast input row and reducing across K on the CUDA cores;
+- ``2 <= B <= 16``: the input rows are padded to 16 in registers and each tile goes through ``tl.dot``
+  (tensor cores), so the weight traffic is the same as for one row.
+
+``linear(x, w)`` dispatches: the Triton kernel on CUDA when it applies (``supports``), else ``F.linear``.
+Tile sizes are fixed per shape by ``pick_config`` (no run-time autotuning, so the same weights always give the
+same bits, restart after restart).  Compared against ``F.linear`` on the GPU in ``tests/gpu``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of PyTorch; CPU hosts (CI) use F.linear.
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the host
+    triton = None
+
+#: Largest batch served by the Triton kernels (tl.dot pads the rows to 16).
+MAX_ROWS = 16
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        x_ptrs = x_ptr + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            if EVEN_N:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1)
+        if EVEN_N:
+            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+    @triton.jit
+    def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, B, N, K,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_b = tl.arange(0, 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        x_ptrs = x_ptr + offs_b[:, None] * K + offs_k[None, :]
+        b_mask = offs_b[:, None] < B
+        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            if EVEN_N:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=b_mask, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        out = y_ptr + offs_b[:, None] * N + offs_n[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=b_mask & (offs_n[None, :] < N))
+
+
+def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when ``linear(x, w)`` runs the Triton kernel: CUDA, Triton importable, x [B, K] with 1 <= B <=
+    MAX_ROWS, both contiguous, same dtype (bf16 or fp16), K a multiple of 128."""
+    return (triton is not None and x.is_cuda and w.is_cuda and x.dim() == 2 and w.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == w.shape[1] and w.shape[1] % 128 == 0
+            and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and x.is_contiguous() and w.is_contiguous())
+
+
+#: Tile sizes measured fastest on an H200 for the decode shapes of the full config, one GPU: (kernel, N, K) ->
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages).  bench/gemv_probe.py, 2026-11-30, bench/results/
+#: 2026-11-30-NVIDIA-H200-gemv-probe.json ("dot" entries: the best at B = 4 and 8).
+TUNED = {
+    ("row", 12352, 4096): (16, 256, 4, 3), ("row", 10240, 4096): (8, 256, 4, 3),
+    ("row", 4096, 4096): (4, 1024, 8, 3), ("row", 24576, 4096): (4, 1024, 4, 3),
+    ("row", 4096, 12288): (8, 512, 8, 3), ("row", 248320, 4096): (16, 256, 4, 3),
+    ("dot", 12352, 4096): (32, 256, 4, 3), ("dot", 10240, 4096): (32, 256, 4, 3),
+    ("dot", 4096, 4096): (32, 256, 4, 5), ("dot", 24576, 4096): (64, 128, 4, 3),
+    ("dot", 4096, 12288): (32, 256, 4, 5), ("dot", 248320, 4096): (128, 128, 4, 3),
+}
+
+
+def pick_config(B: int, N: int, K: int) -> dict:
+    """Tile sizes and launch parameters for one shape: BLOCK_N, BLOCK_K, num_warps, num_stages (``TUNED``
+    where measured, else the pattern those measurements show); they only affect speed, never the result's
+    shape.  BLOCK_K always divides K (K is a multiple of 128, ``supports``)."""
+    kind = "row" if B == 1 else "dot"
+    if (kind, N, K) in TUNED:
+        bn, bk, nw, ns = TUNED[(kind, N, K)]
+    elif kind == "row":
+        bn, bk, nw, ns = (16, 256, 4, 3) if N >= 100_000 else (4, 1024, 8, 3) if N <= 4096 else (8, 256, 4, 3)
+    else:
+        bn, bk, nw, ns = ((128, 128, 4, 3) if N >= 100_000 else (64, 128, 4, 3) if N >= 20_000
+                          else (32, 256, 4, 5))
+    while K % bk:
+        bk //= 2
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
+         config: Optional[dict] = None) -> torch.Tensor:
+    """y = x @ w.T with the Triton kernel.  x: [B, K], w: [N, K] (same dtype, contiguous, ``supports``);
+    returns [B, N] in x's dtype (fp32 accumulation).  ``config`` overrides ``pick_config`` (benchmarks).
+    Raises ValueError when ``supports(x, w)`` is false."""
+    if not supports(x, w):
+        raise ValueError(f"gemv: unsupported operands x{tuple(x.shape)} {x.dtype} {x.device}, "
+                         f"w{tuple(w.shape)} {w.dtype}")
+    B, K = x.shape
+    N = w.shape[0]
+    cfg = dict(config or pick_config(B, N, K))
+    if out is None:
+        out = torch.empty(B, N, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+    even = N % cfg["BLOCK_N"] == 0
+    if B == 1:
+        _gemv_row_kernel[grid](x, w, out, N, K, EVEN_N=even, **cfg)
+    else:
+        _gemv_dot_kernel[grid](x, w, out, B, N, K, EVEN_N=even, **cfg)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` (no bias) for x [..., K], through ``gemv`` when it applies to the flattened rows."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if supports(x2, w):
+        return gemv(x2, w).reshape(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
