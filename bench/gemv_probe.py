@@ -132,7 +132,8 @@ def sweep_shape(name, N, K, batches, quick) -> dict:
 
 def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     """Decode-step timings of a runner with or without the Triton GEMV (batch 1, context bucket 512)."""
-    from qwen_chat.engine.requests import PreparedPrompt, SamplingParams
+    from qwen_chat.engine.executor import LocalExecutor
+    from qwen_chat.engine.requests import PreparedPrompt, SamplingParams, StepPlan
     from qwen_chat.engine.runner import ModelRunner
     from qwen_chat.engine.sampling import Sampler
     from torch.profiler import ProfilerActivity, profile
@@ -168,6 +169,18 @@ def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
         tok = torch.tensor(sampler.sample([0], runner.decode([0], tok)))
     api_ms = (time.perf_counter() - a) / steps * 1e3
     runner.lengths[0] = 300
+    ex = LocalExecutor(runner, sampler)
+    plan = StepPlan(decode_slots=[0], tokens_on_device=True)
+    torch.cuda.synchronize()
+    a = time.perf_counter()
+    inflight = ex.launch(plan)
+    for _ in range(steps - 1):
+        ahead = ex.launch(plan)
+        ex.collect(inflight)
+        inflight = ahead
+    ex.collect(inflight)
+    pipelined_ms = (time.perf_counter() - a) / steps * 1e3
+    runner.lengths[0] = 300
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(10):
             tok = torch.tensor(sampler.sample([0], runner.decode([0], tok)))
@@ -180,7 +193,8 @@ def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     rows.sort(reverse=True)
     kern = [r for r in rows if not r[2].startswith(("cudaGraph", "Memcpy", "Memset", "aten::", "Cuda", "cuda"))]
     out = {"fast_gemv": fast_gemv, "capture_s": capture_s, "replay_ms": replay_ms,
-           "replay_sync_ms": replay_sync_ms, "decode_sample_ms": api_ms,
+           "replay_sync_ms": replay_sync_ms, "decode_sample_ms": api_ms, "pipelined_ms": pipelined_ms,
+           "pipelined_tok_s": 1e3 / pipelined_ms,
            "decode_sample_tok_s": 1e3 / api_ms, "impl": runner.impl,
            "kernel_ms_per_step": sum(r[0] for r in kern), "kernels_per_step": sum(r[1] for r in kern),
            "top": [{"name": n, "ms": t, "calls": c} for t, c, n in kern[:20]]}
@@ -194,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--quick", action="store_true", help="default tile sizes only (no sweep)")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-shapes", action="store_true", help="no per-shape GEMV sweep")
+    ap.add_argument("--engine-modes", default="cublas,triton", help="runners to time: cublas, triton")
     args = ap.parse_args(argv)
     import transformers
     import triton
@@ -213,7 +229,7 @@ def main(argv=None) -> int:
     doc["bandwidth"] = bandwidth()
     print("bandwidth", doc["bandwidth"], flush=True)
     doc["shapes"] = {}
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in ({} if args.skip_shapes else SHAPES).items():
         try:
             doc["shapes"][name] = sweep_shape(name, N, K, (1, 2, 4, 8, 16), args.quick)
         except Exception:
@@ -230,7 +246,8 @@ def main(argv=None) -> int:
         with torch.device("cuda"):
             model = Qwen3_5ForConditionalGeneration(build_config(False)).eval()
         torch.set_default_dtype(torch.float32)
-        for fast in (False, True):
+        modes = args.engine_modes.split(",")
+        for fast in [f for f, m in ((False, "cublas"), (True, "triton")) if m in modes]:
             try:
                 doc[f"engine_fast_gemv_{fast}"] = engine_step(model, fast)
             except Exception:
@@ -250,6 +267,7 @@ def main(argv=None) -> int:
         if e:
             print(f"engine fast_gemv={fast}: replay {e['replay_ms']:.3f} ms, replay+sync {e['replay_sync_ms']:.3f}"
                   f" ms, decode+sample {e['decode_sample_ms']:.3f} ms ({e['decode_sample_tok_s']:.1f} tok/s), "
+                  f"launched ahead {e['pipelined_ms']:.3f} ms ({e['pipelined_tok_s']:.1f} tok/s), "
                   f"kernels {e['kernel_ms_per_step']:.3f} ms in {e['kernels_per_step']:.0f}")
             for t in e["top"][:8]:
                 print(f"    {t['ms']:.3f} ms x{t['calls']:.0f} {t['name']}")

@@ -34,8 +34,20 @@ MAX_ROWS = 16
 if triton is not None:
 
     @triton.jit
+    def _load_x(x_ptrs, K, mask, SWIGLU: tl.constexpr):
+        """Input tile as fp32: x, or with SWIGLU silu(gate) * up from [gate | up] rows of width 2K, rounded to
+        the input dtype once (as the compiled glue's ``act(gate) * up`` is)."""
+        if SWIGLU:
+            g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
+            v = g * tl.sigmoid(g) * u
+            return v.to(x_ptrs.dtype.element_ty).to(tl.float32)
+        return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                         SWIGLU: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -47,8 +59,8 @@ if triton is not None:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = _load_x(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)
+            acc += w.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)
@@ -59,13 +71,15 @@ if triton is not None:
 
     @triton.jit
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, B, N, K,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                         SWIGLU: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_b = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-        x_ptrs = x_ptr + offs_b[:, None] * K + offs_k[None, :]
+        x_stride = 2 * K if SWIGLU else K
+        x_ptrs = x_ptr + offs_b[:, None] * x_stride + offs_k[None, :]
         b_mask = offs_b[:, None] < B
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         for _ in range(0, K, BLOCK_K):
@@ -73,7 +87,7 @@ if triton is not None:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=b_mask, other=0.0)
+            x = _load_x(x_ptrs, K, b_mask, SWIGLU).to(w.dtype)
             acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -81,11 +95,12 @@ if triton is not None:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=b_mask & (offs_n[None, :] < N))
 
 
-def supports(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """True when ``linear(x, w)`` runs the Triton kernel: CUDA, Triton importable, x [B, K] with 1 <= B <=
-    MAX_ROWS, both contiguous, same dtype (bf16 or fp16), K a multiple of 128."""
+def supports(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> bool:
+    """True when ``gemv(x, w, swiglu=swiglu)`` runs: CUDA, Triton importable, x [B, K] (with ``swiglu``
+    [B, 2K]) with 1 <= B <= MAX_ROWS, both contiguous, same dtype (bf16 or fp16), K a multiple of 128."""
+    k = w.shape[1] * (2 if swiglu else 1) if w.dim() == 2 else -1
     return (triton is not None and x.is_cuda and w.is_cuda and x.dim() == 2 and w.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == w.shape[1] and w.shape[1] % 128 == 0
+            and 1 <= x.shape[0] <= MAX_ROWS and x.shape[1] == k and w.shape[1] % 128 == 0
             and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16)
             and x.is_contiguous() and w.is_contiguous())
 
@@ -121,24 +136,26 @@ def pick_config(B: int, N: int, K: int) -> dict:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
-         config: Optional[dict] = None) -> torch.Tensor:
+         config: Optional[dict] = None, swiglu: bool = False) -> torch.Tensor:
     """y = x @ w.T with the Triton kernel.  x: [B, K], w: [N, K] (same dtype, contiguous, ``supports``);
-    returns [B, N] in x's dtype (fp32 accumulation).  ``config`` overrides ``pick_config`` (benchmarks).
-    Raises ValueError when ``supports(x, w)`` is false."""
-    if not supports(x, w):
+    returns [B, N] in x's dtype (fp32 accumulation).  With ``swiglu``, x is [B, 2K] = [gate | up] (the MLP's
+    fused gate/up output) and y = (silu(gate) * up) @ w.T, the SwiGLU computed as the kernel loads its input
+    (Qwen3_5MLP with ``hidden_act`` silu; saves the separate element-wise kernel).  ``config`` overrides
+    ``pick_config`` (benchmarks).  Raises ValueError when ``supports(x, w, swiglu)`` is false."""
+    if not supports(x, w, swiglu):
         raise ValueError(f"gemv: unsupported operands x{tuple(x.shape)} {x.dtype} {x.device}, "
-                         f"w{tuple(w.shape)} {w.dtype}")
-    B, K = x.shape
-    N = w.shape[0]
+                         f"w{tuple(w.shape)} {w.dtype} (swiglu={swiglu})")
+    B = x.shape[0]
+    N, K = w.shape
     cfg = dict(config or pick_config(B, N, K))
     if out is None:
         out = torch.empty(B, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
     even = N % cfg["BLOCK_N"] == 0
     if B == 1:
-        _gemv_row_kernel[grid](x, w, out, N, K, EVEN_N=even, **cfg)
+        _gemv_row_kernel[grid](x, w, out, N, K, EVEN_N=even, SWIGLU=swiglu, **cfg)
     else:
-        _gemv_dot_kernel[grid](x, w, out, B, N, K, EVEN_N=even, **cfg)
+        _gemv_dot_kernel[grid](x, w, out, B, N, K, EVEN_N=even, SWIGLU=swiglu, **cfg)
     return out
 
 

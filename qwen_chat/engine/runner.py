@@ -198,6 +198,7 @@ class ModelRunner:
                        and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks
                                                    or hasattr(m, "_hf_hook"))}
         self.impl["projections"] = "triton gemv (<= %d rows)" % gemv.MAX_ROWS if self._fast_gemv else "torch"
+        self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
 
         self._build_state(tc)
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
@@ -512,12 +513,25 @@ class ModelRunner:
             else:
                 x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
             h, x = k["add_norm"](h, x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            gate, up = self._project(i, "mlp", x)
-            x = self._linear(mlp.down_proj, k["swiglu"](gate, up, mlp.act_fn))
+            x = self._mlp_decode(i, layer.mlp, x)
             nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
             h, x = k["add_norm"](h, x, nxt)
         return self._linear(self._lm_head, x).float()
+
+    def _mlp_decode(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3_5MLP for decode rows x [B, hidden]: down(act(gate(x)) * up(x)).  With the Triton GEMV, a fused
+        gate/up weight, a plain down projection and SiLU, the SwiGLU is computed inside the down projection's
+        kernel as it loads its input (``gemv.gemv(..., swiglu=True)``); otherwise the compiled glue does it."""
+        fused = self._fused[i].get("mlp")
+        if (self._fast_gemv and fused is not None and self._silu_mlp and id(mlp.down_proj) in self._plain
+                and x.shape[0] <= gemv.MAX_ROWS):
+            gate_up = gemv.linear(x, fused[0])                                   # [B, 2 * intermediate]
+            if gemv.supports(gate_up, mlp.down_proj.weight, swiglu=True):
+                return gemv.gemv(gate_up, mlp.down_proj.weight, swiglu=True)
+            gate, up = gate_up.split(fused[1], dim=-1)
+        else:
+            gate, up = self._project(i, "mlp", x)
+        return self._linear(mlp.down_proj, self._glue["swiglu"](gate, up, mlp.act_fn))
 
     def _attn_decode(self, i, at, slot_idx, pos, x, cos, sin, ctx):
         g = self._geo[i]

@@ -86,6 +86,7 @@ def draw_top_k(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tens
     return inverse_cdf(nucleus_probs(vals, top_k[idx], top_p[idx]), ids, u)
 
 
+
 class Sampler:
     """Per-slot sampling state: parameters, generator, uniforms and presence flags.
 
@@ -111,6 +112,7 @@ class Sampler:
         #: The last token sampled for each slot (int64 [num_slots], on the device): the runner reads a decode
         #: step's inputs from here (``ModelRunner.decode(..., token_table=)``) without a trip through the host.
         self.last_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
+        self._true = torch.ones((), dtype=torch.bool, device=dev)
         # Row indices and uniform columns reach the device through pinned buffers and asynchronous copies (a
         # plain torch.tensor(..., device="cuda") waits for the whole stream, so the host could not run ahead of
         # the GPU).  Two buffers: a step's copy may still be queued while the next step fills the other one.
@@ -249,6 +251,6 @@ class Sampler:
                 tokens = inverse_cdf(*self._nucleus(slots, logits, idx), u)
             if any(self.params[s].temperature == 0 for s in slots):
                 tokens = torch.where(self._temperature[idx] == 0, logits.float().argmax(dim=-1), tokens)
-        self.presence[idx, tokens] = True
+        self.presence.index_put_((idx, tokens), self._true)  # (a Python True here would synchronise)
         self.last_tokens[idx] = tokens
         return tokens
