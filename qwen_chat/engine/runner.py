@@ -519,12 +519,15 @@ class ModelRunner:
         return self._linear(self._lm_head, x).float()
 
     def _mlp_decode(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
-        """Qwen3_5MLP for decode rows x [B, hidden]: down(act(gate(x)) * up(x)).  With the Triton GEMV, a fused
-        gate/up weight, a plain down projection and SiLU, the SwiGLU is computed inside the down projection's
-        kernel as it loads its input (``gemv.gemv(..., swiglu=True)``); otherwise the compiled glue does it."""
+        """Qwen3_5MLP for decode rows x [B, hidden]: down(act(gate(x)) * up(x)).  For one row, with the Triton
+        GEMV, a fused gate/up weight, a plain down projection and SiLU, the SwiGLU is computed inside the down
+        projection's kernel as it loads its input (``gemv.gemv(..., swiglu=True)``: one kernel fewer per layer,
+        graph replay 4.92 -> 4.84 ms per step on an H200); otherwise the compiled glue does it.  Only for one
+        row: in the tensor-core kernel for 2..16 rows it halved the throughput at 4 and 16 streams (H200,
+        2026-11-30, bench/results/2026-11-30-NVIDIA-H200-single-run7.json)."""
         fused = self._fused[i].get("mlp")
         if (self._fast_gemv and fused is not None and self._silu_mlp and id(mlp.down_proj) in self._plain
-                and x.shape[0] <= gemv.MAX_ROWS):
+                and x.shape[0] == 1):
             gate_up = gemv.linear(x, fused[0])                                   # [B, 2 * intermediate]
             if gemv.supports(gate_up, mlp.down_proj.weight, swiglu=True):
                 return gemv.gemv(gate_up, mlp.down_proj.weight, swiglu=True)
