@@ -151,6 +151,20 @@ def greedy_agreement(model, runner, dev, n_prompts: int, prompt_len: int, new: i
             "reference_logit_absmax_median": float(ref_all.abs().amax(-1).median())}
 
 
+def decode_ahead(executor, slots: list, steps: int) -> None:
+    """``steps`` decode steps of ``slots`` through ``executor`` (a LocalExecutor), each launched before the
+    previous one's tokens are collected, as the scheduler does in one process (tokens fed on the device)."""
+    from qwen_chat.engine.requests import StepPlan
+
+    plan = StepPlan(decode_slots=list(slots), tokens_on_device=True)
+    inflight = executor.launch(plan)
+    for _ in range(steps - 1):
+        ahead = executor.launch(plan)
+        executor.collect(inflight)
+        inflight = ahead
+    executor.collect(inflight)
+
+
 def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, gen, pipelined: bool = True) -> dict:
     """Prefill ``batch`` prompts (first token sampled), then ``new - 1`` batched decode steps, timed.
 
@@ -172,13 +186,7 @@ def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, g
     sync(dev)
     t0 = time.perf_counter()
     if pipelined:
-        plan = StepPlan(decode_slots=slots, tokens_on_device=True)
-        inflight = ex.launch(plan)
-        for _ in range(steps - 1):
-            ahead = ex.launch(plan)
-            ex.collect(inflight)
-            inflight = ahead
-        ex.collect(inflight)
+        decode_ahead(ex, slots, steps)
     else:
         tokens = torch.tensor(last)  # host ints, as the executor feeds them
         for _ in range(steps):

@@ -133,10 +133,13 @@ def sweep_shape(name, N, K, batches, quick) -> dict:
 def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     """Decode-step timings of a runner with or without the Triton GEMV (batch 1, context bucket 512)."""
     from qwen_chat.engine.executor import LocalExecutor
-    from qwen_chat.engine.requests import PreparedPrompt, SamplingParams, StepPlan
+    from qwen_chat.engine.requests import PreparedPrompt, SamplingParams
     from qwen_chat.engine.runner import ModelRunner
     from qwen_chat.engine.sampling import Sampler
     from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from decode_bench import decode_ahead
 
     t0 = time.perf_counter()
     runner = ModelRunner(model, num_slots=2, max_context=2048, device="cuda", fast_gemv=fast_gemv)
@@ -169,16 +172,9 @@ def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
         tok = torch.tensor(sampler.sample([0], runner.decode([0], tok)))
     api_ms = (time.perf_counter() - a) / steps * 1e3
     runner.lengths[0] = 300
-    ex = LocalExecutor(runner, sampler)
-    plan = StepPlan(decode_slots=[0], tokens_on_device=True)
     torch.cuda.synchronize()
     a = time.perf_counter()
-    inflight = ex.launch(plan)
-    for _ in range(steps - 1):
-        ahead = ex.launch(plan)
-        ex.collect(inflight)
-        inflight = ahead
-    ex.collect(inflight)
+    decode_ahead(LocalExecutor(runner, sampler), [0], steps)
     pipelined_ms = (time.perf_counter() - a) / steps * 1e3
     runner.lengths[0] = 300
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

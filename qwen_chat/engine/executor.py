@@ -4,13 +4,17 @@ The executor makes no decisions.  Which slots to free, which prompts to prefill,
 which token each feeds in are all fixed in the plan by the rank-0 scheduler, so that worker ranks that only
 receive plans (``qwen_chat.engine.dist``) run exactly the same forward passes and sample exactly the same
 tokens.  Sampling is seeded per sequence (``SamplingParams.seed``), which keeps the sampled ids equal on
-every rank.
+every rank.  In one process the scheduler may instead ``launch`` a plan whose decode reads each slot's last
+sampled token on the device (``StepPlan.tokens_on_device``) and ``collect`` the previous plan's tokens while
+the GPU runs it.
 
 Usage::
 
     executor = LocalExecutor(runner, sampler)
     tokens = executor.execute(StepPlan(prefills=[PrefillItem(0, prompt, params)]))   # {0: first_token}
     tokens = executor.execute(StepPlan(decode_slots=[0], decode_tokens=[tokens[0]]))  # {0: next_token}
+    ahead = executor.launch(StepPlan(decode_slots=[0], tokens_on_device=True))       # queued, not waited for
+    tokens = executor.collect(ahead)                                                  # {0: the token after}
 """
 from __future__ import annotations
 
