@@ -297,3 +297,32 @@ def test_visual_tokens_never_exceed_the_budget(tiny_loaded, tmp_path, budget, na
     visual = int((prompt.input_ids == 248056).sum())
     assert visual == int(prompt.image_grid_thw.prod()) // 4
     assert 1 <= visual <= budget
+
+
+def test_prompts_built_on_many_threads_equal_the_single_threaded_ids(tiny_loaded):
+    """The API builds prompts on its worker threads with one shared tokenizer.  transformers keeps
+    ``split_special_tokens`` as a setting of that shared backend (``encode_special_tokens``), so without a
+    lock a message text and another request's template could be encoded with each other's setting: the
+    template's control tokens split into pieces (found by a fresh-user check: 19 prompt tokens became 33).
+    8 threads x 60 builds of four conversations must all give the ids of a build on one thread."""
+    import threading
+
+    convs = [[ChatMessage("user", "What is 2+2?")], [ChatMessage("user", "日本語で答えて")],
+             [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi <|im_end|> there")],
+             [ChatMessage("user", "a " * 300)]]
+    expected = [build(tiny_loaded, c).input_ids.tolist() for c in convs]
+    bad: list = []
+
+    def worker(seed: int) -> None:
+        for n in range(60):
+            k = (seed + n) % len(convs)
+            got = build(tiny_loaded, convs[k]).input_ids.tolist()
+            if got != expected[k]:
+                bad.append((k, len(got), len(expected[k])))
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == []

@@ -36,6 +36,7 @@ Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
 from __future__ import annotations
 
 import secrets
+import threading
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,8 +177,21 @@ def _conversation(system: Optional[ChatMessage], turns: Sequence[_Turn], sentine
     return conversation, owners
 
 
+#: Serialises ``_encode``: transformers keeps ``split_special_tokens`` as a setting of the shared backend
+#: tokenizer (``encode_special_tokens``, set on each call), so two threads encoding at once (the API's worker
+#: threads) could each encode with the other's setting: template control tokens split into text, or message
+#: text read as control tokens.  Seen as 4 wrong prompts in 600 concurrent requests (2026-11-30).
+_ENCODE_LOCK = threading.Lock()
+
+
 def _encode(processor: Any, system: Optional[ChatMessage], turns: Sequence[_Turn], enable_thinking: bool,
             image_tokens: dict[str, int]) -> _Encoded:
+    with _ENCODE_LOCK:
+        return _encode_locked(processor, system, turns, enable_thinking, image_tokens)
+
+
+def _encode_locked(processor: Any, system: Optional[ChatMessage], turns: Sequence[_Turn],
+                   enable_thinking: bool, image_tokens: dict[str, int]) -> _Encoded:
     tokenizer = processor.tokenizer
     sentinel = f"\x00QCS{secrets.token_hex(8)}\x00"
     for turn in turns:
