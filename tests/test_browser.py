@@ -1,7 +1,8 @@
 """Real-browser tests: headless Debian chromium driven by playwright against the real server (scripted backend).
 
 1. Upload tests/fixtures/images/chelsea.png with a question, watch the reply stream in, reload the page,
-   reopen the conversation from the sidebar and see the image and the reply (screenshots in docs/).
+   reopen the conversation from the sidebar and see the image and the reply (screenshots: a temporary folder,
+   or docs/ with ``QWEN_CHAT_SCREENSHOT_DIR=docs``).
 2. C25: HTML/JS typed into the chat (and echoed by the "model") never runs: no dialog fires, no injected
    element or javascript: link exists, the literal text is visible, also after reopening from history.
 
@@ -9,6 +10,7 @@ Needs /usr/bin/chromium (``bash deploy/install.sh --test`` installs Debian's pac
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -28,7 +30,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 REPO = Path(__file__).resolve().parent.parent
 CHELSEA = REPO / "tests" / "fixtures" / "images" / "chelsea.png"
-DOCS = REPO / "docs"
+#: Where the screenshots go: a temporary folder, so that running the tests leaves the checkout as it was; set
+#: QWEN_CHAT_SCREENSHOT_DIR=docs to refresh the ones the README shows.
+SCREENSHOT_DIR = os.environ.get("QWEN_CHAT_SCREENSHOT_DIR")
 ANSWER = "A tabby cat looks at the camera; it has green eyes, long white whiskers and striped fur."
 
 
@@ -92,7 +96,7 @@ def reopen_from_sidebar(pg, url: str, title: str) -> None:
     pg.locator("#conv-list label", has_text=title).first.click()
 
 
-def test_image_question_streams_and_reopens_after_reload(server, page):
+def test_image_question_streams_and_reopens_after_reload(server, page, tmp_path):
     running, backend = server
     open_app(page, running.url)
     assert page.locator("#demo-badge").inner_text().startswith("demo model: random weights")
@@ -110,15 +114,16 @@ def test_image_question_streams_and_reopens_after_reload(server, page):
     assert page.locator("#chatbot [data-testid=user] img").count() == 1
     assert backend.calls[-1].messages[-1].text == "What animal is in this photo?"
     assert len(backend.calls[-1].messages[-1].images) == 1
-    DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / "screenshot.png"))
+    shots = Path(SCREENSHOT_DIR) if SCREENSHOT_DIR else tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shots / "screenshot.png"))
 
     reopen_from_sidebar(page, running.url, "What animal is in this photo?")
     wait_for(lambda: ANSWER in bot_text(page))
     img = page.locator("#chatbot [data-testid=user] img").first
     wait_for(lambda: img.evaluate("el => el.complete && el.naturalWidth") > 0)
     assert "What animal is in this photo?" in page.locator("#chatbot [data-testid=user]").last.inner_text()
-    page.screenshot(path=str(DOCS / "screenshot-reopened.png"))
+    page.screenshot(path=str(shots / "screenshot-reopened.png"))
 
 
 ATTACKS = [
