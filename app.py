@@ -76,7 +76,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
     # Not the main thread: uvicorn installs no signal handlers there; the engine's SIGTERM handler (rank 0
     # broadcasts the exit message to the workers) stays in charge, and the finally below stops the server.
-    web = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    # The main thread waits on an Event, not on web.join(): a signal handler that raises inside Thread.join()
+    # makes CPython 3.11 release the running thread's state lock, so is_alive() turns False and the final join
+    # returns at once, ending the process in the middle of open responses (bpo-45274's handling).
+    web_done = threading.Event()
+
+    def serve() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            web_done.set()
+
+    web = threading.Thread(target=serve, name="uvicorn", daemon=True)
     web.start()
     log.info("listening on http://%s:%d (503 'loading' until the model is ready)", cfg.host, cfg.port)
     # SIGTERM (Supervisor's stop) -> SystemExit in the main thread -> the finally below shuts the server down
@@ -88,19 +99,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if code:
             return code
         log.info("serving http://%s:%d (model %s)", cfg.host, cfg.port, backend.info.name)
-        while web.is_alive():
-            web.join(timeout=1.0)  # short joins keep the main thread responsive to signals
+        while not web_done.wait(timeout=1.0):  # short waits keep the main thread responsive to signals
+            pass
         # Only a signal (SystemExit from the handler, through the finally) stops the server on purpose; a web
         # thread that ended by itself failed, and Supervisor should restart the service.
         print("app.py: the web server stopped unexpectedly", file=sys.stderr)
         return 1
     finally:
-        server.should_exit = True
-        web.join(timeout=15)
+        # The engine first: its open streams end ("cancelled", saved by the UI as interrupted), so each HTTP
+        # response still sends its last chunk (finish_reason, [DONE]) before the server stops.
         backend.close()
+        server.should_exit = True
+        web_done.wait(timeout=15)
+
+
+_STOPPING = threading.Event()
 
 
 def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM -> SystemExit(0) in the main thread, once: a repeated SIGTERM during the shutdown (a signal sent
+    to the whole process group, an impatient operator) is ignored, so it cannot interrupt the clean-up."""
+    if _STOPPING.is_set():
+        log.info("SIGTERM again: already shutting down")
+        return
+    _STOPPING.set()
     log.info("SIGTERM: shutting down")
     raise SystemExit(0)
 

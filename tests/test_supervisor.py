@@ -372,3 +372,34 @@ def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path, tiny_cache):
         assert listening_pids(port) == []
         assert "is gone; exiting" in svc.log_text()
     print(f"\n[drill] kill -9 of the launcher: all ranks gone after {gone_s:.1f} s")
+
+
+@drill
+def test_sigterm_ends_an_open_api_stream_properly(tmp_path, tiny_cache):
+    """SIGTERM (what Supervisor's stop and restart send) during a streamed API reply, twice in a row: the client
+    still gets the final chunk with a finish_reason and ``data: [DONE]`` and a complete HTTP response (the engine
+    is closed before the web server, the second signal is ignored), and the service exits with status 0.
+    Found by a fresh-user check: the stream used to be cut off (app.py waited with Thread.join, which the
+    signal's exception broke; see app.py)."""
+    port = free_port()
+    argv = service_argv(port, tmp_path / "history", tiny_cache)
+    with ServiceProcess(argv, tmp_path / "service.log") as svc:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout_s=FIRST_START_S)
+        body = {"model": "tiny", "stream": True, "max_tokens": 8192,
+                "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}]}
+        lines: list[str] = []
+        signalled = False
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():  # raises if the response is cut off before its end
+                lines.append(line)
+                if not signalled and len([x for x in lines if x.startswith("data: {")]) == 5:
+                    os.killpg(svc.proc.pid, signal.SIGTERM)
+                    os.killpg(svc.proc.pid, signal.SIGTERM)
+                    signalled = True
+        chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert [x for x in lines if x][-1] == "data: [DONE]", lines[-4:]
+        assert chunks[-1]["choices"] and chunks[-1]["choices"][0]["finish_reason"] == "stop", chunks[-1]
+        assert svc.proc.wait(timeout=30) == 0
+        assert "SIGTERM: shutting down" in svc.log_text() and "Shutting down" in svc.log_text()  # uvicorn's
