@@ -107,7 +107,7 @@ def supports(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> bool:
 
 #: Tile sizes measured fastest on an H200 for the decode shapes of the full config, one GPU: (kernel, N, K) ->
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages).  bench/gemv_probe.py, 2026-11-30, bench/results/
-#: 2026-11-30-NVIDIA-H200-gemv-probe.json ("dot" entries: the best at B = 4 and 8).
+#: 2026-11-30-NVIDIA-H200-gemv-probe-run1.json ("dot" entries: the best at B = 4 and 8).
 TUNED = {
     ("row", 12352, 4096): (16, 256, 4, 3), ("row", 10240, 4096): (8, 256, 4, 3),
     ("row", 4096, 4096): (4, 1024, 8, 3), ("row", 24576, 4096): (4, 1024, 4, 3),

@@ -454,8 +454,9 @@ class ModelRunner:
 
         tokens: int64 [B] (any device), or None to feed each slot ``token_table[slot]`` (int64 [num_slots] on
         the runner's device, e.g. ``Sampler.last_tokens``: read on the device, so the host need not wait for the
-        previous step's tokens).  Nothing here waits for the GPU.  Returns fp32 logits [B, vocab_size] on the
-        runner's device.
+        previous step's tokens).  With CUDA graphs the only wait is for the previous step's input copy (queued
+        before that step's graph, so already done when steps are launched one ahead).  Returns fp32 logits
+        [B, vocab_size] on the runner's device.
         Raises ContextTooLong when a slot's cache is full (the scheduler should stop it one token earlier);
         ValueError for empty, duplicate or unprefilled slots, or tokens that do not match them.
         """
