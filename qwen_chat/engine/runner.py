@@ -68,6 +68,14 @@ def _resolve_chunk_rule() -> tuple[Callable, str]:
         return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule"
 
 
+def _is_plain_linear(m: torch.nn.Module) -> bool:
+    """A bias-free ``torch.nn.Linear`` itself (not a sharded subclass or replacement) without forward hooks or
+    accelerate's ``_hf_hook`` (its device-map/offload wrapper, which moves the weight on call): its weight
+    may be read directly."""
+    return (type(m) is torch.nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and not hasattr(m, "_hf_hook"))
+
+
 def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor, list[int]]]:
     """Put the weights of projections that read the same input into one matrix, so one GEMM replaces several.
 
@@ -81,9 +89,8 @@ def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor
     Returns ``(weight, out_sizes)`` (``F.linear(x, weight).split(out_sizes, -1)`` equals ``[m(x) for m in mods]``)
     or None when the modules cannot be fused.
     """
-    if len(mods) < 2 or any(type(m) is not torch.nn.Linear or m.bias is not None or m._forward_hooks
-                            or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in mods):
-        return None  # (``_hf_hook``: accelerate's device-map/offload wrapper, which moves weights on call)
+    if len(mods) < 2 or not all(_is_plain_linear(m) for m in mods):
+        return None
     ws = [m.weight for m in mods]
     if (len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"
             or not all(w.is_contiguous() for w in ws)):
@@ -190,13 +197,11 @@ class ModelRunner:
             raise ValueError("fast_gemv needs a CUDA device and Triton")
         self._fast_gemv = bool(fast_gemv)
         # Single projections the Triton GEMV may read directly (plain, unhooked, bias-free nn.Linear).
-        singles = [model.lm_head] + [getattr(layer, "linear_attn", None) and layer.linear_attn.out_proj
-                                     for layer in self._layers]
-        singles += [layer.self_attn.o_proj for layer in self._layers if hasattr(layer, "self_attn")]
-        singles += [layer.mlp.down_proj for layer in self._layers]
-        self._plain = {id(m) for m in singles if m is not None and not zero3 and type(m) is torch.nn.Linear
-                       and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks
-                                                   or hasattr(m, "_hf_hook"))}
+        singles = [model.lm_head]
+        for layer in self._layers:
+            mixer = layer.linear_attn.out_proj if hasattr(layer, "linear_attn") else layer.self_attn.o_proj
+            singles += [mixer, layer.mlp.down_proj]
+        self._plain = set() if zero3 else {id(m) for m in singles if _is_plain_linear(m)}
         self.impl["projections"] = "triton gemv (<= %d rows)" % gemv.MAX_ROWS if self._fast_gemv else "torch"
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
 

@@ -325,9 +325,7 @@ class Scheduler:
                 self._step_started_at = time.monotonic()
                 tokens = self.executor.execute(plan)
             except BaseException:
-                # The step may have stopped before its frees ran; freeing a slot twice is harmless.
-                with self._cond:
-                    self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
+                self._free_again(plan)
                 raise
             finally:
                 self._totals["step_seconds"] += time.monotonic() - self._step_started_at
@@ -336,6 +334,12 @@ class Scheduler:
             self._step_failed(exc, prefilled, decoded)
             return
         self._deliver(prefilled + decoded, tokens)
+
+    def _free_again(self, plan: StepPlan) -> None:
+        """A step raised: it may have stopped before its frees ran, so the next plan frees those slots again
+        (freeing a slot twice is harmless)."""
+        with self._cond:
+            self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
 
     def _launch(self, plan: StepPlan, prefilled: list[_Request], decoded: list[_Request],
                 inflight: Optional["_InFlight"]) -> tuple[Optional["_InFlight"], Optional[tuple]]:
@@ -348,8 +352,7 @@ class Scheduler:
             try:
                 launched = self.executor.launch(plan)
             except BaseException:
-                with self._cond:
-                    self._to_free.extend(s for s in plan.free_slots if s not in self._to_free)
+                self._free_again(plan)
                 raise
         except Exception as exc:  # noqa: BLE001 - see _step_failed
             if inflight is None:
