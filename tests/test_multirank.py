@@ -175,6 +175,13 @@ def test_tp2_start_up_report(tp_run):
     assert "TP: 3 Gated DeltaNet layers split by heads over 2 ranks (8 key / 16 value heads each)" in log
     assert "kernel: recurrent delta rule (decode) ->" in log
     assert "self-check passed on 2 rank(s)" in log
+    # decode under TP: every projection group fused (the tiny model's 4 layers x mixer + MLP, DeepSpeed's
+    # column-parallel q/k/v and gate/up too), the all-reduces through the runner's comm, steps launched ahead
+    impl = re.search(r"runner implementation: (\{.*\})", log)
+    assert impl, log[-3000:]
+    assert "'fused_projection_groups': 8" in impl.group(1)
+    assert "'tp_all_reduce': 'torch.distributed'" in impl.group(1)
+    assert "scheduler: steps launched ahead (overlap)" in log
 
 
 def test_stop_on_rank0_ends_generation_on_both_ranks(reference, tp_run):

@@ -283,15 +283,28 @@ class DistributedExecutor:
         self._thread = threading.Thread(target=self._heartbeat, name="rank0-heartbeat", daemon=True)
         self._thread.start()
 
+    @property
+    def tokens_on_device(self) -> bool:
+        """True when every rank records rank 0's sampled tokens on its device (the sampler's ``token_sync``), so
+        plans with ``tokens_on_device`` (steps launched ahead) keep the ranks feeding the same tokens."""
+        return getattr(getattr(self.local, "sampler", None), "token_sync", None) is not None
+
     def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Broadcast ``plan`` to every rank and run it here; returns {slot: sampled token id}.
+        """Broadcast ``plan`` to every rank, run it here and wait for its tokens: ``collect(launch(plan))``.
+        Returns {slot: sampled token id}.  Raises like ``launch``."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan):
+        """Broadcast ``plan`` to every rank and queue it here without waiting for its tokens
+        (``LocalExecutor.launch``); the workers launch it too and wait for their previous step.
 
         Raises: NotReady once ``close`` has sent the exit message; ValueError for a plan with
-        ``tokens_on_device`` (each rank would read its own token table; the scheduler only sends those to a
-        ``LocalExecutor``).  Exits the process on any other failure.
+        ``tokens_on_device`` when the ranks do not share their sampled tokens (``tokens_on_device`` is False);
+        a ``ChatError`` that the runner raised for the plan's input (every rank refuses it the same way).  Exits
+        the process on any other failure.
         """
-        if plan.tokens_on_device:
-            raise ValueError("a plan with tokens_on_device cannot be broadcast to other ranks")
+        if plan.tokens_on_device and not self.tokens_on_device:
+            raise ValueError("a plan with tokens_on_device needs samplers that share rank 0's tokens (token_sync)")
         with self._lock:
             if self._closed:
                 raise NotReady("the engine is shutting down")
@@ -299,7 +312,7 @@ class DistributedExecutor:
                 broadcast_plan(plan, self.group)
                 self._last = time.monotonic()
                 self.steps += 1
-                return self.local.execute(plan)
+                return self.local.launch(plan)
             except ChatError:
                 # The runner refused this plan's input before touching any state or collective; every rank got
                 # the same plan and refuses it the same way, so the group stays in step (the scheduler fails
@@ -308,6 +321,15 @@ class DistributedExecutor:
             except BaseException:  # noqa: BLE001 - the group is out of step: leave, Supervisor restarts it
                 die(f"rank 0: engine step ({plan.op}) failed; exiting so the whole group restarts")
                 raise  # not reached
+
+    def collect(self, launched) -> dict[int, int]:
+        """Wait for a launched plan's tokens on rank 0: {slot: sampled token id}.  Exits the process if the
+        device failed."""
+        try:
+            return self.local.collect(launched)
+        except BaseException:  # noqa: BLE001 - a failed step leaves the group out of step
+            die("rank 0: waiting for an engine step failed; exiting so the whole group restarts")
+            raise  # not reached
 
     def health(self) -> dict:
         """{"ok": bool, "reason": str} for /healthz: not ok once closed."""
@@ -351,7 +373,9 @@ class DistributedExecutor:
 
 
 def worker_loop(local_executor, group: dist.ProcessGroup) -> None:
-    """Run on every rank but 0: receive each plan, execute it, discard the tokens; return on ``exit``.
+    """Run on every rank but 0: receive each plan, launch it (``LocalExecutor.launch``), wait for the step before
+    it, discard the tokens; return on ``exit``.  Launching before waiting lets this rank queue step N+1 while the
+    GPU still runs step N, as rank 0 does when the scheduler launches steps ahead.
 
     A broadcast that fails (rank 0 gone, or silent longer than the control group's timeout) or a step that
     raises ends the process with ``FAILURE_EXIT_CODE``.  SIGTERM / SIGINT (the launcher or Ctrl-C stopping the
@@ -376,6 +400,7 @@ def worker_loop(local_executor, group: dist.ProcessGroup) -> None:
         signal.signal(signal.SIGTERM, on_stop_signal)
         signal.signal(signal.SIGINT, on_stop_signal)
     steps = 0
+    pending = None  # the last step launched here, not yet waited for (its tokens are not needed on this rank)
     while True:
         try:
             plan = broadcast_plan(None, group)
@@ -387,9 +412,12 @@ def worker_loop(local_executor, group: dist.ProcessGroup) -> None:
             log.info("rank %d: exit message after %d steps; leaving cleanly", rank, steps)
             return
         try:
-            local_executor.execute(plan)
+            launched = local_executor.launch(plan)
+            if pending is not None:  # the step before this one: wait for it so at most two are queued
+                local_executor.collect(pending)
+            pending = launched
         except ChatError as exc:
-            # Same plan, same deterministic input check as on rank 0 (see DistributedExecutor.execute).
+            # Same plan, same deterministic input check as on rank 0 (see DistributedExecutor.launch).
             log.info("rank %d: step input refused like on rank 0 (%s)", rank, exc)
         except BaseException:  # noqa: BLE001
             die(f"rank {rank}: engine step ({plan.op}) failed; exiting so the whole group restarts")

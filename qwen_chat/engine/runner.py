@@ -37,8 +37,10 @@ from transformers.activations import ACT2FN
 
 from qwen_chat.chat_types import ContextTooLong, InvalidInput
 from qwen_chat.engine import gemv
+from qwen_chat.engine.collectives import TensorParallelComm, tp_comm_for
 from qwen_chat.engine.kernels import apply_rotary, glue_functions, l2norm
 from qwen_chat.engine.requests import PreparedPrompt
+from qwen_chat.engine.sharding import GatheredColumnLinear, RowParallelLinear, VocabParallelEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +78,46 @@ def _is_plain_linear(m: torch.nn.Module) -> bool:
             and not hasattr(m, "_hf_hook"))
 
 
+def _is_deepspeed(m: torch.nn.Module, name: str) -> bool:
+    return type(m).__name__ == name and type(m).__module__.startswith("deepspeed.")
+
+
+def _is_local_linear(m: torch.nn.Module) -> bool:
+    """A projection whose forward is exactly ``x @ m.weight^T`` on this rank's weight [out, in]: a plain
+    ``nn.Linear`` (``_is_plain_linear``) or DeepSpeed AutoTP's column-parallel ``LinearLayer`` without bias,
+    gathered output or overlapped communication (its forward then only multiplies by the local rows;
+    deepspeed/module_inject/layers.py, DeepSpeed 0.19.8), without hooks."""
+    if _is_plain_linear(m):
+        return True
+    w = getattr(m, "weight", None)
+    return (_is_deepspeed(m, "LinearLayer") and getattr(m, "bias", None) is None
+            and not getattr(m, "gather_output", False) and not getattr(type(m), "tp_overlap_comm", False)
+            and not m._forward_hooks and not m._forward_pre_hooks and isinstance(w, torch.Tensor) and w.dim() == 2)
+
+
+def _row_parallel_weight(m: torch.nn.Module) -> Optional[torch.Tensor]:
+    """This rank's weight [out, in_local] of a row-parallel projection whose forward is ``x @ w^T`` followed by a
+    sum-all-reduce over all ranks: ``sharding.RowParallelLinear`` or DeepSpeed AutoTP's ``LinearAllreduce``
+    (bias-free, collectives not deferred to a compiler, no hooks).  None for any other module."""
+    if m._forward_hooks or m._forward_pre_hooks:
+        return None
+    if isinstance(m, RowParallelLinear):
+        return m.weight_cols
+    w = getattr(m, "weight", None)
+    if (_is_deepspeed(m, "LinearAllreduce") and getattr(m, "bias", None) is None and isinstance(w, torch.Tensor)
+            and w.dim() == 2 and not getattr(m, "defer_collectives_to_compiler", False)
+            and getattr(m, "mp_group", None) is not None):
+        return w
+    return None
+
+
 def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor, list[int]]]:
     """Put the weights of projections that read the same input into one matrix, so one GEMM replaces several.
 
-    Applies only when every module is a plain ``torch.nn.Linear`` without bias or hooks, all on one (real)
-    device and dtype with the same input width (not to DeepSpeed's sharded or hooked replacements, nor to
-    accelerate-offloaded modules).  The fused matrix
+    Applies only when every module computes ``x @ weight^T`` on a local weight (``_is_local_linear``: a plain
+    ``torch.nn.Linear`` without bias or hooks, or DeepSpeed AutoTP's column-parallel ``LinearLayer``), all on one
+    (real) device and dtype with the same input width (not to hooked or ZeRO-3 modules, nor to
+    accelerate-offloaded ones).  The fused matrix
     [sum(out_features), in_features] is built once and each module's ``weight`` is rebound to its row block (a
     view), so the model keeps working unchanged and no memory is added; called again on already-fused modules
     it returns the same storage.
@@ -89,7 +125,7 @@ def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor
     Returns ``(weight, out_sizes)`` (``F.linear(x, weight).split(out_sizes, -1)`` equals ``[m(x) for m in mods]``)
     or None when the modules cannot be fused.
     """
-    if len(mods) < 2 or not all(_is_plain_linear(m) for m in mods):
+    if len(mods) < 2 or not all(_is_local_linear(m) for m in mods):
         return None
     ws = [m.weight for m in mods]
     if (len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta"
@@ -133,6 +169,9 @@ class ModelRunner:
         fast_gemv: run the projections of batches of <= ``gemv.MAX_ROWS`` rows through the Triton kernels of
             ``qwen_chat.engine.gemv`` (plain ``nn.Linear`` modules only); None = same as ``use_cuda_graphs``
             when Triton is importable.
+        comm: the ``collectives.TensorParallelComm`` for the decode step's all-reduces under tensor parallelism;
+            None = one from ``collectives.tp_comm_for`` when the model holds row-parallel layers (collective:
+            every rank builds its runner at the same time).
 
     Attributes: ``num_slots``, ``max_context``, ``vocab_size`` (logits width), ``impl`` (dict: which
     implementation each op resolved to, for the start-up log).
@@ -144,7 +183,7 @@ class ModelRunner:
 
     def __init__(self, model, *, num_slots: int, max_context: int, device, dtype=None,
                  use_cuda_graphs: Optional[bool] = None, compile_glue: Optional[bool] = None,
-                 fast_gemv: Optional[bool] = None):
+                 fast_gemv: Optional[bool] = None, comm: Optional[TensorParallelComm] = None):
         if num_slots < 1 or max_context < 1:
             raise ValueError(f"num_slots and max_context must be >= 1 (got {num_slots}, {max_context})")
         self.model = model
@@ -196,13 +235,25 @@ class ModelRunner:
         if fast_gemv and (self.device.type != "cuda" or gemv.triton is None):
             raise ValueError("fast_gemv needs a CUDA device and Triton")
         self._fast_gemv = bool(fast_gemv)
-        # Single projections the Triton GEMV may read directly (plain, unhooked, bias-free nn.Linear).
+        # Tensor parallel: the all-reduce of the row-parallel projections and the vocabulary-split embedding and
+        # the all-gather of the split lm_head run through ``self._comm`` in decode (symmetric memory when it works).
+        self._comm = comm if comm is not None else (None if zero3 else tp_comm_for(model, self.device, self.dtype))
+        # Single projections the decode step runs itself: id(module) -> (this rank's weight, how to finish:
+        # None, "all_reduce" for row-parallel layers, "all_gather" for the vocabulary-split lm_head).
         singles = [model.lm_head]
         for layer in self._layers:
             mixer = layer.linear_attn.out_proj if hasattr(layer, "linear_attn") else layer.self_attn.o_proj
             singles += [mixer, layer.mlp.down_proj]
-        self._plain = set() if zero3 else {id(m) for m in singles if _is_plain_linear(m)}
+        self._direct: dict[int, tuple[torch.Tensor, Optional[str]]] = {}
+        for m in ([] if zero3 else singles):
+            if _is_plain_linear(m):
+                self._direct[id(m)] = (m.weight, None)
+            elif self._comm is not None and (w := _row_parallel_weight(m)) is not None:
+                self._direct[id(m)] = (w, "all_reduce")
+            elif self._comm is not None and isinstance(m, GatheredColumnLinear):
+                self._direct[id(m)] = (m.weight_rows, "all_gather")
         self.impl["projections"] = "triton gemv (<= %d rows)" % gemv.MAX_ROWS if self._fast_gemv else "torch"
+        self.impl["tp_all_reduce"] = self._comm.kind if self._comm is not None else None
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
 
         self._build_state(tc)
@@ -394,10 +445,31 @@ class ModelRunner:
         return (gemv.linear(x, w) if self._fast_gemv else F.linear(x, w)).split(sizes, dim=-1)
 
     def _linear(self, mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``mod(x)``, through the Triton GEMV when enabled and ``mod`` is a plain ``nn.Linear``."""
-        if self._fast_gemv and id(mod) in self._plain:
-            return gemv.linear(x, mod.weight)
-        return mod(x)
+        """``mod(x)`` for x [B, in] in decode.  A module of ``self._direct`` (a plain ``nn.Linear``, a row-parallel
+        projection or the vocabulary-split lm_head) is run here: its local weight through the Triton GEMV when
+        enabled (else ``F.linear``), then the all-reduce or all-gather of ``self._comm``; any other module is
+        called."""
+        direct = self._direct.get(id(mod))
+        if direct is None or (direct[1] is None and not self._fast_gemv):
+            return mod(x)
+        w, finish = direct
+        return self._finish(gemv.linear(x, w) if self._fast_gemv else F.linear(x, w), finish)
+
+    def _finish(self, y: torch.Tensor, finish: Optional[str]) -> torch.Tensor:
+        """Complete a local projection output y [B, out_local]: sum over the TP ranks ("all_reduce"), concatenate
+        them ("all_gather": [B, W * out_local]) or nothing (None)."""
+        if finish == "all_reduce":
+            return self._comm.all_reduce(y)
+        if finish == "all_gather":
+            return self._comm.all_gather_last(y)
+        return y
+
+    def _embed_decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [B, hidden] of int64 tokens [B]; the vocabulary-split table's partial lookups are
+        summed through ``self._comm``."""
+        if self._comm is not None and isinstance(self._embed, VocabParallelEmbedding):
+            return self._comm.all_reduce(self._embed.partial(tokens).to(self.dtype))
+        return self._embed(tokens).to(self.dtype)
 
     def _attn_prefill(self, i, at, slot_t, x, cos, sin):
         g = self._geo[i]
@@ -509,7 +581,7 @@ class ModelRunner:
         """One batched decode forward.  slot_idx/tokens/pos/rope_pos: int64 [B] on device; ctx: attention
         window (static per graph).  Returns fp32 logits [B, V].  Only tensor ops: safe to capture."""
         k = self._glue
-        h = self._embed(tokens).to(self.dtype)                          # [B, H]
+        h = self._embed_decode(tokens)                                  # [B, H]
         cos, sin = self._cos_table[rope_pos], self._sin_table[rope_pos]  # [B, rot]
         x = self._layers[0].input_layernorm(h)
         n = len(self._layers)
@@ -532,11 +604,11 @@ class ModelRunner:
         row: in the tensor-core kernel for 2..16 rows it halved the throughput at 4 and 16 streams (H200,
         2026-11-30, bench/results/2026-11-30-NVIDIA-H200-single-run7.json)."""
         fused = self._fused[i].get("mlp")
-        if (self._fast_gemv and fused is not None and self._silu_mlp and id(mlp.down_proj) in self._plain
-                and x.shape[0] == 1):
+        down = self._direct.get(id(mlp.down_proj))
+        if self._fast_gemv and fused is not None and self._silu_mlp and down is not None and x.shape[0] == 1:
             gate_up = gemv.linear(x, fused[0])                                   # [B, 2 * intermediate]
-            if gemv.supports(gate_up, mlp.down_proj.weight, swiglu=True):
-                return gemv.gemv(gate_up, mlp.down_proj.weight, swiglu=True)
+            if gemv.supports(gate_up, down[0], swiglu=True):
+                return self._finish(gemv.gemv(gate_up, down[0], swiglu=True), down[1])
             gate, up = gate_up.split(fused[1], dim=-1)
         else:
             gate, up = self._project(i, "mlp", x)

@@ -14,7 +14,7 @@ Every rank of a tensor-parallel group therefore samples identical tokens.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -113,6 +113,10 @@ class Sampler:
         #: step's inputs from here (``ModelRunner.decode(..., token_table=)``) without a trip through the host.
         self.last_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
         self._true = torch.ones((), dtype=torch.bool, device=dev)
+        #: Optional ``f(tokens int64 [B]) -> int64 [B]`` applied to every draw before it is recorded; under tensor
+        #: parallelism ``collectives.TensorParallelComm.broadcast_from_first``, so that every rank records and
+        #: feeds rank 0's tokens (queued on the device, no host wait).
+        self.token_sync: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         # Row indices and uniform columns reach the device through pinned buffers and asynchronous copies (a
         # plain torch.tensor(..., device="cuda") waits for the whole stream, so the host could not run ahead of
         # the GPU).  Two buffers: a step's copy may still be queued while the next step fills the other one.
@@ -251,6 +255,8 @@ class Sampler:
                 tokens = inverse_cdf(*self._nucleus(slots, logits, idx), u)
             if any(self.params[s].temperature == 0 for s in slots):
                 tokens = torch.where(self._temperature[idx] == 0, logits.float().argmax(dim=-1), tokens)
+        if self.token_sync is not None:
+            tokens = self.token_sync(tokens)
         self.presence.index_put_((idx, tokens), self._true)  # (a Python True here would synchronise)
         self.last_tokens[idx] = tokens
         return tokens

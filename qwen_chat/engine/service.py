@@ -101,7 +101,9 @@ class ChatEngine:
         on_fatal: called with the reason after an engine failure (see ``Scheduler``); ``build_engine`` passes
             ``exit_process_soon`` so that Supervisor restarts a broken engine.  None: stay up, unhealthy.
         overlap: launch each step before the previous one's tokens are back (``Scheduler`` ``overlap``);
-            None = on for a ``LocalExecutor`` (one process), off for ``DistributedExecutor``.
+            None = on for a ``LocalExecutor`` (one process) and for a ``DistributedExecutor`` whose ranks share rank
+            0's sampled tokens on the device (its ``tokens_on_device``: ``build_runner`` sets the sampler's
+            ``token_sync`` whenever several ranks run).
 
     Stop ids: ``<|endoftext|>`` and ``<|im_end|>``; thinking ids ``<think>``/``</think>``; all looked up in
     the loaded tokenizer (Qwen3.5: 248044, 248046, 248068, 248069; qwen3_5-facts.md "Tokens").
@@ -134,9 +136,10 @@ class ChatEngine:
         self.eos_ids = (_token_id(tok, "<|endoftext|>"), _token_id(tok, "<|im_end|>"))
         self.think_ids = (_token_id(tok, "<think>"), _token_id(tok, "</think>"))
         if overlap is None:
-            overlap = isinstance(executor, LocalExecutor)
+            overlap = isinstance(executor, LocalExecutor) or bool(getattr(executor, "tokens_on_device", False))
         self.scheduler = Scheduler(executor, num_slots=num_slots, max_queue=max_queue, eos_ids=self.eos_ids,
                                    max_context=self.max_context, on_fatal=on_fatal, overlap=overlap)
+        log.info("scheduler: %s", "steps launched ahead (overlap)" if overlap else "each step waited for")
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure
         self._closed = False
@@ -368,6 +371,7 @@ def build_runner(loaded, config: ServiceConfig):
 
     Returns: ``(runner, sampler)``.
     """
+    from qwen_chat.engine.collectives import broadcast_from_rank0
     from qwen_chat.engine.runner import ModelRunner
     from qwen_chat.engine.sampling import Sampler
 
@@ -375,6 +379,9 @@ def build_runner(loaded, config: ServiceConfig):
     max_context = engine_context(loaded, config)
     runner = ModelRunner(loaded.model, num_slots=config.max_batch, max_context=max_context, device=device)
     sampler = Sampler(config.max_batch, runner.vocab_size, device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # every rank records rank 0's tokens on its device, so steps can be launched ahead on every rank
+        sampler.token_sync = broadcast_from_rank0
     if runner.use_cuda_graphs:
         # Capture the decode graphs for every batch size and the short-context buckets and the prefill graphs
         # before the port says ready, so the first requests do not pay ~30 s of compile + capture each (longer

@@ -294,11 +294,16 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.padding_idx = full.padding_idx
         self.weight = torch.nn.Parameter(full.weight.data[self.start:self.end].clone(), requires_grad=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def partial(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the lookup: rows of its range, zeros for ids outside it ([..., H]); the sum over
+        ranks is the full lookup."""
         local = ids - self.start
         outside = (local < 0) | (local >= self.end - self.start)
         out = torch.nn.functional.embedding(local.clamp(0, max(0, self.end - self.start - 1)), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return out.masked_fill(outside.unsqueeze(-1), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.partial(ids)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(out)
         return out
