@@ -333,6 +333,9 @@ def main(argv=None) -> int:
                         "service_waited_tok_s"):
                 if key in r:
                     print(f"| {name} | {key} | {r[key]:.2f} |")
+            if "impl" in r:
+                print(f"| {name} | runner: tp_all_reduce, fused all-reduce + norm | {r['impl'].get('tp_all_reduce')}, "
+                      f"{r['impl'].get('tp_fused_all_reduce_norm')} |")
             if "greedy_vs_single" in r:
                 rows = r["greedy_vs_single"]["prompts"]
                 print(f"| {name} | greedy vs single: first difference per prompt (of 32); prefill top-1 equal | "

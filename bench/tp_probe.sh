@@ -10,3 +10,6 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 timeout -k 10 "${PROBE_S:-520}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
     bench/tp_probe.py --out "$out" ${PROBE_ARGS:-} 2>&1 | tee "$out/tp_probe.log" | grep -v "^\[rank1\]" | tail -n 80
+if [[ "${WITH_TESTS:-1}" == 1 ]]; then
+    timeout -k 5 "${TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp_cuda.py 2>&1 | tail -n 15
+fi

@@ -27,14 +27,71 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+try:  # Triton ships with CUDA builds of PyTorch; without it the fused all-reduce + RMSNorm is not offered.
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the host
+    triton = None
+
 log = logging.getLogger(__name__)
 
 #: Largest all-reduce (bytes) sent through symmetric memory; larger ones go to NCCL.  32 rows of the 9B's
 #: 4,096-wide hidden state in bf16 = 256 KiB (the decode batches the service runs at most).
 SYMM_MEM_MAX_BYTES = 256 * 1024
 
+#: Largest decode batch (rows) whose all-reduce can be fused with the residual add and RMSNorm.
+FUSED_MAX_ROWS = 32
+
 #: Environment variable that forces the all-reduce kind: "auto" (default), "symm_mem" or "nccl" (plain
 #: ``torch.distributed``).
+
+
+if triton is not None:
+
+    @triton.jit
+    def _peer_barrier(pad_ptrs, flag, RANK: tl.constexpr, WORLD: tl.constexpr):
+        """All ranks' programs with the same ``flag`` meet: signal ``flag`` on every peer's signal pad (wait until
+        it is clear, set it to 1, release at system scope), then wait for every peer's signal on this rank's pad
+        and clear it (acquire).  Every flag is back to 0 afterwards, so the kernel can be replayed in a CUDA graph.
+        Scalar atomics run on one thread of the program; Triton broadcasts their result through shared memory
+        behind a barrier, so the whole program is ordered after the acquire.  Scheme: the block-wise barrier of
+        PyTorch's symmetric-memory kernels (torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemory-inl.h)."""
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                remote = tl.load(pad_ptrs + r).to(tl.pointer_type(tl.uint32))
+                while tl.atomic_cas(remote + flag * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                    pass
+        local = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.uint32))
+        for r in tl.static_range(WORLD):
+            if r != RANK:
+                while tl.atomic_cas(local + flag * WORLD + r, 1, 0, sem="acquire", scope="sys") != 1:
+                    pass
+
+    @triton.jit
+    def _all_reduce_add_norm_kernel(buf_ptrs, pad_ptrs, res_ptr, w_ptr, h_ptr, x_ptr, offset, flag, end_flag, N,
+                                    eps, RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr,
+                                    END_BARRIER: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        _peer_barrier(pad_ptrs, flag + row, RANK, WORLD)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        dtype = h_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # the same order on every rank: every rank gets the same bits
+            base = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype))
+            v = tl.load(base + offset + row * N + cols, mask=mask, other=0.0, volatile=True)
+            acc += v.to(tl.float32)
+        if END_BARRIER:  # the peers have read this rank's buffer: it may be written again at once
+            _peer_barrier(pad_ptrs, end_flag + row, RANK, WORLD)
+        s = acc.to(dtype).to(tl.float32)                         # the all-reduce's result, rounded as NCCL's
+        if HAS_RES:
+            res = tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (res + s).to(dtype).to(tl.float32)               # residual add in the activation dtype
+        tl.store(h_ptr + row * N + cols, s.to(dtype), mask=mask)
+        var = tl.sum(s * s, axis=0) / N
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = s * tl.rsqrt(var + eps) * (1.0 + w)                  # Qwen3_5RMSNorm: (x / rms) * (1 + weight)
+        tl.store(x_ptr + row * N + cols, x.to(dtype), mask=mask)
 BACKEND_ENV = "QWEN_CHAT_TP_ALLREDUCE"
 
 
@@ -71,18 +128,40 @@ class TensorParallelComm:
         self.kind = "torch.distributed"
         self.max_numel = max(1, int(max_bytes) // torch.empty(0, dtype=dtype).element_size())
         self._buf: Optional[torch.Tensor] = None
+        self._fused_buf: Optional[torch.Tensor] = None
         self._group_name = ""
         if backend != "nccl" and self.device.type == "cuda" and self.world_size > 1:
+            problem = None
             try:
                 self._setup_symm_mem()
-                self.kind = "symm_mem"
             except Exception as exc:  # noqa: BLE001 - optional fast path
+                problem = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if self._all_agree(problem is None):
+                self.kind = "symm_mem"
+            else:
+                self._buf = None
                 if backend == "symm_mem":
-                    raise RuntimeError(f"symmetric-memory all-reduce unavailable: {exc}") from exc
-                log.info("TP all-reduce: symmetric memory unavailable (%s: %s); using torch.distributed",
-                         type(exc).__name__, str(exc)[:200])
+                    raise RuntimeError(f"symmetric-memory all-reduce unavailable: {problem or 'on another rank'}")
+                log.info("TP all-reduce: symmetric memory unavailable (%s); using torch.distributed",
+                         problem or "on another rank")
+        if self.kind == "symm_mem" and triton is not None:
+            problem = None
+            try:
+                self._setup_fused()
+            except Exception as exc:  # noqa: BLE001 - optional fast path
+                problem = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if not self._all_agree(problem is None):
+                self._fused_buf = None
+                log.warning("TP: fused all-reduce + RMSNorm kernel unavailable (%s)", problem or "on another rank")
         log.info("TP all-reduce over %d ranks: %s (<= %d KiB), torch.distributed above", self.world_size, self.kind,
                  self.max_numel * torch.empty(0, dtype=dtype).element_size() // 1024)
+
+    def _all_agree(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank of the group (a MIN all-reduce), so that all ranks choose the same
+        kernels."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() == 1)
 
     def _setup_symm_mem(self) -> None:
         """Allocate and rendezvous the symmetric buffer, then check one all-reduce against the known sum."""
@@ -104,6 +183,85 @@ class TensorParallelComm:
         if not bool((got.float() == want).all()):
             raise RuntimeError(f"symmetric-memory all-reduce check failed: got {got.float().unique().tolist()}, "
                                f"want {want}")
+
+    def _setup_fused(self) -> None:
+        """A second symmetric allocation of 2 x ``max_numel`` elements (two staging slots) for
+        ``all_reduce_add_norm``, with its own signal pads; device arrays of every rank's buffer and pad address."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(2 * self.max_numel, dtype=self.dtype, device=self.device)
+        hdl = symm_mem.rendezvous(buf, self._group_name)
+        shift = buf.data_ptr() - int(hdl.buffer_ptrs[hdl.rank])
+        self._fused_buf = buf
+        self._fused_ptrs = torch.tensor([int(p) + shift for p in hdl.buffer_ptrs], dtype=torch.int64,
+                                        device=self.device)
+        self._fused_pads = torch.tensor([int(p) for p in hdl.signal_pad_ptrs], dtype=torch.int64, device=self.device)
+        self._fused_rank = int(hdl.rank)
+        self._turn = 0
+        self._staged: Optional[tuple[torch.Tensor, int]] = None
+        # Check against the unfused path: the all-reduce above, residual add and the norm in fp32 (eager).
+        gen = torch.Generator(device=self.device).manual_seed(1234 + self.rank)
+        shape = (3, 4096)
+        for end in (False, True):
+            part = self.staging(*shape)
+            part.copy_(torch.randn(shape, generator=gen, device=self.device).to(self.dtype))
+            res = torch.randn(shape, generator=gen, device=self.device).to(self.dtype)
+            weight = (0.1 * torch.randn(shape[1], generator=gen, device=self.device)).to(self.dtype)
+            want_h = res + self._symm_all_reduce(part.clone())
+            hf = want_h.float()
+            want_x = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())).to(self.dtype)
+            h, x = self.all_reduce_add_norm(part, res, weight, 1e-6, end_barrier=end)
+            if not torch.equal(h, want_h) or not torch.allclose(x.float(), want_x.float(), rtol=2e-2, atol=2e-2):
+                raise RuntimeError(f"fused all-reduce + RMSNorm check failed: max |h - want| "
+                                   f"{float((h.float() - want_h.float()).abs().max()):.3g}, max |x - want| "
+                                   f"{float((x.float() - want_x.float()).abs().max()):.3g}")
+        torch.cuda.synchronize(self.device)
+
+    def fused_rows(self, cols: int) -> int:
+        """Most rows of width ``cols`` that ``staging``/``all_reduce_add_norm`` take (0: not available here)."""
+        if getattr(self, "_fused_buf", None) is None:
+            return 0
+        return min(FUSED_MAX_ROWS, self.max_numel // max(1, int(cols)))
+
+    def staging(self, rows: int, cols: int) -> torch.Tensor:
+        """The next of two symmetric staging slots as a [rows, cols] tensor, for a row-parallel projection to write
+        its partial result into (no copy); pass it to ``all_reduce_add_norm`` next.  The slots alternate, so the
+        one written here was last read by the peers two reductions ago, before the reduction in between could
+        start.  Raises ValueError when ``rows`` exceeds ``fused_rows(cols)``."""
+        if not 1 <= rows <= self.fused_rows(cols):
+            raise ValueError(f"staging holds at most {self.fused_rows(cols)} rows of {cols} (asked {rows})")
+        t = self._turn
+        self._turn ^= 1
+        view = self._fused_buf[t * self.max_numel:t * self.max_numel + rows * cols].view(rows, cols)
+        self._staged = (view, t)
+        return view
+
+    def all_reduce_add_norm(self, partial: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                            eps: float, end_barrier: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel for ``h = residual + all_reduce(partial)`` and ``x = Qwen3_5RMSNorm(h)`` (x / rms(x) *
+        (1 + weight), fp32 inside; transformers' modeling_qwen3_5.py), what the decode step does after every
+        row-parallel projection.
+
+        partial: the tensor ``staging`` returned last, [B, N], holding this rank's partial sums; residual: [B, N]
+        (same dtype) or None (h = the sum); weight: the norm's [N] weight; eps: its epsilon.  ``end_barrier``:
+        wait until every peer has read this rank's slot before returning (the last reduction of a decode step,
+        so that the next step, from whichever CUDA graph, may write either slot at once).  Returns (h, x), new
+        [B, N] tensors.  The sum is added in rank order on every rank, so all ranks get the same bits.
+        Raises ValueError when ``partial`` is not the last staged slot.
+        """
+        if self._staged is None or partial is not self._staged[0]:
+            raise ValueError("all_reduce_add_norm needs the tensor that staging() returned last")
+        _, t = self._staged
+        self._staged = None
+        B, N = partial.shape
+        h = torch.empty_like(partial)
+        x = torch.empty_like(partial)
+        _all_reduce_add_norm_kernel[(B,)](
+            self._fused_ptrs, self._fused_pads, residual if residual is not None else partial, weight, h, x,
+            t * self.max_numel, t * FUSED_MAX_ROWS, 2 * FUSED_MAX_ROWS, N, float(eps), RANK=self._fused_rank,
+            WORLD=self.world_size, HAS_RES=residual is not None, END_BARRIER=bool(end_barrier),
+            BLOCK=triton.next_power_of_2(N), num_warps=8)
+        return h, x
 
     def _symm_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)

@@ -105,7 +105,7 @@ def supports(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> bool:
             and x.is_contiguous() and w.is_contiguous())
 
 
-#: Tile sizes measured fastest on an H200 for the decode shapes of the full config, one GPU: (kernel, N, K) ->
+#: Tile sizes measured fastest on an H200 for the decode shapes of the full config: (kernel, N, K) ->
 #: (BLOCK_N, BLOCK_K, num_warps, num_stages).  bench/gemv_probe.py, 2026-11-30, bench/results/
 #: 2026-11-30-NVIDIA-H200-gemv-probe-run1.json ("dot" entries: the best at B = 4 and 8).
 TUNED = {
@@ -115,6 +115,14 @@ TUNED = {
     ("dot", 12352, 4096): (32, 256, 4, 3), ("dot", 10240, 4096): (32, 256, 4, 3),
     ("dot", 4096, 4096): (32, 256, 4, 5), ("dot", 24576, 4096): (64, 128, 4, 3),
     ("dot", 4096, 12288): (32, 256, 4, 5), ("dot", 248320, 4096): (128, 128, 4, 3),
+    # tensor parallel over 2 GPUs, per rank (bench/tp_probe.py, 2026-11-30, bench/results/
+    # 2026-11-30-NVIDIA-H200x2-tp-probe-run1.json: rows at B = 1, "dot" at B = 4)
+    ("row", 6176, 4096): (4, 1024, 4, 3), ("row", 5120, 4096): (4, 512, 4, 3),
+    ("row", 4096, 2048): (4, 512, 4, 3), ("row", 12288, 4096): (16, 256, 4, 3),
+    ("row", 4096, 6144): (4, 512, 4, 3), ("row", 124160, 4096): (8, 256, 4, 3),
+    ("dot", 6176, 4096): (32, 128, 4, 5), ("dot", 5120, 4096): (64, 256, 4, 5),
+    ("dot", 4096, 2048): (32, 128, 4, 5), ("dot", 12288, 4096): (32, 256, 4, 3),
+    ("dot", 4096, 6144): (32, 256, 4, 5), ("dot", 124160, 4096): (64, 128, 4, 3),
 }
 
 

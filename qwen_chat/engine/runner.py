@@ -254,6 +254,19 @@ class ModelRunner:
                 self._direct[id(m)] = (m.weight_rows, "all_gather")
         self.impl["projections"] = "triton gemv (<= %d rows)" % gemv.MAX_ROWS if self._fast_gemv else "torch"
         self.impl["tp_all_reduce"] = self._comm.kind if self._comm is not None else None
+        # Under TP with symmetric memory: each row-parallel projection writes its partial result into the comm's
+        # staging slot and one kernel does all-reduce + residual add + the next RMSNorm (collectives
+        # .all_reduce_add_norm), when every layer qualifies (all or none, so every step ends with the reduction
+        # that carries the end barrier).
+        norms = [lm.norm] + [n for layer in self._layers
+                             for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        rowpar = [self._direct.get(id(m), (None, None))[1] == "all_reduce" for m in singles[1:]]
+        self._fused_ar = (self._comm is not None and self._fast_gemv and self.use_cuda_graphs
+                          and self._comm.fused_rows(tc.hidden_size) > 0 and all(rowpar)
+                          and isinstance(self._embed, VocabParallelEmbedding)
+                          and all(type(n).__name__ == "Qwen3_5RMSNorm" and hasattr(n, "eps") for n in norms))
+        self._step_fused = False  # set while a decode step that uses it is traced or run
+        self.impl["tp_fused_all_reduce_norm"] = self._fused_ar
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
 
         self._build_state(tc)
@@ -448,12 +461,31 @@ class ModelRunner:
         """``mod(x)`` for x [B, in] in decode.  A module of ``self._direct`` (a plain ``nn.Linear``, a row-parallel
         projection or the vocabulary-split lm_head) is run here: its local weight through the Triton GEMV when
         enabled (else ``F.linear``), then the all-reduce or all-gather of ``self._comm``; any other module is
-        called."""
+        called.  In a step with the fused all-reduce (``_step_fused``) a row-parallel projection returns its
+        partial result in the comm's staging slot, which the next ``_add_norm`` reduces."""
         direct = self._direct.get(id(mod))
         if direct is None or (direct[1] is None and not self._fast_gemv):
             return mod(x)
         w, finish = direct
-        return self._finish(gemv.linear(x, w) if self._fast_gemv else F.linear(x, w), finish)
+        return self._row_out(w, finish, x.shape[0], lambda out: self._matmul(x, w, out))
+
+    def _matmul(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, in] @ w[out, in]^T, into ``out`` [B, out] when given: the Triton GEMV when enabled and it
+        applies, else cuBLAS."""
+        if self._fast_gemv and gemv.supports(x, w):
+            return gemv.gemv(x, w, out=out)
+        return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+
+    def _row_out(self, w: torch.Tensor, finish: Optional[str], rows: int,
+                 compute: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """Run ``compute(out)`` (a local projection with weight w [N, in], writing into ``out`` when it is not
+        None) and complete it (``_finish``); in a fused step a row-parallel output goes to the comm's staging
+        slot [rows, N] instead and is returned unreduced."""
+        if finish == "all_reduce" and self._step_fused:
+            out = self._comm.staging(rows, w.shape[0])
+            compute(out)
+            return out
+        return self._finish(compute(None), finish)
 
     def _finish(self, y: torch.Tensor, finish: Optional[str]) -> torch.Tensor:
         """Complete a local projection output y [B, out_local]: sum over the TP ranks ("all_reduce"), concatenate
@@ -464,12 +496,30 @@ class ModelRunner:
             return self._comm.all_gather_last(y)
         return y
 
-    def _embed_decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Input embeddings [B, hidden] of int64 tokens [B]; the vocabulary-split table's partial lookups are
-        summed through ``self._comm``."""
+    def _add_norm(self, h: torch.Tensor, x: torch.Tensor, norm: torch.nn.Module,
+                  last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add and the next RMSNorm after a token mixer or MLP: (h + x, norm(h + x)), [B, hidden].  In a
+        fused step x is the staged partial result and one kernel also sums it over the ranks (``last``: the
+        step's final reduction, which waits for the peers to finish reading)."""
+        if self._step_fused:
+            return self._comm.all_reduce_add_norm(x, h, norm.weight, norm.eps, end_barrier=last)
+        return self._glue["add_norm"](h, x, norm)
+
+    def _embed_decode(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings h [B, hidden] of int64 tokens [B] and the first layer's normed input x.  The
+        vocabulary-split table's partial lookups are summed through ``self._comm`` (with the norm in one kernel
+        in a fused step)."""
+        norm = self._layers[0].input_layernorm
         if self._comm is not None and isinstance(self._embed, VocabParallelEmbedding):
-            return self._comm.all_reduce(self._embed.partial(tokens).to(self.dtype))
-        return self._embed(tokens).to(self.dtype)
+            part = self._embed.partial(tokens).to(self.dtype)
+            if self._step_fused:
+                staged = self._comm.staging(*part.shape)
+                staged.copy_(part)
+                return self._comm.all_reduce_add_norm(staged, None, norm.weight, norm.eps)
+            h = self._comm.all_reduce(part)
+        else:
+            h = self._embed(tokens).to(self.dtype)
+        return h, norm(h)
 
     def _attn_prefill(self, i, at, slot_t, x, cos, sin):
         g = self._geo[i]
@@ -580,20 +630,23 @@ class ModelRunner:
     def _decode_step(self, slot_idx, tokens, pos, rope_pos, ctx: int) -> torch.Tensor:
         """One batched decode forward.  slot_idx/tokens/pos/rope_pos: int64 [B] on device; ctx: attention
         window (static per graph).  Returns fp32 logits [B, V].  Only tensor ops: safe to capture."""
-        k = self._glue
-        h = self._embed_decode(tokens)                                  # [B, H]
-        cos, sin = self._cos_table[rope_pos], self._sin_table[rope_pos]  # [B, rot]
-        x = self._layers[0].input_layernorm(h)
-        n = len(self._layers)
-        for i, layer in enumerate(self._layers):
-            if self._kinds[i] == "linear":
-                x = self._linear_decode(i, layer.linear_attn, slot_idx, x)
-            else:
-                x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
-            h, x = k["add_norm"](h, x, layer.post_attention_layernorm)
-            x = self._mlp_decode(i, layer.mlp, x)
-            nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
-            h, x = k["add_norm"](h, x, nxt)
+        B = tokens.shape[0]
+        self._step_fused = self._fused_ar and B <= self._comm.fused_rows(self._embed.embedding_dim)
+        try:
+            h, x = self._embed_decode(tokens)                               # [B, H] each
+            cos, sin = self._cos_table[rope_pos], self._sin_table[rope_pos]  # [B, rot]
+            n = len(self._layers)
+            for i, layer in enumerate(self._layers):
+                if self._kinds[i] == "linear":
+                    x = self._linear_decode(i, layer.linear_attn, slot_idx, x)
+                else:
+                    x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
+                h, x = self._add_norm(h, x, layer.post_attention_layernorm)
+                x = self._mlp_decode(i, layer.mlp, x)
+                nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
+                h, x = self._add_norm(h, x, nxt, last=i + 1 == n)
+        finally:
+            self._step_fused = False
         return self._linear(self._lm_head, x).float()
 
     def _mlp_decode(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
@@ -608,7 +661,8 @@ class ModelRunner:
         if self._fast_gemv and fused is not None and self._silu_mlp and down is not None and x.shape[0] == 1:
             gate_up = gemv.linear(x, fused[0])                                   # [B, 2 * intermediate]
             if gemv.supports(gate_up, down[0], swiglu=True):
-                return self._finish(gemv.gemv(gate_up, down[0], swiglu=True), down[1])
+                return self._row_out(down[0], down[1], 1,
+                                     lambda out: gemv.gemv(gate_up, down[0], out=out, swiglu=True))
             gate, up = gate_up.split(fused[1], dim=-1)
         else:
             gate, up = self._project(i, "mlp", x)
