@@ -42,6 +42,9 @@ SYMM_MEM_MAX_BYTES = 256 * 1024
 #: Largest decode batch (rows) whose all-reduce can be fused with the residual add and RMSNorm.
 FUSED_MAX_ROWS = 32
 
+#: Environment variable that switches the fused all-reduce + RMSNorm kernel off when set to "0".
+FUSED_ENV = "QWEN_CHAT_TP_FUSED"
+
 #: Environment variable that forces the all-reduce kind: "auto" (default), "symm_mem" or "nccl" (plain
 #: ``torch.distributed``).
 
@@ -144,7 +147,7 @@ class TensorParallelComm:
                     raise RuntimeError(f"symmetric-memory all-reduce unavailable: {problem or 'on another rank'}")
                 log.info("TP all-reduce: symmetric memory unavailable (%s); using torch.distributed",
                          problem or "on another rank")
-        if self.kind == "symm_mem" and triton is not None:
+        if self.kind == "symm_mem" and triton is not None and os.environ.get(FUSED_ENV, "1").strip() != "0":
             problem = None
             try:
                 self._setup_fused()
