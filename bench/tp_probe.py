@@ -262,6 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--kinds", default="nccl,symm_mem")
+    ap.add_argument("--skip-shapes", action="store_true", help="no GEMV tile sweep of the TP=2 shapes on rank 1")
     args = ap.parse_args(argv)
     info = qdist.RankInfo.from_env()
     device = torch.device("cuda", info.local_rank)
@@ -295,7 +296,7 @@ def main(argv=None) -> int:
     model = build_model(device)
     if rank == 0:
         section("single", lambda: single_section(model, device, args.steps))
-    else:
+    elif not args.skip_shapes:
         from gemv_probe import sweep_shape
 
         section("tp2_shapes", lambda: {n: sweep_shape(n, N, K, (1, 4), False) for n, (N, K) in TP2_SHAPES.items()})
