@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from qwen_chat.engine import dist as qdist  # noqa: E402
-from qwen_chat.engine.collectives import TensorParallelComm, broadcast_from_rank0  # noqa: E402
+from qwen_chat.engine.collectives import TensorParallelComm  # noqa: E402
 from qwen_chat.engine.executor import LocalExecutor  # noqa: E402
 from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan  # noqa: E402
 
@@ -157,6 +157,28 @@ def ahead_tok_s(executor, slots, steps: int) -> float:
     return len(slots) * steps / (time.perf_counter() - a)
 
 
+def scheduler_tok_s(executor, runner, steps: int, repeats: int = 3) -> list:
+    """Batch-1 decode as the service runs it: one request at a time through the rank-0 ``Scheduler`` (steps
+    launched ahead when the executor shares tokens on the device) -> decode tok/s per request = (tokens - 1) /
+    (time of the last token - time of the first)."""
+    from qwen_chat.chat_types import CancelToken
+    from qwen_chat.engine.scheduler import Scheduler
+
+    sched = Scheduler(executor, num_slots=runner.num_slots, max_queue=4, eos_ids=(), max_context=runner.max_context,
+                      overlap=bool(getattr(executor, "tokens_on_device", True)))
+    out = []
+    try:
+        gen = torch.Generator().manual_seed(9)
+        for r in range(repeats):
+            prompt = PreparedPrompt(input_ids=torch.randint(0, 240000, (300,), generator=gen), max_new_tokens=steps)
+            params = SamplingParams(seed=r, max_new_tokens=steps, stop_token_ids=(), **PARAMS)
+            stamps = [time.perf_counter() for _ in sched.submit(prompt, params, CancelToken())]
+            out.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    finally:
+        sched.shutdown()
+    return out
+
+
 def replay_ms(runner, steps: int, sync_each: bool) -> float:
     g = runner._graphs[(1, 512)]
     torch.cuda.synchronize()
@@ -197,7 +219,7 @@ def make_runner(model, device, comm, batches):
     runner.capture_all(batch_sizes=batches, context_buckets=[512], prefill_buckets=[512])
     sampler = Sampler(16, runner.vocab_size, device)
     if comm is not None:
-        sampler.token_sync = broadcast_from_rank0
+        sampler.token_sync = runner.token_sync
     sampler.warm_up()
     return runner, sampler, time.perf_counter() - t0
 
@@ -213,6 +235,7 @@ def single_section(model, device, steps: int) -> dict:
     runner.lengths[0] = 300
     res["ahead_tok_s_2"] = ahead_tok_s(ex, [0], steps)
     res["profile"] = top_kernels(runner)
+    res["scheduler"] = scheduler_tok_s(ex, runner, steps)
     REFERENCE.update(greedy(ex))
     return res
 
@@ -249,6 +272,7 @@ def tp_section(model, device, kind: str, groups, steps: int) -> dict:
         for _ in range(steps):
             tok = dex.execute(StepPlan(decode_slots=[0], decode_tokens=[tok]))[0]
         res["service_waited_tok_s"] = steps / (time.perf_counter() - a)
+        res["scheduler"] = scheduler_tok_s(dex, runner, steps)
         dex.close()
     else:
         qdist.worker_loop(ex, groups.control)
@@ -337,6 +361,9 @@ def main(argv=None) -> int:
             if "impl" in r:
                 print(f"| {name} | runner: tp_all_reduce, fused all-reduce + norm | {r['impl'].get('tp_all_reduce')}, "
                       f"{r['impl'].get('tp_fused_all_reduce_norm')} |")
+            if "scheduler" in r:
+                print(f"| {name} | through the Scheduler (service path), tok/s per request | "
+                      f"{', '.join(f'{v:.1f}' for v in r['scheduler'])} |")
             if "greedy_vs_single" in r:
                 rows = r["greedy_vs_single"]["prompts"]
                 print(f"| {name} | greedy vs single: first difference per prompt (of 32); prefill top-1 equal | "

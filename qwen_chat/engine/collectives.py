@@ -42,6 +42,17 @@ SYMM_MEM_MAX_BYTES = 256 * 1024
 #: Largest decode batch (rows) whose all-reduce can be fused with the residual add and RMSNorm.
 FUSED_MAX_ROWS = 32
 
+#: Flag ranges on the signal pad of the staging allocation (each flag is used once per meeting and cleared by
+#: its waiter): all-reduce start flags of slot 0 and slot 1 (FUSED_MAX_ROWS each), all-reduce end flags, token
+#: broadcast start/end, then gather start and end flags (GATHER_FLAGS each).
+_AR_END = 2 * FUSED_MAX_ROWS
+_TOK_START, _TOK_END = 3 * FUSED_MAX_ROWS, 3 * FUSED_MAX_ROWS + 1
+GATHER_FLAGS = 64
+_GATHER_START = 3 * FUSED_MAX_ROWS + 2
+_GATHER_END = _GATHER_START + GATHER_FLAGS
+#: Elements per program of the gather kernel.
+GATHER_BLOCK = 4096
+
 #: Environment variable that switches the fused all-reduce + RMSNorm kernel off when set to "0".
 FUSED_ENV = "QWEN_CHAT_TP_FUSED"
 
@@ -95,6 +106,33 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         x = s * tl.rsqrt(var + eps) * (1.0 + w)                  # Qwen3_5RMSNorm: (x / rms) * (1 + weight)
         tl.store(x_ptr + row * N + cols, x.to(dtype), mask=mask)
+
+    @triton.jit
+    def _gather_staged_kernel(buf_ptrs, pad_ptrs, out_ptr, offset, flag, end_flag, n_local, n_blocks,
+                              RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+        """out[row, r * n_local + j] = fp32(rank r's staged[row, j]) for every rank r; program (row, block)."""
+        row = tl.program_id(0)
+        blk = tl.program_id(1)
+        f = row * n_blocks + blk
+        _peer_barrier(pad_ptrs, flag + f, RANK, WORLD)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_local
+        for r in tl.static_range(WORLD):
+            base = tl.load(buf_ptrs + r).to(tl.pointer_type(tl.bfloat16))
+            v = tl.load(base + offset + row * n_local + cols, mask=mask, other=0.0, volatile=True)
+            tl.store(out_ptr + row * (WORLD * n_local) + r * n_local + cols, v.to(tl.float32), mask=mask)
+        _peer_barrier(pad_ptrs, end_flag + f, RANK, WORLD)
+
+    @triton.jit
+    def _broadcast_staged_kernel(buf_ptrs, pad_ptrs, tok_ptr, offset, flag, end_flag, n,
+                                 RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+        """tok[:n] = rank 0's staged int64 values, with a barrier before (staged) and after (read)."""
+        _peer_barrier(pad_ptrs, flag, RANK, WORLD)
+        i = tl.arange(0, BLOCK)
+        base = tl.load(buf_ptrs).to(tl.pointer_type(tl.int64))
+        v = tl.load(base + offset + i, mask=i < n, other=0, volatile=True)
+        _peer_barrier(pad_ptrs, end_flag, RANK, WORLD)
+        tl.store(tok_ptr + i, v, mask=i < n)
 BACKEND_ENV = "QWEN_CHAT_TP_ALLREDUCE"
 
 
@@ -188,11 +226,13 @@ class TensorParallelComm:
                                f"want {want}")
 
     def _setup_fused(self) -> None:
-        """A second symmetric allocation of 2 x ``max_numel`` elements (two staging slots) for
-        ``all_reduce_add_norm``, with its own signal pads; device arrays of every rank's buffer and pad address."""
+        """A second symmetric allocation (two staging slots of ``max_numel`` elements, then FUSED_MAX_ROWS int64 for
+        ``broadcast_from_first``) with its own signal pads; device arrays of every rank's buffer and pad address.
+        Checks the fused kernels against the unfused path and raises RuntimeError when they differ."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        buf = symm_mem.empty(2 * self.max_numel, dtype=self.dtype, device=self.device)
+        tok_elems = FUSED_MAX_ROWS * 8 // torch.empty(0, dtype=self.dtype).element_size()  # int64 tokens after
+        buf = symm_mem.empty(2 * self.max_numel + tok_elems, dtype=self.dtype, device=self.device)
         hdl = symm_mem.rendezvous(buf, self._group_name)
         shift = buf.data_ptr() - int(hdl.buffer_ptrs[hdl.rank])
         self._fused_buf = buf
@@ -200,6 +240,7 @@ class TensorParallelComm:
                                         device=self.device)
         self._fused_pads = torch.tensor([int(p) for p in hdl.signal_pad_ptrs], dtype=torch.int64, device=self.device)
         self._fused_rank = int(hdl.rank)
+        self._tokens_offset = 2 * self.max_numel * buf.element_size() // 8  # where the tokens start, int64 elements
         self._turn = 0
         self._staged: Optional[tuple[torch.Tensor, int]] = None
         # Check against the unfused path: the all-reduce above, residual add and the norm in fp32 (eager).
@@ -218,6 +259,18 @@ class TensorParallelComm:
                 raise RuntimeError(f"fused all-reduce + RMSNorm check failed: max |h - want| "
                                    f"{float((h.float() - want_h.float()).abs().max()):.3g}, max |x - want| "
                                    f"{float((x.float() - want_x.float()).abs().max()):.3g}")
+        # gather: a 2-block shard with a partial block; broadcast: every rank must end with rank 0's values
+        n = GATHER_BLOCK + 904
+        part = self.staging(1, n)
+        part.copy_(torch.randn(1, n, generator=gen, device=self.device).to(self.dtype))
+        want = [torch.empty_like(part) for _ in range(self.world_size)]
+        dist.all_gather(want, part.clone(), group=self.group)
+        got = self.all_gather_staged(part)
+        if self.dtype == torch.bfloat16 and not torch.equal(got, torch.cat(want, dim=-1).float()):
+            raise RuntimeError("fused all-gather check failed")
+        tokens = torch.full((5,), 7 + self.rank, dtype=torch.int64, device=self.device)
+        if self.broadcast_from_first(tokens).tolist() != [7] * 5:
+            raise RuntimeError(f"token broadcast check failed: {tokens.tolist()}")
         torch.cuda.synchronize(self.device)
 
     def fused_rows(self, cols: int) -> int:
@@ -261,10 +314,57 @@ class TensorParallelComm:
         x = torch.empty_like(partial)
         _all_reduce_add_norm_kernel[(B,)](
             self._fused_ptrs, self._fused_pads, residual if residual is not None else partial, weight, h, x,
-            t * self.max_numel, t * FUSED_MAX_ROWS, 2 * FUSED_MAX_ROWS, N, float(eps), RANK=self._fused_rank,
+            t * self.max_numel, t * FUSED_MAX_ROWS, _AR_END, N, float(eps), RANK=self._fused_rank,
             WORLD=self.world_size, HAS_RES=residual is not None, END_BARRIER=bool(end_barrier),
             BLOCK=triton.next_power_of_2(N), num_warps=8)
         return h, x
+
+    def gather_rows(self, cols: int) -> int:
+        """Most rows of a [rows, cols] local shard that ``all_gather_staged`` takes (0: not available here)."""
+        if getattr(self, "_fused_buf", None) is None or self.dtype != torch.bfloat16:
+            return 0
+        per_row = -(-int(cols) // GATHER_BLOCK)
+        return min(self.max_numel // max(1, int(cols)), GATHER_FLAGS // per_row)
+
+    def all_gather_staged(self, partial: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's staged [B, n] shard along the last dimension in rank order, as fp32 [B, W * n]
+        (the vocabulary-split lm_head's logits, converted for the sampler in the same pass).  ``partial`` must be
+        the tensor ``staging`` returned last, with at most ``gather_rows(n)`` rows.  Waits at the end until every
+        peer has read this rank's slot.  Raises ValueError otherwise."""
+        if self._staged is None or partial is not self._staged[0]:
+            raise ValueError("all_gather_staged needs the tensor that staging() returned last")
+        B, n = partial.shape
+        if B > self.gather_rows(n):
+            raise ValueError(f"all_gather_staged takes at most {self.gather_rows(n)} rows of {n} (got {B})")
+        _, t = self._staged
+        self._staged = None
+        out = torch.empty(B, self.world_size * n, dtype=torch.float32, device=partial.device)
+        blocks = -(-n // GATHER_BLOCK)
+        _gather_staged_kernel[(B, blocks)](
+            self._fused_ptrs, self._fused_pads, out, t * self.max_numel, _GATHER_START, _GATHER_END, n, blocks,
+            RANK=self._fused_rank, WORLD=self.world_size, BLOCK=GATHER_BLOCK, num_warps=8)
+        return out
+
+    def broadcast_from_first(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Replace int64 ``tokens`` [B] (on the device) in place with rank 0's values and return them: through
+        the staging allocation with one small kernel when it is set up (B <= FUSED_MAX_ROWS), else
+        ``broadcast_from_rank0`` (NCCL).  Queued, no host wait."""
+        n = tokens.numel()
+        if (getattr(self, "_fused_buf", None) is None or tokens.dtype != torch.int64 or not tokens.is_contiguous()
+                or n > FUSED_MAX_ROWS or dist.get_global_rank(self.group, 0) != 0):
+            if self.world_size > 1:
+                dist.broadcast(tokens, src=dist.get_global_rank(self.group, 0), group=self.group)
+            return tokens
+        tail = self._tokens_view()
+        tail[:n].copy_(tokens)
+        _broadcast_staged_kernel[(1,)](
+            self._fused_ptrs, self._fused_pads, tokens, self._tokens_offset, _TOK_START, _TOK_END, n,
+            RANK=self._fused_rank, WORLD=self.world_size, BLOCK=FUSED_MAX_ROWS, num_warps=1)
+        return tokens
+
+    def _tokens_view(self) -> torch.Tensor:
+        """int64 [FUSED_MAX_ROWS]: the part of the staging allocation after the two slots."""
+        return self._fused_buf[2 * self.max_numel:].view(torch.int64)
 
     def _symm_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)

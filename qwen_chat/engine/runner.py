@@ -266,6 +266,9 @@ class ModelRunner:
                           and isinstance(self._embed, VocabParallelEmbedding)
                           and all(type(n).__name__ == "Qwen3_5RMSNorm" and hasattr(n, "eps") for n in norms))
         self._step_fused = False  # set while a decode step that uses it is traced or run
+        #: What ``Sampler.token_sync`` should be when several ranks sample: rank 0's tokens, broadcast through
+        #: the TP comm (None: no TP comm here).
+        self.token_sync = self._comm.broadcast_from_first if self._comm is not None else None
         self.impl["tp_fused_all_reduce_norm"] = self._fused_ar
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
 
@@ -480,11 +483,16 @@ class ModelRunner:
                  compute: Callable[[Optional[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         """Run ``compute(out)`` (a local projection with weight w [N, in], writing into ``out`` when it is not
         None) and complete it (``_finish``); in a fused step a row-parallel output goes to the comm's staging
-        slot [rows, N] instead and is returned unreduced."""
+        slot [rows, N] instead and is returned unreduced; with the fused kernels, the vocabulary-split lm_head's
+        output is staged and gathered by one kernel (``all_gather_staged``, fp32)."""
         if finish == "all_reduce" and self._step_fused:
             out = self._comm.staging(rows, w.shape[0])
             compute(out)
             return out
+        if finish == "all_gather" and self._fused_ar and rows <= self._comm.gather_rows(w.shape[0]):
+            out = self._comm.staging(rows, w.shape[0])
+            compute(out)
+            return self._comm.all_gather_staged(out)                # fp32 [rows, W * N]
         return self._finish(compute(None), finish)
 
     def _finish(self, y: torch.Tensor, finish: Optional[str]) -> torch.Tensor:

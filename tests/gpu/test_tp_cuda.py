@@ -2,7 +2,8 @@
 
 The fused all-reduce + residual add + RMSNorm kernel (``collectives.TensorParallelComm.all_reduce_add_norm``)
 against the unfused path (NCCL all-reduce, then the add and Qwen3_5RMSNorm in fp32), eagerly and replayed in a
-CUDA graph with new inputs each time; and the token broadcast that keeps the ranks' sampled tokens equal.
+CUDA graph with new inputs each time; the staged logits gather against NCCL's all-gather; and both token
+broadcasts that keep the ranks' sampled tokens equal.
 Run: ``python -m pytest -q tests/gpu/test_tp_cuda.py`` on a host with 2 GPUs.
 """
 from __future__ import annotations
@@ -106,9 +107,34 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
         other = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(other, mine)
         report["ranks_equal"] = all(torch.equal(other[0], o) for o in other)
-        # token broadcast: every rank ends with rank 0's tokens
+        # logits gather of the vocabulary-split lm_head (one row of 124,160 per rank, the 9B's), in a CUDA graph
+        n = 124160
+        shard = torch.zeros(1, n, device=dev, dtype=torch.bfloat16)
+
+        def gather():
+            staged = comm.staging(1, n)
+            staged.copy_(shard)
+            return comm.all_gather_staged(staged)
+
+        with torch.cuda.stream(s):
+            gather()
+        torch.cuda.current_stream(dev).wait_stream(s)
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            g_out = gather()
+        gathered_ok = comm.gather_rows(n) == 1
+        for rep in range(10):
+            shard.copy_(torch.randn(1, n, generator=gen, device=dev).to(torch.bfloat16))
+            g2.replay()
+            parts = [torch.empty_like(shard) for _ in range(world)]
+            dist.all_gather(parts, shard)
+            gathered_ok &= bool(torch.equal(g_out, torch.cat(parts, dim=-1).float()))
+        report["gather_ok"] = gathered_ok
+        # token broadcast: every rank ends with rank 0's tokens, through the staging kernel and through NCCL
         tokens = torch.full((4,), 10 + rank, dtype=torch.long, device=dev)
-        report["tokens"] = broadcast_from_rank0(tokens).tolist()
+        report["tokens"] = comm.broadcast_from_first(tokens).tolist()
+        tokens = torch.full((3,), 20 + rank, dtype=torch.long, device=dev)
+        report["tokens_nccl"] = broadcast_from_rank0(tokens).tolist()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report["errors"].append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -129,4 +155,5 @@ def test_fused_all_reduce_add_norm_matches_nccl_and_rms_norm(tmp_path):
         # x is rounded to bf16 once from fp32 in both paths; the kernel's fp32 sum of squares may differ in order
         assert rep["worst_x_abs_diff"] <= 0.0625, rep
         assert rep["ranks_equal"], rep
-        assert rep["tokens"] == [10, 10, 10, 10], rep
+        assert rep["gather_ok"], rep
+        assert rep["tokens"] == [10, 10, 10, 10] and rep["tokens_nccl"] == [20, 20, 20], rep
