@@ -191,10 +191,10 @@ def replay_ms(runner, steps: int, sync_each: bool) -> float:
     return (time.perf_counter() - a) / steps * 1e3
 
 
-def top_kernels(runner, steps: int = 20) -> dict:
+def top_kernels(runner, steps: int = 20, batch: int = 1) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    g = runner._graphs[(1, 512)]
+    g = runner._graphs[(batch, 512)]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -249,13 +249,25 @@ def tp_section(model, device, kind: str, groups, steps: int) -> dict:
     runner.lengths[0] = 300
     res["replay_ms"] = replay_ms(runner, steps, False)
     res["replay_sync_ms"] = replay_ms(runner, steps, True)
-    runner.lengths[0] = 300
-    res["local_ahead_tok_s"] = ahead_tok_s(ex, [0], steps)
-    for b in (4, 16):
-        for s in range(b):
-            runner.lengths[s] = 300
-        res[f"local_ahead_b{b}_tok_s"] = ahead_tok_s(ex, range(b), steps // 2)
+    for tk in (False, True):  # token broadcast: NCCL, then the staging kernel (the default, kept after this)
+        comm.token_kernel = tk
+        tag = "" if tk else "_nccl_tokens"
+        for b in (1, 4, 16):
+            for s in range(b):
+                runner.lengths[s] = 300
+            res[f"local_ahead_b{b}_tok_s{tag}"] = ahead_tok_s(ex, range(b), steps if b == 1 else steps // 2)
+        runner.lengths[0] = 300
+        tok = ex.execute(StepPlan(decode_slots=[0], tokens_on_device=True))[0]
+        torch.cuda.synchronize()
+        a = time.perf_counter()
+        for _ in range(steps // 2):
+            tok = ex.execute(StepPlan(decode_slots=[0], decode_tokens=[tok]))[0]
+        res[f"local_waited_tok_s{tag}"] = (steps // 2) / (time.perf_counter() - a)
+    res["local_ahead_tok_s"] = res["local_ahead_b1_tok_s"]
     res["profile"] = top_kernels(runner)
+    for s in range(16):
+        runner.lengths[s] = 300
+    res["profile_b16"] = top_kernels(runner, batch=16)
     run = greedy(ex)
     if REFERENCE:
         res["greedy_vs_single"] = compare_greedy(REFERENCE, run)
@@ -353,11 +365,9 @@ def main(argv=None) -> int:
             r = doc.get(name)
             if not r:
                 continue
-            for key in ("replay_ms", "replay_sync_ms", "ahead_tok_s", "ahead_tok_s_2", "local_ahead_tok_s",
-                        "local_ahead_b4_tok_s", "local_ahead_b16_tok_s", "service_ahead_tok_s",
-                        "service_waited_tok_s"):
-                if key in r:
-                    print(f"| {name} | {key} | {r[key]:.2f} |")
+            for key, value in r.items():
+                if isinstance(value, float) and key != "setup_s":
+                    print(f"| {name} | {key} | {value:.2f} |")
             if "impl" in r:
                 print(f"| {name} | runner: tp_all_reduce, fused all-reduce + norm | {r['impl'].get('tp_all_reduce')}, "
                       f"{r['impl'].get('tp_fused_all_reduce_norm')} |")
@@ -371,8 +381,10 @@ def main(argv=None) -> int:
             p = r.get("profile", {})
             print(f"| {name} | GPU kernels per step (ms, count) | {p.get('kernel_ms_per_step', 0):.3f}, "
                   f"{p.get('kernels_per_step', 0):.0f} |")
-            for t in p.get("top", [])[:10]:
+            for t in p.get("top", [])[:6]:
                 print(f"| {name} | top kernel x{t['calls']:.0f} | {t['ms']:.3f} ms {t['name'][:80]} |")
+            for t in r.get("profile_b16", {}).get("top", [])[:4]:
+                print(f"| {name} | B=16 top kernel x{t['calls']:.0f} | {t['ms']:.3f} ms {t['name'][:80]} |")
         print("errors:", list(doc["errors"]))
         path.write_text(json.dumps(doc, indent=1))
     dist.barrier(group=groups.startup)

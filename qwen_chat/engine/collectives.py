@@ -170,6 +170,8 @@ class TensorParallelComm:
         self.max_numel = max(1, int(max_bytes) // torch.empty(0, dtype=dtype).element_size())
         self._buf: Optional[torch.Tensor] = None
         self._fused_buf: Optional[torch.Tensor] = None
+        #: ``broadcast_from_first`` through the staging kernel (True) or NCCL (False).
+        self.token_kernel = True
         self._group_name = ""
         if backend != "nccl" and self.device.type == "cuda" and self.world_size > 1:
             problem = None
@@ -350,7 +352,8 @@ class TensorParallelComm:
         the staging allocation with one small kernel when it is set up (B <= FUSED_MAX_ROWS), else
         ``broadcast_from_rank0`` (NCCL).  Queued, no host wait."""
         n = tokens.numel()
-        if (getattr(self, "_fused_buf", None) is None or tokens.dtype != torch.int64 or not tokens.is_contiguous()
+        if (not self.token_kernel or getattr(self, "_fused_buf", None) is None or tokens.dtype != torch.int64
+                or not tokens.is_contiguous()
                 or n > FUSED_MAX_ROWS or dist.get_global_rank(self.group, 0) != 0):
             if self.world_size > 1:
                 dist.broadcast(tokens, src=dist.get_global_rank(self.group, 0), group=self.group)
