@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from qwen_chat.engine import dist as qdist  # noqa: E402
-from qwen_chat.engine.collectives import TensorParallelComm  # noqa: E402
+from qwen_chat.engine.collectives import TensorParallelComm, broadcast_from_rank0  # noqa: E402
 from qwen_chat.engine.executor import LocalExecutor  # noqa: E402
 from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan  # noqa: E402
 
@@ -219,7 +219,7 @@ def make_runner(model, device, comm, batches):
     runner.capture_all(batch_sizes=batches, context_buckets=[512], prefill_buckets=[512])
     sampler = Sampler(16, runner.vocab_size, device)
     if comm is not None:
-        sampler.token_sync = runner.token_sync
+        sampler.token_sync = broadcast_from_rank0
     sampler.warm_up()
     return runner, sampler, time.perf_counter() - t0
 
@@ -249,20 +249,17 @@ def tp_section(model, device, kind: str, groups, steps: int) -> dict:
     runner.lengths[0] = 300
     res["replay_ms"] = replay_ms(runner, steps, False)
     res["replay_sync_ms"] = replay_ms(runner, steps, True)
-    for tk in (False, True):  # token broadcast: NCCL, then the staging kernel (the default, kept after this)
-        comm.token_kernel = tk
-        tag = "" if tk else "_nccl_tokens"
-        for b in (1, 4, 16):
-            for s in range(b):
-                runner.lengths[s] = 300
-            res[f"local_ahead_b{b}_tok_s{tag}"] = ahead_tok_s(ex, range(b), steps if b == 1 else steps // 2)
-        runner.lengths[0] = 300
-        tok = ex.execute(StepPlan(decode_slots=[0], tokens_on_device=True))[0]
-        torch.cuda.synchronize()
-        a = time.perf_counter()
-        for _ in range(steps // 2):
-            tok = ex.execute(StepPlan(decode_slots=[0], decode_tokens=[tok]))[0]
-        res[f"local_waited_tok_s{tag}"] = (steps // 2) / (time.perf_counter() - a)
+    for b in (1, 4, 16):
+        for s in range(b):
+            runner.lengths[s] = 300
+        res[f"local_ahead_b{b}_tok_s"] = ahead_tok_s(ex, range(b), steps if b == 1 else steps // 2)
+    runner.lengths[0] = 300
+    tok = ex.execute(StepPlan(decode_slots=[0], tokens_on_device=True))[0]
+    torch.cuda.synchronize()
+    a = time.perf_counter()
+    for _ in range(steps // 2):
+        tok = ex.execute(StepPlan(decode_slots=[0], decode_tokens=[tok]))[0]
+    res["local_waited_tok_s"] = (steps // 2) / (time.perf_counter() - a)
     res["local_ahead_tok_s"] = res["local_ahead_b1_tok_s"]
     res["profile"] = top_kernels(runner)
     for s in range(16):

@@ -42,13 +42,12 @@ SYMM_MEM_MAX_BYTES = 256 * 1024
 #: Largest decode batch (rows) whose all-reduce can be fused with the residual add and RMSNorm.
 FUSED_MAX_ROWS = 32
 
-#: Flag ranges on the signal pad of the staging allocation (each flag is used once per meeting and cleared by
-#: its waiter): all-reduce start flags of slot 0 and slot 1 (FUSED_MAX_ROWS each), all-reduce end flags, token
-#: broadcast start/end, then gather start and end flags (GATHER_FLAGS each).
+#: Flag ranges on the signal pad of the staging allocation (each flag is set by the peer once per meeting and
+#: cleared by its waiter): all-reduce start flags of slot 0 and slot 1 (FUSED_MAX_ROWS each), all-reduce end
+#: flags, then gather start and end flags (GATHER_FLAGS each).
 _AR_END = 2 * FUSED_MAX_ROWS
-_TOK_START, _TOK_END = 3 * FUSED_MAX_ROWS, 3 * FUSED_MAX_ROWS + 1
 GATHER_FLAGS = 64
-_GATHER_START = 3 * FUSED_MAX_ROWS + 2
+_GATHER_START = 3 * FUSED_MAX_ROWS
 _GATHER_END = _GATHER_START + GATHER_FLAGS
 #: Elements per program of the gather kernel.
 GATHER_BLOCK = 4096
@@ -64,17 +63,19 @@ if triton is not None:
 
     @triton.jit
     def _peer_barrier(pad_ptrs, flag, RANK: tl.constexpr, WORLD: tl.constexpr):
-        """All ranks' programs with the same ``flag`` meet: signal ``flag`` on every peer's signal pad (wait until
-        it is clear, set it to 1, release at system scope), then wait for every peer's signal on this rank's pad
-        and clear it (acquire).  Every flag is back to 0 afterwards, so the kernel can be replayed in a CUDA graph.
+        """All ranks' programs with the same ``flag`` meet: signal ``flag`` on every peer's signal pad (set it to 1,
+        release at system scope), then wait for every peer's signal on this rank's pad and clear it (acquire).
+        Every flag is back to 0 afterwards, so the kernel can be replayed in a CUDA graph.  The flag being set is
+        always clear already: its last use was consumed by the peer before the peer reached a later meeting that
+        this rank has passed (the slots alternate, and the last reduction of a decode step and every gather end
+        with a second meeting), so the signal is a plain exchange, not a compare-and-swap loop over NVLink.
         Scalar atomics run on one thread of the program; Triton broadcasts their result through shared memory
         behind a barrier, so the whole program is ordered after the acquire.  Scheme: the block-wise barrier of
         PyTorch's symmetric-memory kernels (torch/csrc/distributed/c10d/symm_mem/CUDASymmetricMemory-inl.h)."""
         for r in tl.static_range(WORLD):
             if r != RANK:
                 remote = tl.load(pad_ptrs + r).to(tl.pointer_type(tl.uint32))
-                while tl.atomic_cas(remote + flag * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
-                    pass
+                tl.atomic_xchg(remote + flag * WORLD + RANK, 1, sem="release", scope="sys")
         local = tl.load(pad_ptrs + RANK).to(tl.pointer_type(tl.uint32))
         for r in tl.static_range(WORLD):
             if r != RANK:
@@ -122,17 +123,6 @@ if triton is not None:
             v = tl.load(base + offset + row * n_local + cols, mask=mask, other=0.0, volatile=True)
             tl.store(out_ptr + row * (WORLD * n_local) + r * n_local + cols, v.to(tl.float32), mask=mask)
         _peer_barrier(pad_ptrs, end_flag + f, RANK, WORLD)
-
-    @triton.jit
-    def _broadcast_staged_kernel(buf_ptrs, pad_ptrs, tok_ptr, offset, flag, end_flag, n,
-                                 RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-        """tok[:n] = rank 0's staged int64 values, with a barrier before (staged) and after (read)."""
-        _peer_barrier(pad_ptrs, flag, RANK, WORLD)
-        i = tl.arange(0, BLOCK)
-        base = tl.load(buf_ptrs).to(tl.pointer_type(tl.int64))
-        v = tl.load(base + offset + i, mask=i < n, other=0, volatile=True)
-        _peer_barrier(pad_ptrs, end_flag, RANK, WORLD)
-        tl.store(tok_ptr + i, v, mask=i < n)
 BACKEND_ENV = "QWEN_CHAT_TP_ALLREDUCE"
 
 
@@ -170,8 +160,6 @@ class TensorParallelComm:
         self.max_numel = max(1, int(max_bytes) // torch.empty(0, dtype=dtype).element_size())
         self._buf: Optional[torch.Tensor] = None
         self._fused_buf: Optional[torch.Tensor] = None
-        #: ``broadcast_from_first`` through the staging kernel (True) or NCCL (False).
-        self.token_kernel = True
         self._group_name = ""
         if backend != "nccl" and self.device.type == "cuda" and self.world_size > 1:
             problem = None
@@ -228,13 +216,12 @@ class TensorParallelComm:
                                f"want {want}")
 
     def _setup_fused(self) -> None:
-        """A second symmetric allocation (two staging slots of ``max_numel`` elements, then FUSED_MAX_ROWS int64 for
-        ``broadcast_from_first``) with its own signal pads; device arrays of every rank's buffer and pad address.
+        """A second symmetric allocation (two staging slots of ``max_numel`` elements) with its own signal pads;
+        device arrays of every rank's buffer and pad address.
         Checks the fused kernels against the unfused path and raises RuntimeError when they differ."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        tok_elems = FUSED_MAX_ROWS * 8 // torch.empty(0, dtype=self.dtype).element_size()  # int64 tokens after
-        buf = symm_mem.empty(2 * self.max_numel + tok_elems, dtype=self.dtype, device=self.device)
+        buf = symm_mem.empty(2 * self.max_numel, dtype=self.dtype, device=self.device)
         hdl = symm_mem.rendezvous(buf, self._group_name)
         shift = buf.data_ptr() - int(hdl.buffer_ptrs[hdl.rank])
         self._fused_buf = buf
@@ -242,7 +229,6 @@ class TensorParallelComm:
                                         device=self.device)
         self._fused_pads = torch.tensor([int(p) for p in hdl.signal_pad_ptrs], dtype=torch.int64, device=self.device)
         self._fused_rank = int(hdl.rank)
-        self._tokens_offset = 2 * self.max_numel * buf.element_size() // 8  # where the tokens start, int64 elements
         self._turn = 0
         self._staged: Optional[tuple[torch.Tensor, int]] = None
         # Check against the unfused path: the all-reduce above, residual add and the norm in fp32 (eager).
@@ -261,7 +247,7 @@ class TensorParallelComm:
                 raise RuntimeError(f"fused all-reduce + RMSNorm check failed: max |h - want| "
                                    f"{float((h.float() - want_h.float()).abs().max()):.3g}, max |x - want| "
                                    f"{float((x.float() - want_x.float()).abs().max()):.3g}")
-        # gather: a 2-block shard with a partial block; broadcast: every rank must end with rank 0's values
+        # gather: a 2-block shard with a partial block
         n = GATHER_BLOCK + 904
         part = self.staging(1, n)
         part.copy_(torch.randn(1, n, generator=gen, device=self.device).to(self.dtype))
@@ -270,9 +256,6 @@ class TensorParallelComm:
         got = self.all_gather_staged(part)
         if self.dtype == torch.bfloat16 and not torch.equal(got, torch.cat(want, dim=-1).float()):
             raise RuntimeError("fused all-gather check failed")
-        tokens = torch.full((5,), 7 + self.rank, dtype=torch.int64, device=self.device)
-        if self.broadcast_from_first(tokens).tolist() != [7] * 5:
-            raise RuntimeError(f"token broadcast check failed: {tokens.tolist()}")
         torch.cuda.synchronize(self.device)
 
     def fused_rows(self, cols: int) -> int:
@@ -346,28 +329,6 @@ class TensorParallelComm:
             self._fused_ptrs, self._fused_pads, out, t * self.max_numel, _GATHER_START, _GATHER_END, n, blocks,
             RANK=self._fused_rank, WORLD=self.world_size, BLOCK=GATHER_BLOCK, num_warps=8)
         return out
-
-    def broadcast_from_first(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Replace int64 ``tokens`` [B] (on the device) in place with rank 0's values and return them: through
-        the staging allocation with one small kernel when it is set up (B <= FUSED_MAX_ROWS), else
-        ``broadcast_from_rank0`` (NCCL).  Queued, no host wait."""
-        n = tokens.numel()
-        if (not self.token_kernel or getattr(self, "_fused_buf", None) is None or tokens.dtype != torch.int64
-                or not tokens.is_contiguous()
-                or n > FUSED_MAX_ROWS or dist.get_global_rank(self.group, 0) != 0):
-            if self.world_size > 1:
-                dist.broadcast(tokens, src=dist.get_global_rank(self.group, 0), group=self.group)
-            return tokens
-        tail = self._tokens_view()
-        tail[:n].copy_(tokens)
-        _broadcast_staged_kernel[(1,)](
-            self._fused_ptrs, self._fused_pads, tokens, self._tokens_offset, _TOK_START, _TOK_END, n,
-            RANK=self._fused_rank, WORLD=self.world_size, BLOCK=FUSED_MAX_ROWS, num_warps=1)
-        return tokens
-
-    def _tokens_view(self) -> torch.Tensor:
-        """int64 [FUSED_MAX_ROWS]: the part of the staging allocation after the two slots."""
-        return self._fused_buf[2 * self.max_numel:].view(torch.int64)
 
     def _symm_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)

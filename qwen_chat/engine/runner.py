@@ -266,9 +266,6 @@ class ModelRunner:
                           and isinstance(self._embed, VocabParallelEmbedding)
                           and all(type(n).__name__ == "Qwen3_5RMSNorm" and hasattr(n, "eps") for n in norms))
         self._step_fused = False  # set while a decode step that uses it is traced or run
-        #: What ``Sampler.token_sync`` should be when several ranks sample: rank 0's tokens, broadcast through
-        #: the TP comm (None: no TP comm here).
-        self.token_sync = self._comm.broadcast_from_first if self._comm is not None else None
         self.impl["tp_fused_all_reduce_norm"] = self._fused_ar
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
 

@@ -114,7 +114,7 @@ class Sampler:
         self.last_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
         self._true = torch.ones((), dtype=torch.bool, device=dev)
         #: Optional ``f(tokens int64 [B]) -> int64 [B]`` applied to every draw before it is recorded; under tensor
-        #: parallelism ``collectives.TensorParallelComm.broadcast_from_first``, so that every rank records and
+        #: parallelism ``collectives.broadcast_from_rank0``, so that every rank records and
         #: feeds rank 0's tokens (queued on the device, no host wait).
         self.token_sync: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         # Row indices and uniform columns reach the device through pinned buffers and asynchronous copies (a

@@ -381,7 +381,7 @@ def build_runner(loaded, config: ServiceConfig):
     sampler = Sampler(config.max_batch, runner.vocab_size, device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         # every rank records rank 0's tokens on its device, so steps can be launched ahead on every rank
-        sampler.token_sync = runner.token_sync or broadcast_from_rank0
+        sampler.token_sync = broadcast_from_rank0
     if runner.use_cuda_graphs:
         # Capture the decode graphs for every batch size and the short-context buckets and the prefill graphs
         # before the port says ready, so the first requests do not pay ~30 s of compile + capture each (longer

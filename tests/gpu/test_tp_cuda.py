@@ -2,8 +2,8 @@
 
 The fused all-reduce + residual add + RMSNorm kernel (``collectives.TensorParallelComm.all_reduce_add_norm``)
 against the unfused path (NCCL all-reduce, then the add and Qwen3_5RMSNorm in fp32), eagerly and replayed in a
-CUDA graph with new inputs each time; the staged logits gather against NCCL's all-gather; and both token
-broadcasts that keep the ranks' sampled tokens equal.
+CUDA graph with new inputs each time; the staged logits gather against NCCL's all-gather; and the token
+broadcast that keeps the ranks' sampled tokens equal.
 Run: ``python -m pytest -q tests/gpu/test_tp_cuda.py`` on a host with 2 GPUs.
 """
 from __future__ import annotations
@@ -130,11 +130,9 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             dist.all_gather(parts, shard)
             gathered_ok &= bool(torch.equal(g_out, torch.cat(parts, dim=-1).float()))
         report["gather_ok"] = gathered_ok
-        # token broadcast: every rank ends with rank 0's tokens, through the staging kernel and through NCCL
+        # token broadcast: every rank ends with rank 0's tokens
         tokens = torch.full((4,), 10 + rank, dtype=torch.long, device=dev)
-        report["tokens"] = comm.broadcast_from_first(tokens).tolist()
-        tokens = torch.full((3,), 20 + rank, dtype=torch.long, device=dev)
-        report["tokens_nccl"] = broadcast_from_rank0(tokens).tolist()
+        report["tokens"] = broadcast_from_rank0(tokens).tolist()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report["errors"].append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -156,4 +154,4 @@ def test_fused_all_reduce_add_norm_matches_nccl_and_rms_norm(tmp_path):
         assert rep["worst_x_abs_diff"] <= 0.0625, rep
         assert rep["ranks_equal"], rep
         assert rep["gather_ok"], rep
-        assert rep["tokens"] == [10, 10, 10, 10] and rep["tokens_nccl"] == [20, 20, 20], rep
+        assert rep["tokens"] == [10, 10, 10, 10], rep
