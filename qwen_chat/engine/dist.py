@@ -4,7 +4,10 @@ Only rank 0 talks to users.  It validates and preprocesses every request before 
 fails on rank 0 alone), then, for every engine step, broadcasts the whole ``StepPlan`` (op, CPU tensors,
 sampling settings and seeds, which slots to free = Stop) to the other ranks over a **gloo** group and runs it
 itself; each worker runs the identical plan, so every rank executes the same forward passes (the collectives
-inside TP / ZeRO-3 layers line up) and samples the same tokens from the same seeds.
+inside TP / ZeRO-3 layers line up) and samples the same tokens from the same seeds.  Each rank's sampler then
+replaces its draw with rank 0's (``collectives.broadcast_from_rank0``, on the device), so a plan may feed each
+sequence its last sampled token from the device (``tokens_on_device``): rank 0 launches step N+1 before step
+N's tokens reached its host, and each worker launches a plan before waiting for the one before it.
 
 Waiting for requests happens on gloo, never on NCCL (NCCL's watchdog kills a process whose collective waited
 longer than its timeout).  The gloo group has a long timeout (``--collective-timeout-s``, default 7 days) and
@@ -24,7 +27,7 @@ Usage::
     groups = init_process_groups(info, device, timeout_s)       # every rank
     # rank 0
     executor = DistributedExecutor(LocalExecutor(runner, sampler), groups.control, timeout_s)
-    executor.execute(plan)   # broadcast + run locally; executor.close() broadcasts "exit"
+    executor.execute(plan)   # broadcast + run locally (or launch(plan) ... collect(launched)); close() sends "exit"
     # other ranks
     worker_loop(LocalExecutor(runner, sampler), groups.control) # returns after "exit"
 """
@@ -257,7 +260,8 @@ def broadcast_plan(plan: Optional[StepPlan], group: dist.ProcessGroup) -> StepPl
 
 
 class DistributedExecutor:
-    """Rank 0's executor when several ranks run: broadcast each plan, then execute it locally.
+    """Rank 0's executor when several ranks run: broadcast each plan, then launch it locally (``launch`` /
+    ``collect`` / ``execute``, as ``LocalExecutor``).
 
     Args:
         local: the ``LocalExecutor`` of rank 0 (``execute(StepPlan) -> {slot: token}``).
@@ -265,7 +269,7 @@ class DistributedExecutor:
         timeout_s: the control group's timeout (seconds); rank 0 pings after ``heartbeat_interval(timeout_s)``
             seconds of silence.
 
-    Thread safety: ``execute``, the heartbeat thread and ``close`` serialise on one lock, so a plan is never
+    Thread safety: ``launch``, the heartbeat thread and ``close`` serialise on one lock, so a plan is never
     interleaved with a ping or the exit message.  Any failure inside a broadcast or a step ends the process
     (``die``): the other ranks are inside the same collectives and cannot be brought back in step.
     """

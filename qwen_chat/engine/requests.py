@@ -69,8 +69,9 @@ class StepPlan:
     ``prefills``: new sequences that join this step (their first token is sampled from the prefill logits).
     ``decode_slots``/``decode_tokens``: running sequences and the token each feeds in (int64 lists, same length).
     ``tokens_on_device``: each decoded slot feeds the last token sampled for it, read on the device
-    (``decode_tokens`` is then ignored): the single-process scheduler launches a step before the previous
-    step's tokens reached the host.  Never broadcast to other ranks (they would each read their own table).
+    (``decode_tokens`` is then ignored): the scheduler launches a step before the previous step's tokens
+    reached the host.  Broadcast to other ranks only when every rank's sampler records rank 0's tokens
+    (``Sampler.token_sync``; ``DistributedExecutor.tokens_on_device``), so that all ranks read equal tables.
     """
 
     op: str = "step"
