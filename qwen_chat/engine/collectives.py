@@ -161,6 +161,8 @@ class TensorParallelComm:
         self._buf: Optional[torch.Tensor] = None
         self._fused_buf: Optional[torch.Tensor] = None
         self._group_name = ""
+        if backend == "symm_mem" and not (self.device.type == "cuda" and self.world_size > 1):
+            raise RuntimeError("symmetric-memory all-reduce needs CUDA devices and at least two ranks")
         if backend != "nccl" and self.device.type == "cuda" and self.world_size > 1:
             problem = None
             try:
