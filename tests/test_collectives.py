@@ -5,51 +5,34 @@ The symmetric-memory kernels need two GPUs: ``tests/gpu/test_tp_cuda.py``.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 from qwen_chat.engine.requests import SamplingParams, StepPlan
 from qwen_chat.engine.sampling import Sampler
+from tests.two_ranks import run_two_ranks
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
+def _cpu_body(rank: int, rep: dict) -> None:
     from qwen_chat.engine.collectives import TensorParallelComm, broadcast_from_rank0
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
-    rep = {"errors": []}
+    comm = TensorParallelComm(None, "cpu", torch.float32)
+    rep["kind"], rep["fused_rows"], rep["gather_rows"] = comm.kind, comm.fused_rows(64), comm.gather_rows(64)
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1)
+    rep["sum"] = comm.all_reduce(x.clone()).tolist()
+    local = torch.arange(4, dtype=torch.float32).reshape(2, 2) + 10 * rank        # [B=2, n=2]
+    rep["gathered"] = comm.all_gather_last(local).tolist()
+    rep["gathered_3d"] = comm.all_gather_last(local.reshape(2, 1, 2)).shape[-1]
+    rep["tokens"] = broadcast_from_rank0(torch.tensor([3, 4, 5]) + 100 * rank).tolist()
     try:
-        comm = TensorParallelComm(None, "cpu", torch.float32)
-        rep["kind"], rep["fused_rows"], rep["gather_rows"] = comm.kind, comm.fused_rows(64), comm.gather_rows(64)
-        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) * (rank + 1)
-        rep["sum"] = comm.all_reduce(x.clone()).tolist()
-        local = torch.arange(4, dtype=torch.float32).reshape(2, 2) + 10 * rank        # [B=2, n=2]
-        rep["gathered"] = comm.all_gather_last(local).tolist()
-        rep["gathered_3d"] = comm.all_gather_last(local.reshape(2, 1, 2)).shape[-1]
-        rep["tokens"] = broadcast_from_rank0(torch.tensor([3, 4, 5]) + 100 * rank).tolist()
-        try:
-            TensorParallelComm(None, "cpu", torch.float32, backend="symm_mem")
-            rep["symm_mem_on_cpu"] = "accepted"
-        except RuntimeError as exc:
-            rep["symm_mem_on_cpu"] = str(exc)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        rep["errors"].append(f"{type(exc).__name__}: {exc}")
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(rep, f)
-        dist.destroy_process_group()
+        TensorParallelComm(None, "cpu", torch.float32, backend="symm_mem")
+        rep["symm_mem_on_cpu"] = "accepted"
+    except RuntimeError as exc:
+        rep["symm_mem_on_cpu"] = str(exc)
 
 
 def test_comm_falls_back_to_torch_distributed_on_cpu_and_sums_gathers_broadcasts(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for rep in reports:
+    for rep in run_two_ranks(_cpu_body, tmp_path, "gloo"):
         assert rep["errors"] == [], rep
         assert rep["kind"] == "torch.distributed"
         assert rep["fused_rows"] == 0 and rep["gather_rows"] == 0
