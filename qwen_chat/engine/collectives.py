@@ -1,22 +1,27 @@
-"""Collectives of the tensor-parallel decode step: the all-reduce after each row-parallel projection, and the
-broadcast that gives every rank rank 0's sampled tokens.
+"""Collectives of the tensor-parallel decode step: the all-reduce after each row-parallel projection, the
+all-gather of the vocabulary-split logits, and the broadcast that gives every rank rank 0's sampled tokens.
 
-At batch 1 a TP=2 decode step of the 9B runs 66 all-reduces of one hidden row (4,096 bf16 = 8 KiB): after the
+At batch 1 a TP=2 decode step of the 9B runs 65 all-reduces of one hidden row (4,096 bf16 = 8 KiB): after the
 vocabulary-split embedding and after each of the 64 row-parallel projections (24 Gated DeltaNet ``out_proj``,
-8 ``o_proj``, 32 ``down_proj``; ``qwen_chat.engine.sharding``).  Such small messages are bound by latency, not
-bandwidth, so the kernel that does them matters:
+8 ``o_proj``, 32 ``down_proj``; ``qwen_chat.engine.sharding``), and one all-gather of the lm_head's logits.  Such
+small messages are bound by latency, not bandwidth, so the kernels that do them matter:
 
 - ``symm_mem``: PyTorch's symmetric-memory one-shot all-reduce (``torch.ops.symm_mem.one_shot_all_reduce_copy_out``,
   ``torch.distributed._symmetric_memory``): each rank copies its partial sums into a buffer that every peer maps
   over NVLink, and one kernel reads all peers' buffers and adds them.  No NVLink multicast is used (the GPU hosts
   here must run with it off: ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``).  Used for messages up to
   ``SYMM_MEM_MAX_BYTES``;
+- fused (Triton, on the same kind of memory): the projection writes its partial result straight into a staging
+  slot (``staging``), and one kernel meets the peers, sums, adds the residual and applies the next RMSNorm
+  (``all_reduce_add_norm``), or gathers the logits as fp32 (``all_gather_staged``);
 - ``torch.distributed``: ``torch.distributed.all_reduce`` (NCCL on CUDA, gloo on CPU), for everything else and
   as the fallback when symmetric memory cannot be set up (CPU, no P2P access, an older PyTorch).
 
-``TensorParallelComm(group, device, dtype).all_reduce(x)`` picks the first at construction (``backend="auto"``)
-after checking it on a probe; ``QWEN_CHAT_TP_ALLREDUCE=nccl`` forces ``torch.distributed``.  Both kinds can be captured in a CUDA
-graph.  Measured on 2 x H200: docs/performance.md ("Tensor parallel").
+``TensorParallelComm(group, device, dtype)`` picks symmetric memory at construction (``backend="auto"``) after
+checking it and the fused kernels against known results, and every rank agrees on the choice;
+``QWEN_CHAT_TP_ALLREDUCE=nccl`` forces ``torch.distributed`` and ``QWEN_CHAT_TP_FUSED=0`` turns the fused kernels
+off.  All of them can be captured in a CUDA graph.  Measured on 2 x H200: docs/performance.md ("Tensor parallel
+on 2 x H200").
 """
 from __future__ import annotations
 
