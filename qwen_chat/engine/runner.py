@@ -14,8 +14,11 @@ ZeRO-3 their forward hooks gather the parameters.  Local head counts are derived
 (probed once at start-up), so the same code runs unsharded, tensor-parallel and ZeRO-3.
 
 Projections that read the same input (a layer's token-mixer input projections; the MLP's gate and up) are
-run as one GEMM over a fused weight when they are plain ``nn.Linear`` modules (``fuse_linears``; the modules
-keep views of it, so no memory is added and sharded or hooked modules are left alone).
+run as one GEMM over a fused weight when each computes ``x @ weight^T`` on a local weight: plain ``nn.Linear``
+modules and DeepSpeed AutoTP's column-parallel layers (``fuse_linears``; the modules keep views of it, so no
+memory is added; hooked or ZeRO-3 modules are left alone).  Under tensor parallelism the decode step runs the
+row-parallel projections itself (local GEMV, then the all-reduce of ``collectives.TensorParallelComm``, fused with
+the residual add and the next RMSNorm where symmetric memory works); prefill calls the sharded modules.
 
 On CUDA (not ZeRO-3) the decode step is captured in CUDA graphs, one per (batch size, context bucket) of a
 ladder, with static input/output buffers; a batch is padded up to the ladder size with rows that point at a
