@@ -6,6 +6,7 @@ tests that read their results; every wait polls with a deadline, every process i
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -182,6 +183,11 @@ def test_tp2_start_up_report(tp_run):
     assert "'fused_projection_groups': 8" in impl.group(1)
     assert "'tp_all_reduce': 'torch.distributed'" in impl.group(1)
     assert "scheduler: steps launched ahead (overlap)" in log
+    # DeepSpeed's CPU all-reduce buffers (/dev/shm, 66 MB per rank) do not outlive the run
+    port = re.search(r"--master_port=(\d+)", log).group(1)
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: unlinked DeepSpeed's shared-memory all-reduce file \S+_{port}_{rank}", log)
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
 
 
 def test_stop_on_rank0_ends_generation_on_both_ranks(reference, tp_run):

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, InvalidInput
+from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, InvalidInput, NotReady
 from qwen_chat.engine.executor import LocalExecutor
 from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 from qwen_chat.engine.scheduler import Scheduler
@@ -96,11 +96,13 @@ class FakeSampler:
 class SpyExecutor(LocalExecutor):
     """Records every plan; optionally blocks the first step until ``gate`` is set."""
 
-    def __init__(self, runner, sampler, gate: threading.Event | None = None, fail_on_step: int | None = None):
+    def __init__(self, runner, sampler, gate: threading.Event | None = None, fail_on_step: int | None = None,
+                 error: Exception | None = None):
         super().__init__(runner, sampler)
         self.plans: list[StepPlan] = []
         self.gate = gate
         self.fail_on_step = fail_on_step
+        self.error = error or RuntimeError("simulated device error")
         self.step_started = threading.Event()
 
     def launch(self, plan):  # execute() runs launch() too, so both scheduler modes pass here
@@ -109,7 +111,7 @@ class SpyExecutor(LocalExecutor):
         if self.gate is not None:
             assert self.gate.wait(10)
         if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
-            raise RuntimeError("simulated device error")
+            raise self.error
         return super().launch(plan)
 
 
@@ -134,9 +136,10 @@ def mode(request):
     OVERLAP = False
 
 
-def make(num_slots=2, max_queue=4, eos_after=None, gate=None, fail_on_step=None, max_context=None, on_fatal=None):
+def make(num_slots=2, max_queue=4, eos_after=None, gate=None, fail_on_step=None, max_context=None, on_fatal=None,
+         error=None):
     runner = FakeRunner(num_slots, eos_after)
-    ex = SpyExecutor(runner, FakeSampler(num_slots, VOCAB), gate=gate, fail_on_step=fail_on_step)
+    ex = SpyExecutor(runner, FakeSampler(num_slots, VOCAB), gate=gate, fail_on_step=fail_on_step, error=error)
     sched = Scheduler(ex, num_slots=num_slots, max_queue=max_queue, eos_ids=(EOS,), max_context=max_context,
                       on_fatal=on_fatal, overlap=OVERLAP)
     return sched, ex, runner
@@ -284,6 +287,23 @@ def test_executor_error_fails_requests_and_marks_unhealthy(cleanup):
     # the slot was released; the scheduler keeps serving (the service/supervisor decide about restarts)
     h2 = sched.submit(prompt(1, 2), params(max_new=3), CancelToken())
     assert len(list(h2)) == 3 and h2.finish_reason == "length"
+
+
+def test_executor_closed_under_a_stream_ends_it_as_a_shutdown_not_a_failure(cleanup):
+    """Rank 0's SIGTERM closes the DistributedExecutor (the workers get their exit) while a step may still be
+    queued: its launch raises NotReady.  That is a shutdown: the open streams end "cancelled" (the API then sends
+    its final chunk and [DONE]), nothing is reported as an engine failure and the service exits 0."""
+    fatal = []
+    sched, ex, _ = make(num_slots=2, fail_on_step=3, on_fatal=fatal.append,
+                        error=NotReady("the engine is shutting down"))
+    cleanup(sched)
+    h = sched.submit(prompt(1, 2), params(max_new=50), CancelToken())
+    toks = list(h)
+    assert h.finish_reason == "cancelled" and h.error == ""
+    assert len(toks) == 2
+    assert fatal == [] and "failed" not in sched.stats()["reason"]  # stopped, not broken
+    with pytest.raises(NotReady):                                    # and it takes no new work
+        sched.submit(prompt(3), params(), CancelToken())
 
 
 def test_context_limit(cleanup):

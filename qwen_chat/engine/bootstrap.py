@@ -243,6 +243,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
         runner, sampler = build_runner(loaded, cfg)
         local = LocalExecutor(runner, sampler)
         _self_check_across_ranks(local, loaded.tokenizer, groups, info)
+        qdist.unlink_deepspeed_shm(info.rank)
         log.info("rank %d: ready, waiting for plans from rank 0", info.rank)
         qdist.worker_loop(local, groups.control)
         log.info("rank %d: stopping; %s", info.rank, _memory_report(device))
@@ -254,6 +255,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
         _self_check_across_ranks(local, loaded.tokenizer, groups, info)
         if groups is None:
             return local
+        qdist.unlink_deepspeed_shm(info.rank)
         executor = qdist.DistributedExecutor(local, groups.control, cfg.collective_timeout_s)
         atexit.register(executor.close)
         _install_sigterm(executor)

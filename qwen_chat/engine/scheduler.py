@@ -378,6 +378,13 @@ class Scheduler:
 
     def _step_failed(self, exc: Exception, prefilled: list[_Request], decoded: list[_Request]) -> None:
         """A step raised: fail whom it concerns (see the comments); a non-ChatError marks the engine broken."""
+        if isinstance(exc, NotReady):
+            # The executor was closed under us (rank 0's SIGTERM sends the workers their exit before this thread
+            # stops): a shutdown, not a failure.  The loop stops and ends every open stream "cancelled".
+            log.info("the executor is shutting down; ending %d open request(s)", len(self._running) + len(self._waiting))
+            with self._cond:
+                self._stopping = True
+            return
         if isinstance(exc, ChatError):
             if not prefilled:  # a decode step refused its input: nothing local to blame, treat as fatal
                 log.error("decode step refused its input (%s); failing %d request(s)", exc, len(decoded))
