@@ -235,7 +235,6 @@ class TensorParallelComm:
         self._fused_ptrs = torch.tensor([int(p) + shift for p in hdl.buffer_ptrs], dtype=torch.int64,
                                         device=self.device)
         self._fused_pads = torch.tensor([int(p) for p in hdl.signal_pad_ptrs], dtype=torch.int64, device=self.device)
-        self._fused_rank = int(hdl.rank)
         self._turn = 0
         self._staged: Optional[tuple[torch.Tensor, int]] = None
         # Check against the unfused path: the all-reduce above, residual add and the norm in fp32 (eager).
@@ -267,7 +266,7 @@ class TensorParallelComm:
 
     def fused_rows(self, cols: int) -> int:
         """Most rows of width ``cols`` that ``staging``/``all_reduce_add_norm`` take (0: not available here)."""
-        if getattr(self, "_fused_buf", None) is None:
+        if self._fused_buf is None:
             return 0
         return min(FUSED_MAX_ROWS, self.max_numel // max(1, int(cols)))
 
@@ -297,23 +296,29 @@ class TensorParallelComm:
         [B, N] tensors.  The sum is added in rank order on every rank, so all ranks get the same bits.
         Raises ValueError when ``partial`` is not the last staged slot.
         """
-        if self._staged is None or partial is not self._staged[0]:
-            raise ValueError("all_reduce_add_norm needs the tensor that staging() returned last")
-        _, t = self._staged
-        self._staged = None
+        t = self._take_staged(partial, "all_reduce_add_norm")
         B, N = partial.shape
         h = torch.empty_like(partial)
         x = torch.empty_like(partial)
         _all_reduce_add_norm_kernel[(B,)](
             self._fused_ptrs, self._fused_pads, residual if residual is not None else partial, weight, h, x,
-            t * self.max_numel, t * FUSED_MAX_ROWS, _AR_END, N, float(eps), RANK=self._fused_rank,
+            t * self.max_numel, t * FUSED_MAX_ROWS, _AR_END, N, float(eps), RANK=self.rank,
             WORLD=self.world_size, HAS_RES=residual is not None, END_BARRIER=bool(end_barrier),
             BLOCK=triton.next_power_of_2(N), num_warps=8)
         return h, x
 
+    def _take_staged(self, partial: torch.Tensor, caller: str) -> int:
+        """The slot index of ``partial``, which must be the tensor ``staging`` returned last (ValueError
+        otherwise); the slot is handed over to the kernel that reads it."""
+        if self._staged is None or partial is not self._staged[0]:
+            raise ValueError(f"{caller} needs the tensor that staging() returned last")
+        t = self._staged[1]
+        self._staged = None
+        return t
+
     def gather_rows(self, cols: int) -> int:
         """Most rows of a [rows, cols] local shard that ``all_gather_staged`` takes (0: not available here)."""
-        if getattr(self, "_fused_buf", None) is None or self.dtype != torch.bfloat16:
+        if self._fused_buf is None or self.dtype != torch.bfloat16:
             return 0
         per_row = -(-int(cols) // GATHER_BLOCK)
         return min(self.max_numel // max(1, int(cols)), GATHER_FLAGS // per_row)
@@ -323,18 +328,15 @@ class TensorParallelComm:
         (the vocabulary-split lm_head's logits, converted for the sampler in the same pass).  ``partial`` must be
         the tensor ``staging`` returned last, with at most ``gather_rows(n)`` rows.  Waits at the end until every
         peer has read this rank's slot.  Raises ValueError otherwise."""
-        if self._staged is None or partial is not self._staged[0]:
-            raise ValueError("all_gather_staged needs the tensor that staging() returned last")
         B, n = partial.shape
         if B > self.gather_rows(n):
             raise ValueError(f"all_gather_staged takes at most {self.gather_rows(n)} rows of {n} (got {B})")
-        _, t = self._staged
-        self._staged = None
+        t = self._take_staged(partial, "all_gather_staged")
         out = torch.empty(B, self.world_size * n, dtype=torch.float32, device=partial.device)
         blocks = -(-n // GATHER_BLOCK)
         _gather_staged_kernel[(B, blocks)](
             self._fused_ptrs, self._fused_pads, out, t * self.max_numel, _GATHER_START, _GATHER_END, n, blocks,
-            RANK=self._fused_rank, WORLD=self.world_size, BLOCK=GATHER_BLOCK, num_warps=8)
+            RANK=self.rank, WORLD=self.world_size, BLOCK=GATHER_BLOCK, num_warps=8)
         return out
 
     def _symm_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -386,12 +388,8 @@ def tp_comm_for(model: torch.nn.Module, device, dtype: torch.dtype) -> Optional[
     every rank calls it at the same time."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    from qwen_chat.engine.sharding import RowParallelLinear
+    from qwen_chat.engine.sharding import row_parallel_weight
 
-    if not any(isinstance(m, RowParallelLinear) or _is_deepspeed_row_parallel(m) for m in model.modules()):
+    if not any(row_parallel_weight(m) is not None for m in model.modules()):
         return None
     return TensorParallelComm(None, device, dtype)
-
-
-def _is_deepspeed_row_parallel(m: torch.nn.Module) -> bool:
-    return type(m).__name__ == "LinearAllreduce" and type(m).__module__.startswith("deepspeed.")

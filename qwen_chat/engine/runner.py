@@ -43,7 +43,8 @@ from qwen_chat.engine import gemv
 from qwen_chat.engine.collectives import TensorParallelComm, tp_comm_for
 from qwen_chat.engine.kernels import apply_rotary, glue_functions, l2norm
 from qwen_chat.engine.requests import PreparedPrompt
-from qwen_chat.engine.sharding import GatheredColumnLinear, RowParallelLinear, VocabParallelEmbedding
+from qwen_chat.engine.sharding import (GatheredColumnLinear, VocabParallelEmbedding, is_deepspeed_layer,
+                                       row_parallel_weight)
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +82,6 @@ def _is_plain_linear(m: torch.nn.Module) -> bool:
             and not hasattr(m, "_hf_hook"))
 
 
-def _is_deepspeed(m: torch.nn.Module, name: str) -> bool:
-    return type(m).__name__ == name and type(m).__module__.startswith("deepspeed.")
-
-
 def _is_local_linear(m: torch.nn.Module) -> bool:
     """A projection whose forward is exactly ``x @ m.weight^T`` on this rank's weight [out, in]: a plain
     ``nn.Linear`` (``_is_plain_linear``) or DeepSpeed AutoTP's column-parallel ``LinearLayer`` without bias,
@@ -93,25 +90,9 @@ def _is_local_linear(m: torch.nn.Module) -> bool:
     if _is_plain_linear(m):
         return True
     w = getattr(m, "weight", None)
-    return (_is_deepspeed(m, "LinearLayer") and getattr(m, "bias", None) is None
+    return (is_deepspeed_layer(m, "LinearLayer") and getattr(m, "bias", None) is None
             and not getattr(m, "gather_output", False) and not getattr(type(m), "tp_overlap_comm", False)
             and not m._forward_hooks and not m._forward_pre_hooks and isinstance(w, torch.Tensor) and w.dim() == 2)
-
-
-def _row_parallel_weight(m: torch.nn.Module) -> Optional[torch.Tensor]:
-    """This rank's weight [out, in_local] of a row-parallel projection whose forward is ``x @ w^T`` followed by a
-    sum-all-reduce over all ranks: ``sharding.RowParallelLinear`` or DeepSpeed AutoTP's ``LinearAllreduce``
-    (bias-free, collectives not deferred to a compiler, no hooks).  None for any other module."""
-    if m._forward_hooks or m._forward_pre_hooks:
-        return None
-    if isinstance(m, RowParallelLinear):
-        return m.weight_cols
-    w = getattr(m, "weight", None)
-    if (_is_deepspeed(m, "LinearAllreduce") and getattr(m, "bias", None) is None and isinstance(w, torch.Tensor)
-            and w.dim() == 2 and not getattr(m, "defer_collectives_to_compiler", False)
-            and getattr(m, "mp_group", None) is not None):
-        return w
-    return None
 
 
 def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[tuple[torch.Tensor, list[int]]]:
@@ -251,7 +232,7 @@ class ModelRunner:
         for m in ([] if zero3 else singles):
             if _is_plain_linear(m):
                 self._direct[id(m)] = (m.weight, None)
-            elif self._comm is not None and (w := _row_parallel_weight(m)) is not None:
+            elif self._comm is not None and (w := row_parallel_weight(m)) is not None:
                 self._direct[id(m)] = (w, "all_reduce")
             elif self._comm is not None and isinstance(m, GatheredColumnLinear):
                 self._direct[id(m)] = (m.weight_rows, "all_gather")

@@ -377,6 +377,29 @@ class RowParallelLinear(torch.nn.Module):
         return out
 
 
+def is_deepspeed_layer(m: torch.nn.Module, name: str) -> bool:
+    """True when ``m`` is DeepSpeed's class ``name`` (matched by name, so this module need not import deepspeed
+    to recognise AutoTP's layers)."""
+    return type(m).__name__ == name and type(m).__module__.startswith("deepspeed.")
+
+
+def row_parallel_weight(m: torch.nn.Module) -> Optional[torch.Tensor]:
+    """This rank's weight [out, in_local] of a row-parallel projection whose forward is ``x @ w^T`` followed by a
+    sum-all-reduce over all ranks: ``RowParallelLinear`` or DeepSpeed AutoTP's ``LinearAllreduce`` (bias-free,
+    collectives not deferred to a compiler; deepspeed/module_inject/layers.py, DeepSpeed 0.19.8), without hooks.
+    None for any other module."""
+    if m._forward_hooks or m._forward_pre_hooks:
+        return None
+    if isinstance(m, RowParallelLinear):
+        return m.weight_cols
+    w = getattr(m, "weight", None)
+    if (is_deepspeed_layer(m, "LinearAllreduce") and getattr(m, "bias", None) is None
+            and isinstance(w, torch.Tensor) and w.dim() == 2
+            and not getattr(m, "defer_collectives_to_compiler", False) and getattr(m, "mp_group", None) is not None):
+        return w
+    return None
+
+
 def _split_gated_deltanet(model: torch.nn.Module) -> int:
     """Split every Gated DeltaNet layer by heads over the TP ranks (before AutoTP); returns the layers split.
 
