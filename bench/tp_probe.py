@@ -365,8 +365,9 @@ def main(argv=None) -> int:
                 if isinstance(value, float) and key != "setup_s":
                     print(f"| {name} | {key} | {value:.2f} |")
             if "impl" in r:
-                print(f"| {name} | runner: tp_all_reduce, fused all-reduce + norm | {r['impl'].get('tp_all_reduce')}, "
-                      f"{r['impl'].get('tp_fused_all_reduce_norm')} |")
+                print(f"| {name} | runner: tp_all_reduce, fused all-reduce + norm, GDN decode | "
+                      f"{r['impl'].get('tp_all_reduce')}, {r['impl'].get('tp_fused_all_reduce_norm')}, "
+                      f"{r['impl'].get('gdn_decode')} |")
             if "scheduler" in r:
                 print(f"| {name} | through the Scheduler (service path), tok/s per request | "
                       f"{', '.join(f'{v:.1f}' for v in r['scheduler'])} |")

@@ -8,6 +8,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 DS_ACCELERATOR=cuda
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [[ -n "${PRE_TESTS:-}" ]]; then  # e.g. PRE_TESTS="tests/gpu/test_runner_cuda.py -k gdn_kernel"
+    timeout -k 5 "${PRE_TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider -rA $PRE_TESTS \
+        >"$out/pytest_pre.log" 2>&1; echo "pre-tests exit $?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$out/pytest_pre.log" | tail -n 12
+fi
 if [[ "${WITH_TESTS:-1}" == 1 ]]; then  # first: a broken fused kernel would hang the probe's start-up
     timeout -k 5 "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp_cuda.py \
         >"$out/pytest_tp.log" 2>&1 || { echo "tests failed: fused kernel off"; export QWEN_CHAT_TP_FUSED=0; }

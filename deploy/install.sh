@@ -2,7 +2,8 @@
 # Install the Qwen3.5 chat service's Python dependencies (and, with --test, what the tests need).
 #
 #   bash deploy/install.sh          # runtime: pip install -r requirements.txt, then deepspeed
-#   bash deploy/install.sh --test   # also Debian's chromium + chromium-driver for the browser test
+#   bash deploy/install.sh --test   # also Debian's chromium + chromium-driver for the browser test, and
+#                                   # Triton (CPU hosts) for the kernel tests under its interpreter
 #
 # Uses the current `python` (activate a virtual environment first if you want one).  Safe to re-run.
 set -euo pipefail
@@ -38,4 +39,9 @@ torch_pin=$(grep -E '^torch==' requirements.txt)
 "$PY" -m pip install -r requirements.txt
 # deepspeed needs torch at build time; DS_BUILD_OPS=0 builds no CUDA ops now (they JIT-compile if ever used).
 DS_BUILD_OPS=0 "$PY" -m pip install --no-build-isolation deepspeed==0.19.8
+if [ "$with_test" = 1 ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then
+  # CPU hosts: Triton's interpreter runs the decode kernels in tests/test_triton_kernels.py (CUDA builds of
+  # torch bring their own Triton, which is left alone).
+  "$PY" -m pip install triton==3.6.0
+fi
 echo "install.sh: done"

@@ -220,15 +220,16 @@ def test_context_limits_raise_clear_errors(model):
 
 def test_state_shapes_follow_the_model():
     """Static state sized from the probed widths: KV [slots+1, kv_heads, max_context, head_dim] in the model
-    dtype for full layers, conv [slots+1, conv_dim, K-1] and fp32 recurrent [slots+1, v_heads, dk, dv]."""
+    dtype for full layers, a conv ring [slots+1, conv_dim, K] and fp32 value-major recurrent state
+    [slots+1, v_heads, dv, dk]."""
     torch.manual_seed(0)
     m = Qwen3_5ForConditionalGeneration(small_config()).eval()
     runner = ModelRunner(m, num_slots=3, max_context=40, device="cpu")
     assert runner.vocab_size == VOCAB
     assert sorted(runner.k_cache) == [3, 7]
     assert runner.k_cache[3].shape == (4, 2, 40, 32) and runner.k_cache[3].dtype == torch.float32
-    assert runner.conv_state[0].shape == (4, 2 * 2 * 16 + 4 * 16, 3)
-    assert runner.rec_state[0].shape == (4, 4, 16, 16)  # [slots+1, v_heads, dv, dk] and runner.rec_state[0].dtype == torch.float32
+    assert runner.conv_state[0].shape == (4, 2 * 2 * 16 + 4 * 16, 4)  # ring of K = 4 conv inputs
+    assert runner.rec_state[0].shape == (4, 4, 16, 16) and runner.rec_state[0].dtype == torch.float32
     assert runner.use_cuda_graphs is False
 
 

@@ -83,26 +83,34 @@ def attn_post(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_buf: torch.Tensor,
-             rec_buf: torch.Tensor, slot_idx: torch.Tensor, conv_w: torch.Tensor, A_log: torch.Tensor,
-             dt_bias: torch.Tensor, norm: torch.nn.Module, activation: str, key_dim: int, dk: int,
-             dv: int) -> torch.Tensor:
+             rec_buf: torch.Tensor, slot_idx: torch.Tensor, pos: torch.Tensor, conv_w: torch.Tensor,
+             A_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.nn.Module, activation: str, key_dim: int,
+             dk: int, dv: int) -> torch.Tensor:
     """One Gated DeltaNet decode token per row, from the projections to the gated RMSNorm; updates the slots'
     conv and recurrent state in place.
 
     qkv: [B, C] (in_proj_qkv output, C = 2 * key_dim + value_dim); z: [B, value_dim]; b, a: [B, HV];
-    conv_buf: [slots, C, K-1] previous conv inputs (model dtype); rec_buf: [slots, HV, dv, dk] fp32 recurrent
-    state S^T (value-major, so each value row is one contiguous reduction: the whole update is one pass); slot_idx: int64 [B] (rows with the same slot, i.e. padding rows, must not matter); conv_w: [C, K]
-    depthwise taps; A_log, dt_bias: [HV].  Returns core [B, value_dim] in the model dtype.
+    conv_buf: [slots, C, K] ring of the last inputs (model dtype): ``conv_buf[s, c, p % K]`` is the input at
+    position p (``conv_ring_from_tail``); rec_buf: [slots, HV, dv, dk] fp32 recurrent state S^T (value-major,
+    so each value row is one contiguous reduction: the whole update is one pass); slot_idx: int64 [B] (rows
+    with the same slot, i.e. padding rows, must not matter); pos: int64 [B], this token's position (the
+    slot's length before it); conv_w: [C, K] depthwise taps; A_log, dt_bias: [HV].  Returns core
+    [B, value_dim] in the model dtype.
 
-    Maths: causal conv1d over [previous K-1 inputs, this one] + activation; q, k l2-normalised (fp32), q scaled
-    by dk^-1/2; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); S <- S * exp(g);
+    Maths: causal conv1d over [inputs at pos-K+1 .. pos-1, this one] + activation; q, k l2-normalised (fp32),
+    q scaled by dk^-1/2; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); S <- S * exp(g);
     S <- S + k (beta (v - S^T k))^T; o = S^T q; then norm(o, z) (gated RMSNorm).  The products are written as
     broadcast-and-sum (as transformers' torch_recurrent_gated_delta_rule) so Inductor can fuse the state
     gather, decay, update and both reductions instead of calling batched matmuls on materialised copies.
+    ``gdn.gdn_decode`` is the same step as one Triton kernel.
     """
-    B = qkv.shape[0]
-    window = torch.cat([conv_buf[slot_idx], qkv[:, :, None].to(conv_buf.dtype)], dim=-1)  # [B, C, K]
-    conv_buf[slot_idx] = window[:, :, 1:]
+    B, C = qkv.shape
+    K = conv_w.shape[-1]
+    cols = torch.remainder(pos[:, None] - (K - 1) + torch.arange(K - 1, device=pos.device), K)     # [B, K-1]
+    prev = conv_buf[slot_idx].gather(-1, cols[:, None, :].expand(B, C, K - 1))                    # [B, C, K-1]
+    x = qkv.to(conv_buf.dtype)
+    window = torch.cat([prev, x[:, :, None]], dim=-1)                                             # [B, C, K]
+    conv_buf[slot_idx, :, torch.remainder(pos, K)] = x
     mixed = ACT2FN[activation]((window.float() * conv_w.float()).sum(-1)).to(qkv.dtype)
     q, k, v = torch.split(mixed, [key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
     hv = b.shape[-1]
@@ -119,6 +127,15 @@ def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tenso
     o = (state * q[:, :, None, :]).sum(dim=-1)
     rec_buf[slot_idx] = state
     return norm(o.to(qkv.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(B, -1)
+
+
+def conv_ring_from_tail(inputs: torch.Tensor, n: torch.Tensor, K: int) -> torch.Tensor:
+    """The conv ring (see ``gdn_step``) after a prompt: inputs [C, P] (conv inputs at positions 0..P-1, the
+    first n real), n: int64 [1] (1 <= n <= P).  Returns [C, K] holding the inputs at positions n-K..n-1 at
+    column p % K, zeros for positions < 0.  Tensor ops only (capturable)."""
+    idx = n - K + torch.arange(K, device=inputs.device)                                       # [K]
+    tail = inputs.index_select(1, idx.clamp(min=0)) * (idx >= 0).to(inputs.dtype)             # [C, K]
+    return torch.zeros_like(tail).index_copy_(1, torch.remainder(idx, K), tail)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, act: torch.nn.Module) -> torch.Tensor:

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from qwen_chat.chat_types import ContextTooLong, InvalidInput
-from qwen_chat.engine import gemv
+from qwen_chat.engine import gdn, gemv
 from qwen_chat.engine.collectives import TensorParallelComm, tp_comm_for
-from qwen_chat.engine.kernels import apply_rotary, glue_functions, l2norm
+from qwen_chat.engine.kernels import apply_rotary, conv_ring_from_tail, glue_functions, l2norm
 from qwen_chat.engine.requests import PreparedPrompt
 from qwen_chat.engine.sharding import (GatheredColumnLinear, VocabParallelEmbedding, is_deepspeed_layer,
                                        row_parallel_weight)
@@ -156,6 +156,9 @@ class ModelRunner:
         comm: the ``collectives.TensorParallelComm`` for the decode step's all-reduces under tensor parallelism;
             None = one from ``collectives.tp_comm_for`` when the model holds row-parallel layers (collective:
             every rank builds its runner at the same time).
+        gdn_kernel: run each Gated DeltaNet decode token as one Triton kernel (``gdn.gdn_decode``) instead of the
+            glue's ``gdn_step``; None = on with ``fast_gemv`` where ``gdn.supports`` every layer.  True needs
+            ``gdn.supports`` (CUDA, or Triton's interpreter on CPU for tests), else ValueError.
 
     Attributes: ``num_slots``, ``max_context``, ``vocab_size`` (logits width), ``impl`` (dict: which
     implementation each op resolved to, for the start-up log).
@@ -167,7 +170,8 @@ class ModelRunner:
 
     def __init__(self, model, *, num_slots: int, max_context: int, device, dtype=None,
                  use_cuda_graphs: Optional[bool] = None, compile_glue: Optional[bool] = None,
-                 fast_gemv: Optional[bool] = None, comm: Optional[TensorParallelComm] = None):
+                 fast_gemv: Optional[bool] = None, comm: Optional[TensorParallelComm] = None,
+                 gdn_kernel: Optional[bool] = None):
         if num_slots < 1 or max_context < 1:
             raise ValueError(f"num_slots and max_context must be >= 1 (got {num_slots}, {max_context})")
         self.model = model
@@ -254,6 +258,18 @@ class ModelRunner:
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
 
         self._build_state(tc)
+        # The Gated DeltaNet decode token as one Triton kernel (gdn.gdn_decode) where it applies to every layer.
+        gdn_ok = not zero3 and all(
+            gdn.supports(self.conv_state[i], self.rec_state[i], g["dk"], g["dv"],
+                         self._layers[i].linear_attn.activation)
+            and type(self._layers[i].linear_attn.norm).__name__ == "Qwen3_5RMSNormGated"
+            for i, g in enumerate(self._geo) if self._kinds[i] == "linear")
+        if gdn_kernel and not gdn_ok:
+            raise ValueError("gdn_kernel needs Triton, CUDA (or TRITON_INTERPRET=1), SiLU, Qwen3_5RMSNormGated and "
+                             "power-of-two head dims")
+        self._gdn_kernel = gdn_ok and (self._fast_gemv if gdn_kernel is None else bool(gdn_kernel))
+        self.impl["gdn_decode"] = ("triton (one kernel)" if self._gdn_kernel
+                                   else "torch.compile" if compile_glue else "eager")
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
         # Table built with the model's own rotary module over positions 0..max_context-1 (plus the largest
         # shift a decode position can take: rope deltas are <= 0 for images, so max_context suffices).
@@ -308,7 +324,8 @@ class ModelRunner:
                         f"layer {i}: conv1d/A_log/dt_bias ({w.shape[0]}, {la.A_log.numel()}) do not match the "
                         f"projection widths ({conv_dim}, {geo['nv']} value heads): unsupported sharding")
                 self._kinds.append("linear")
-                self.conv_state[i] = torch.zeros(S, conv_dim, K - 1, device=self.device, dtype=self.dtype)
+                # ring of the last K conv inputs per channel (kernels.gdn_step)
+                self.conv_state[i] = torch.zeros(S, conv_dim, K, device=self.device, dtype=self.dtype)
                 # value-major S^T (see kernels.gdn_step)
                 self.rec_state[i] = torch.zeros(S, geo["nv"], dv, dk, device=self.device, dtype=torch.float32)
             else:
@@ -534,10 +551,9 @@ class ModelRunner:
         K = g["K"]
         qkv, z, b, a = self._project(i, "mix", x)
         qkv = qkv.transpose(1, 2)  # [1, C, P]
-        # conv state: the last K-1 real inputs (zeros before the first token)
-        idx = n_t - (K - 1) + self._ctx_range[:K - 1]
-        tail = qkv[0].index_select(1, idx.clamp(min=0)) * (idx >= 0).to(qkv.dtype)   # [C, K-1]
-        self.conv_state[i].index_copy_(0, slot_t, tail[None].to(self.conv_state[i].dtype))
+        # conv state: the ring of the last real inputs (zeros before the first token)
+        ring = conv_ring_from_tail(qkv[0], n_t, K)                                     # [C, K]
+        self.conv_state[i].index_copy_(0, slot_t, ring[None].to(self.conv_state[i].dtype))
         mixed = ACT2FN[la.activation](la.conv1d(qkv.to(la.conv1d.weight.dtype))[..., :P]).to(x.dtype)
         mixed = mixed.transpose(1, 2)
         q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
@@ -627,7 +643,7 @@ class ModelRunner:
             n = len(self._layers)
             for i, layer in enumerate(self._layers):
                 if self._kinds[i] == "linear":
-                    x = self._linear_decode(i, layer.linear_attn, slot_idx, x)
+                    x = self._linear_decode(i, layer.linear_attn, slot_idx, pos, x)
                 else:
                     x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
                 h, x = self._add_norm(h, x, layer.post_attention_layernorm)
@@ -673,13 +689,17 @@ class ModelRunner:
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"])
         return self._linear(at.o_proj, self._glue["attn_post"](o, gate))
 
-    def _linear_decode(self, i, la, slot_idx, x):
+    def _linear_decode(self, i, la, slot_idx, pos, x):
         g = self._geo[i]
         qkv, z, b, a = self._project(i, "mix", x)
-        core = self._glue["gdn_step"](
-            qkv, z, b, a, self.conv_state[i],
-            self.rec_state[i], slot_idx, la.conv1d.weight[:, 0, :], la.A_log, la.dt_bias, la.norm,
-            la.activation, g["key_dim"], g["dk"], g["dv"])
+        if self._gdn_kernel:
+            core = gdn.gdn_decode(qkv, z, b, a, self.conv_state[i], self.rec_state[i], slot_idx, pos,
+                                  la.conv1d.weight[:, 0, :], la.A_log, la.dt_bias, la.norm.weight,
+                                  la.norm.variance_epsilon, g["key_dim"], g["dk"], g["dv"])
+        else:
+            core = self._glue["gdn_step"](
+                qkv, z, b, a, self.conv_state[i], self.rec_state[i], slot_idx, pos, la.conv1d.weight[:, 0, :],
+                la.A_log, la.dt_bias, la.norm, la.activation, g["key_dim"], g["dk"], g["dv"])
         return self._linear(la.out_proj, core)
 
     # ------------------------------------------------------------------ CUDA graphs

@@ -251,3 +251,23 @@ def test_launching_a_decode_step_does_not_wait_for_the_gpu(model):
         a, b = ex.collect(first), ex.collect(second)
         assert sorted(a) == sorted(b) == sorted(slots)
         assert all(0 <= t < runner.vocab_size for t in list(a.values()) + list(b.values()))
+
+
+@pytest.mark.parametrize("rows,key_heads", [(1, 16), (5, 16), (16, 8)])
+def test_gdn_kernel_matches_the_reference_step_in_bf16(rows, key_heads):
+    """The one-kernel Gated DeltaNet decode (gdn.gdn_decode) on the 9B's head sizes (dk = dv = 128, 2 value
+    heads per key head; 8 key heads = one rank of TP=2) against kernels.gdn_step in bf16, both measured
+    against the step in fp32: the kernel must be as close as the reference (bf16 rounding), over 6 tokens."""
+    from tests.triton_checks import check_against_reference
+
+    r = check_against_reference(torch.bfloat16, B=rows, nk=key_heads, rep=2, dk=128, dv=128, slots=20,
+                                device="cuda")
+    assert r["conv_equal"], r
+    assert r["kernel_out"] <= 1.5 * r["ref_out"] + 1e-3 and r["kernel_state"] <= 1.5 * r["ref_state"] + 1e-4, r
+
+
+def test_gdn_kernel_equals_the_reference_step_in_fp32_on_cuda():
+    from tests.triton_checks import check_against_reference
+
+    r = check_against_reference(torch.float32, B=4, nk=4, rep=2, dk=128, dv=128, device="cuda")
+    assert r["conv_equal"] and r["kernel_out"] <= 1e-5 and r["kernel_state"] <= 1e-5, r
