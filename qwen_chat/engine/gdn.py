@@ -56,10 +56,19 @@ if triton is not None:
         hv = tl.program_id(1)
         slot = tl.load(slot_ptr + row).to(tl.int64)
         t = tl.load(pos_ptr + row).to(tl.int64)
-        hk = hv // REP
-        own_qk = (hv % REP) == 0
         offs_k = tl.arange(0, DK)
         offs_v = tl.arange(0, DV)
+        # Every load that does not depend on the conv is issued first, the state's 64 KiB above all, so its
+        # latency overlaps the conv and the q/k norms (the kernel is latency-bound at one row).
+        s_ptrs = rec_ptr + (slot * HV + hv) * (DV * DK) + offs_v[:, None] * DK + offs_k[None, :]
+        S = tl.load(s_ptrs)                                            # [DV, DK] fp32, value-major S^T
+        zz = tl.load(z_ptr + row * s_z + hv * DV + offs_v).to(tl.float32)
+        w = tl.load(normw_ptr + offs_v)
+        bb = tl.load(b_ptr + row * s_b + hv).to(tl.float32)
+        ga = tl.load(a_ptr + row * s_a + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
+        a_log = tl.load(alog_ptr + hv).to(tl.float32)
+        hk = hv // REP
+        own_qk = (hv % REP) == 0
         x_row = qkv_ptr + row * s_qkv
         conv_row = conv_ptr + slot * C * K
         q = _conv_silu(x_row, conv_row, convw_ptr, hk * DK + offs_k, t, own_qk, K)
@@ -67,14 +76,9 @@ if triton is not None:
         v = _conv_silu(x_row, conv_row, convw_ptr, 2 * KEY_DIM + hv * DV + offs_v, t, hv >= 0, K)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * q_scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        bb = tl.load(b_ptr + row * s_b + hv).to(tl.float32)
         beta = tl.sigmoid(bb).to(b_ptr.dtype.element_ty).to(tl.float32)
-        ga = tl.load(a_ptr + row * s_a + hv).to(tl.float32) + tl.load(dtb_ptr + hv).to(tl.float32)
         softplus = tl.where(ga > 20.0, ga, tl.log(1.0 + tl.exp(ga)))
-        decay = tl.exp(-tl.exp(tl.load(alog_ptr + hv).to(tl.float32)) * softplus)
-        rec = rec_ptr + (slot * HV + hv) * (DV * DK)
-        s_ptrs = rec + offs_v[:, None] * DK + offs_k[None, :]
-        S = tl.load(s_ptrs) * decay                                    # [DV, DK] fp32, value-major S^T
+        S = S * tl.exp(-tl.exp(a_log) * softplus)
         kv = tl.sum(S * k[None, :], axis=1)                            # [DV]
         delta = (v - kv) * beta
         S = S + delta[:, None] * k[None, :]
@@ -84,9 +88,7 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         o = o.to(dt).to(tl.float32)
         o = o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + norm_eps)
-        w = tl.load(normw_ptr + offs_v)
         o = (w.to(tl.float32) * o.to(dt).to(tl.float32)).to(w.dtype).to(tl.float32)
-        zz = tl.load(z_ptr + row * s_z + hv * DV + offs_v).to(tl.float32)
         tl.store(out_ptr + row * (HV * DV) + hv * DV + offs_v, (o * (zz * tl.sigmoid(zz))).to(dt))
 
 
@@ -104,7 +106,8 @@ def supports(conv_buf: torch.Tensor, rec_buf: torch.Tensor, dk: int, dv: int, ac
 def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_buf: torch.Tensor,
                rec_buf: torch.Tensor, slot_idx: torch.Tensor, pos: torch.Tensor, conv_w: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
-               key_dim: int, dk: int, dv: int, out: torch.Tensor | None = None) -> torch.Tensor:
+               key_dim: int, dk: int, dv: int, out: torch.Tensor | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
     """One Gated DeltaNet decode token per row in one kernel; same arguments and result as
     ``kernels.gdn_step`` (which documents the maths), with the gated norm given as ``norm_weight`` [dv] and
     ``norm_eps`` and the activation fixed to SiLU.
@@ -112,7 +115,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
     qkv [B, C], z [B, value_dim], b/a [B, HV]: rows may be strided views (last dim contiguous); conv_buf
     [slots, C, K] ring (model dtype); rec_buf [slots, HV, dv, dk] fp32; slot_idx, pos int64 [B] (position of
     this token in its sequence); conv_w [C, K]; A_log, dt_bias [HV].  Returns [B, value_dim] in qkv's dtype
-    (into ``out`` when given).  Updates conv_buf and rec_buf of the rows' slots in place; rows that share a slot
+    (into ``out`` when given; ``num_warps`` overrides the launch's warp count, for benchmarks).  Updates conv_buf and rec_buf of the rows' slots in place; rows that share a slot
     (graph padding rows on the scratch slot) leave that slot's state undefined.
     Raises ValueError when ``supports`` is false or the shapes disagree.
     """
@@ -134,7 +137,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
         out = torch.empty(B, HV * dv, device=qkv.device, dtype=qkv.dtype)
     if any(t.stride(-1) != 1 for t in (z, b, a)):
         raise ValueError("gdn_decode: z, b and a need a contiguous last dimension")
-    warps = 8 if dk * dv >= 8192 else 4 if dk * dv >= 2048 else 1
+    warps = num_warps or (8 if dk * dv >= 8192 else 4 if dk * dv >= 2048 else 1)
     _gdn_decode_kernel[(B, HV)](
         qkv, z, b, a, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),
         conv_buf, rec_buf, slot_idx, pos, conv_w, A_log, dt_bias, norm_weight, out,
