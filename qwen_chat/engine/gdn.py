@@ -115,8 +115,9 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
     qkv [B, C], z [B, value_dim], b/a [B, HV]: rows may be strided views (last dim contiguous); conv_buf
     [slots, C, K] ring (model dtype); rec_buf [slots, HV, dv, dk] fp32; slot_idx, pos int64 [B] (position of
     this token in its sequence); conv_w [C, K]; A_log, dt_bias [HV].  Returns [B, value_dim] in qkv's dtype
-    (into ``out`` when given; ``num_warps`` overrides the launch's warp count, for benchmarks).  Updates conv_buf and rec_buf of the rows' slots in place; rows that share a slot
-    (graph padding rows on the scratch slot) leave that slot's state undefined.
+    (into ``out`` when given; ``num_warps`` overrides the launch's warp count, for benchmarks).  Updates
+    conv_buf and rec_buf of the rows' slots in place; rows that share a slot (graph padding rows on the scratch
+    slot) leave that slot's state undefined.
     Raises ValueError when ``supports`` is false or the shapes disagree.
     """
     if not supports(conv_buf, rec_buf, dk, dv, "silu") or qkv.dim() != 2 or qkv.stride(-1) != 1:
@@ -137,7 +138,8 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
         out = torch.empty(B, HV * dv, device=qkv.device, dtype=qkv.dtype)
     if any(t.stride(-1) != 1 for t in (z, b, a)):
         raise ValueError("gdn_decode: z, b and a need a contiguous last dimension")
-    warps = num_warps or (8 if dk * dv >= 8192 else 4 if dk * dv >= 2048 else 1)
+    # 4 warps: fastest at 1, 4 and 16 rows on an H200 (bench/results/2026-11-30-NVIDIA-H200-gdn-probe.json)
+    warps = num_warps or (4 if dk * dv >= 2048 else 1)
     _gdn_decode_kernel[(B, HV)](
         qkv, z, b, a, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),
         conv_buf, rec_buf, slot_idx, pos, conv_w, A_log, dt_bias, norm_weight, out,
