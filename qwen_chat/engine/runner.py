@@ -427,8 +427,9 @@ class ModelRunner:
         slot to fill; n_t: int64 [1], the real prompt length n <= P.  Positions n..P-1 are padding and leave no
         trace in what the slot keeps: the Gated DeltaNet layers see them with beta = 0 and log-decay g = 0, so
         S_t = S_{t-1} exactly (the delta rule's update is scaled by beta, its decay is exp(g)); the conv state
-        ring is filled from the last real positions (kernels.conv_ring_from_tail); attention is causal, so real positions never see padding,
-        and the padding's KV entries (positions >= n) are overwritten by decode before any query reaches them.
+        ring is filled from the last real positions (kernels.conv_ring_from_tail); attention is causal, so real
+        positions never see padding, and the padding's KV entries (positions >= n) are overwritten by decode
+        before any query reaches them.
         Returns fp32 logits [1, vocab_size] of position n - 1.
         """
         P = emb.shape[1]
