@@ -1,6 +1,7 @@
 """Time the Gated DeltaNet decode token on one GPU: the one-kernel Triton version (gdn.gdn_decode, several warp
 counts) against the Inductor-compiled reference (kernels.gdn_step), each as 24 calls (one per layer, each with
-its own state, as in the 9B) captured in a CUDA graph.  Head sizes of the 9B (dk = dv = 128, 2 value heads per
+its own state, as in the 9B) captured in a CUDA graph (``tp_probe.graph_us``: median of 5 timings; the
+committed run 2026-11-30 timed one mean over 200 replays).  Head sizes of the 9B (dk = dv = 128, 2 value heads per
 key head); 32 value heads = one GPU, 16 = one rank of TP=2.
 
     python bench/gdn_probe.py --out OUTDIR        # prints a table, writes OUTDIR/<date>-<gpu>-gdn-probe.json
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qwen_chat.engine import gdn, kernels  # noqa: E402
+from tp_probe import graph_us  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated  # noqa: E402
 
 LAYERS, DK, DV, K = 24, 128, 128, 4
@@ -42,29 +45,6 @@ def build(HV: int, B: int, slots: int):
     return layers, (qkv, z, b, a), slot_idx, pos, key_dim
 
 
-def time_graph(fn, reps=200) -> float:
-    """Microseconds per call of fn (which makes LAYERS calls) replayed in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1000 / reps / LAYERS
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -77,17 +57,19 @@ def main() -> None:
             layers, (qkv, z, b, a), slot_idx, pos, key_dim = build(HV, B, slots=B + 1)
             res = dict(value_heads=HV, rows=B)
 
+            layer = itertools.cycle(layers)  # each captured call works on the next layer's own state
+
             def ref():
-                for L in layers:
-                    compiled(qkv, z, b, a, L["conv"], L["rec"], slot_idx, pos, L["w"], L["A_log"], L["dt_bias"],
-                             L["norm"], "silu", key_dim, DK, DV)
-            res["compiled_us"] = round(time_graph(ref), 2)
+                L = next(layer)
+                compiled(qkv, z, b, a, L["conv"], L["rec"], slot_idx, pos, L["w"], L["A_log"], L["dt_bias"],
+                         L["norm"], "silu", key_dim, DK, DV)
+            res["compiled_us"] = round(graph_us(ref, calls=LAYERS), 2)
             for nw in (4, 8, 16):
                 def ker(nw=nw):
-                    for L in layers:
-                        gdn.gdn_decode(qkv, z, b, a, L["conv"], L["rec"], slot_idx, pos, L["w"], L["A_log"],
-                                       L["dt_bias"], L["norm"].weight, 1e-6, key_dim, DK, DV, num_warps=nw)
-                res[f"kernel_w{nw}_us"] = round(time_graph(ker), 2)
+                    L = next(layer)
+                    gdn.gdn_decode(qkv, z, b, a, L["conv"], L["rec"], slot_idx, pos, L["w"], L["A_log"],
+                                   L["dt_bias"], L["norm"].weight, 1e-6, key_dim, DK, DV, num_warps=nw)
+                res[f"kernel_w{nw}_us"] = round(graph_us(ker, calls=LAYERS), 2)
             state_mb = B * HV * DV * DK * 4 * 2 / 1e6
             best = min(v for k_, v in res.items() if k_.startswith("kernel"))
             res["state_rw_MB"] = round(state_mb, 2)

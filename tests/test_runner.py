@@ -39,15 +39,21 @@ def small_config() -> Qwen3_5Config:
         tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="module")
-def model():
+def small_model() -> Qwen3_5ForConditionalGeneration:
+    """The fp32 model of ``small_config`` on CPU with seed 0 and non-trivial norm weights (they initialise to the
+    identity), in eval mode."""
     torch.manual_seed(0)
     m = Qwen3_5ForConditionalGeneration(small_config()).eval()
-    with torch.no_grad():  # non-trivial norm weights (they initialise to the identity)
+    with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name and p.dim() == 1:
                 p.normal_(0.0, 0.3)
     return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model()
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

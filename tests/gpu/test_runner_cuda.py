@@ -12,7 +12,7 @@ import torch
 from qwen_chat.engine.requests import SamplingParams
 from qwen_chat.engine.runner import ModelRunner
 from qwen_chat.engine.sampling import Sampler
-from tests.test_runner import TOL, LiveBatch, Seq, image_seq, rel_err, small_config, text_ids
+from tests.test_runner import TOL, LiveBatch, Seq, image_seq, rel_err, small_config, small_model, text_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,18 +33,10 @@ GPU_TOL = 1e-3 if _fla_installed() else TOL
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import Qwen3_5ForConditionalGeneration
-
     # The reference's conv1d goes through cuDNN, which uses TF32 by default (~1e-4 relative error on its own).
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(0)
-    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.normal_(0.0, 0.3)
-    return m.to("cuda")
+    return small_model().to("cuda")
 
 
 class CudaSeq(Seq):
