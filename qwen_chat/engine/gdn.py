@@ -138,7 +138,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
         out = torch.empty(B, HV * dv, device=qkv.device, dtype=qkv.dtype)
     if any(t.stride(-1) != 1 for t in (z, b, a)):
         raise ValueError("gdn_decode: z, b and a need a contiguous last dimension")
-    # 4 warps: fastest at 1, 4 and 16 rows on an H200 (bench/results/2026-11-30-NVIDIA-H200-gdn-probe.json)
+    # 4 warps: fastest at 1, 4 and 16 rows on an H200 (bench/results/2026-11-30-NVIDIA-H200-gdn-probe-run{1,2}.json)
     warps = num_warps or (4 if dk * dv >= 2048 else 1)
     _gdn_decode_kernel[(B, HV)](
         qkv, z, b, a, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),
