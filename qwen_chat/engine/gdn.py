@@ -106,8 +106,7 @@ def supports(conv_buf: torch.Tensor, rec_buf: torch.Tensor, dk: int, dv: int, ac
 def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_buf: torch.Tensor,
                rec_buf: torch.Tensor, slot_idx: torch.Tensor, pos: torch.Tensor, conv_w: torch.Tensor,
                A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
-               key_dim: int, dk: int, dv: int, out: torch.Tensor | None = None,
-               num_warps: int | None = None) -> torch.Tensor:
+               key_dim: int, dk: int, dv: int, num_warps: int | None = None) -> torch.Tensor:
     """One Gated DeltaNet decode token per row in one kernel; same arguments and result as
     ``kernels.gdn_step`` (which documents the maths), with the gated norm given as ``norm_weight`` [dv] and
     ``norm_eps`` and the activation fixed to SiLU.
@@ -115,7 +114,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
     qkv [B, C], z [B, value_dim], b/a [B, HV]: rows may be strided views (last dim contiguous); conv_buf
     [slots, C, K] ring (model dtype); rec_buf [slots, HV, dv, dk] fp32; slot_idx, pos int64 [B] (position of
     this token in its sequence); conv_w [C, K]; A_log, dt_bias [HV].  Returns [B, value_dim] in qkv's dtype
-    (into ``out`` when given; ``num_warps`` overrides the launch's warp count, for benchmarks).  Updates
+    (``num_warps`` overrides the launch's warp count, for benchmarks).  Updates
     conv_buf and rec_buf of the rows' slots in place; rows that share a slot (graph padding rows on the scratch
     slot) leave that slot's state undefined.
     Raises ValueError when ``supports`` is false or the shapes disagree.
@@ -133,11 +132,10 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
         raise ValueError(f"gdn_decode: shapes disagree: qkv{tuple(qkv.shape)} z{tuple(z.shape)} "
                          f"b{tuple(b.shape)} a{tuple(a.shape)} conv{tuple(conv_buf.shape)} "
                          f"w{tuple(conv_w.shape)} state{tuple(rec_buf.shape)} key_dim={key_dim}")
-    conv_w = conv_w.contiguous()
-    if out is None:
-        out = torch.empty(B, HV * dv, device=qkv.device, dtype=qkv.dtype)
     if any(t.stride(-1) != 1 for t in (z, b, a)):
         raise ValueError("gdn_decode: z, b and a need a contiguous last dimension")
+    conv_w = conv_w.contiguous()  # a view of conv1d.weight [C, 1, K]: already contiguous, no copy
+    out = torch.empty(B, HV * dv, device=qkv.device, dtype=qkv.dtype)
     # 4 warps: fastest at 1, 4 and 16 rows on an H200 (bench/results/2026-11-30-NVIDIA-H200-gdn-probe-run{1,2}.json)
     warps = num_warps or (4 if dk * dv >= 2048 else 1)
     _gdn_decode_kernel[(B, HV)](
