@@ -1,7 +1,7 @@
 """Time the Gated DeltaNet decode token on one GPU: the one-kernel Triton version (gdn.gdn_decode, several warp
 counts) against the Inductor-compiled reference (kernels.gdn_step), each as 24 calls (one per layer, each with
-its own state, as in the 9B) captured in a CUDA graph (``tp_probe.graph_us``: median of 5 timings; the
-committed run 2026-11-30 timed one mean over 200 replays).  Head sizes of the 9B (dk = dv = 128, 2 value heads per
+its own state, as in the 9B) captured in a CUDA graph (``tp_probe.graph_us``: median of 5 timings; run 1 of
+2026-11-30 timed one mean over 200 replays, run 2 this way).  Head sizes of the 9B (dk = dv = 128, 2 value heads per
 key head); 32 value heads = one GPU, 16 = one rank of TP=2.
 
     python bench/gdn_probe.py --out OUTDIR        # prints a table, writes OUTDIR/<date>-<gpu>-gdn-probe.json

@@ -13,6 +13,7 @@ import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
 from qwen_chat.engine import gdn, kernels
+from tests.test_runner import rel_err
 
 
 def _layer(gen, dtype, nk, rep, dk, dv, K=4):
@@ -31,10 +32,6 @@ def _projections(gen, dtype, B, C, HV, dv, device="cpu"):
     """qkv, z, b, a as strided views into one fused projection output (as the runner's fused GEMV gives)."""
     proj = torch.randn(B, C + HV * dv + 2 * HV + 5, generator=gen).to(device, dtype)
     return proj.split([C, HV * dv, HV, HV, 5], dim=-1)[:4]
-
-
-def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
 def check_against_reference(dtype, B=3, nk=2, rep=2, dk=16, dv=16, slots=6, steps=6, seed=0,
@@ -66,10 +63,10 @@ def check_against_reference(dtype, B=3, nk=2, rep=2, dk=16, dv=16, slots=6, step
         f32 = kernels.gdn_step(qkv.float(), z.float(), b.float(), a.float(), c32, r32, slot_idx, pos,
                                conv_w.float(), A_log.float(), dt_bias.float(), norm32, "silu", key_dim, dk, dv)
         assert ours.shape == (B, HV * dv) and ours.dtype == dtype
-        out["kernel_out"] = max(out["kernel_out"], rel(ours, f32))
-        out["ref_out"] = max(out["ref_out"], rel(ref, f32))
-        out["kernel_state"] = max(out["kernel_state"], rel(rk, r32))
-        out["ref_state"] = max(out["ref_state"], rel(rr, r32))
+        out["kernel_out"] = max(out["kernel_out"], rel_err(ours, f32))
+        out["ref_out"] = max(out["ref_out"], rel_err(ref, f32))
+        out["kernel_state"] = max(out["kernel_state"], rel_err(rk, r32))
+        out["ref_state"] = max(out["ref_state"], rel_err(rr, r32))
         out["conv_equal"] = out["conv_equal"] and torch.equal(ck, cr)
         pos = pos + 1
     return out
