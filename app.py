@@ -129,7 +129,7 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def _start_engine_or_exit(cfg, backend) -> int:
     """Start the engine on this rank; on rank 0 attach it to ``backend``.  Returns an exit code (0 = started)."""
-    from qwen_chat.engine import bootstrap
+    from qwen_chat.engine.serving import bootstrap
 
     try:
         engine = bootstrap.start_engine(cfg)  # worker ranks stay inside and never return

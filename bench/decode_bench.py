@@ -31,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qwen_chat.engine.requests import PreparedPrompt, SamplingParams  # noqa: E402
-from qwen_chat.engine.runner import ModelRunner  # noqa: E402
-from qwen_chat.engine.sampling import Sampler  # noqa: E402
+from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams  # noqa: E402
+from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
+from qwen_chat.engine.model.sampling import Sampler  # noqa: E402
 
 CONFIG = Path(__file__).with_name("qwen3_5_9b_config.json")
 PRESET = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)  # model card, non-thinking general
@@ -154,7 +154,7 @@ def greedy_agreement(model, runner, dev, n_prompts: int, prompt_len: int, new: i
 def decode_ahead(executor, slots: list, steps: int) -> None:
     """``steps`` decode steps of ``slots`` through ``executor`` (a LocalExecutor), each launched before the
     previous one's tokens are collected, as the scheduler does in one process (tokens fed on the device)."""
-    from qwen_chat.engine.requests import StepPlan
+    from qwen_chat.engine.serving.requests import StepPlan
 
     plan = StepPlan(decode_slots=list(slots), tokens_on_device=True)
     inflight = executor.launch(plan)
@@ -172,8 +172,8 @@ def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, g
     the device, fed from the device's copy of step N's tokens, before ``collect`` waits for step N's tokens.
     Otherwise each step is ``runner.decode`` + ``sampler.sample`` and waits for its tokens (the host and the GPU
     take turns)."""
-    from qwen_chat.engine.executor import LocalExecutor
-    from qwen_chat.engine.requests import PrefillItem, StepPlan
+    from qwen_chat.engine.parallel.executors import LocalExecutor
+    from qwen_chat.engine.serving.requests import PrefillItem, StepPlan
 
     slots = list(range(batch))
     ex = LocalExecutor(runner, sampler)
@@ -206,8 +206,8 @@ def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen, overl
     (``overlap``, the service's mode in one process) or not.  Decode tok/s = (tokens - 1) / (time of the last
     token - time of the first)."""
     from qwen_chat.chat_types import CancelToken
-    from qwen_chat.engine.executor import LocalExecutor
-    from qwen_chat.engine.scheduler import Scheduler
+    from qwen_chat.engine.parallel.executors import LocalExecutor
+    from qwen_chat.engine.serving.scheduler import Scheduler
 
     sched = Scheduler(LocalExecutor(runner, sampler), num_slots=runner.num_slots, max_queue=4, eos_ids=(),
                       max_context=runner.max_context, overlap=overlap)
@@ -240,8 +240,8 @@ def scheduler_repeats(runner, sampler, dev, prompt_len: int, new: int, gen, repe
 def executor_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> dict:
     """Batch-1 decode through ``LocalExecutor.execute`` on this thread (step plans, sampling, no scheduler
     thread): separates the executor's cost from the scheduler's in ``scheduler_decode``."""
-    from qwen_chat.engine.executor import LocalExecutor
-    from qwen_chat.engine.requests import PrefillItem, StepPlan
+    from qwen_chat.engine.parallel.executors import LocalExecutor
+    from qwen_chat.engine.serving.requests import PrefillItem, StepPlan
 
     ex = LocalExecutor(runner, sampler)
     params = SamplingParams(seed=7, max_new_tokens=new, stop_token_ids=(), **PRESET)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qwen_chat.engine import gdn, kernels  # noqa: E402
+from qwen_chat.engine.model import gdn, glue as kernels  # noqa: E402
 from tp_probe import graph_us  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Where a batch-1 decode step's time goes, and whether the Triton GEMV (qwen_chat.engine.gemv) beats cuBLAS.
+"""Where a batch-1 decode step's time goes, and whether the Triton GEMV (qwen_chat.engine.model.gemv) beats cuBLAS.
 
 Usage (one GPU host, repository root):  python bench/gemv_probe.py [--out DIR] [--quick]
 
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qwen_chat.engine import gemv  # noqa: E402
+from qwen_chat.engine.model import gemv  # noqa: E402
 
 SHAPES = {  # name: (N, K), full config, one GPU
     "gdn_in_proj(qkv+z+b+a)": (12352, 4096), "attn_qkv": (10240, 4096), "out_proj/o_proj": (4096, 4096),
@@ -132,10 +132,10 @@ def sweep_shape(name, N, K, batches, quick) -> dict:
 
 def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     """Decode-step timings of a runner with or without the Triton GEMV (batch 1, context bucket 512)."""
-    from qwen_chat.engine.executor import LocalExecutor
-    from qwen_chat.engine.requests import PreparedPrompt, SamplingParams
-    from qwen_chat.engine.runner import ModelRunner
-    from qwen_chat.engine.sampling import Sampler
+    from qwen_chat.engine.parallel.executors import LocalExecutor
+    from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
+    from qwen_chat.engine.model.runner import ModelRunner
+    from qwen_chat.engine.model.sampling import Sampler
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(ROOT / "bench"))

@@ -57,7 +57,7 @@ TORCHINDUCTOR_CACHE_DIR=/tmp/ind-pytest "${gpu1[@]}" timeout -k 5 "$(box "${PYTE
     python3 -m pytest -q -p no:cacheprovider tests/gpu >"$out/pytest.log" 2>&1 &
 pytest_pid=$!
 if (( smoke )); then
-    python3 -m qwen_chat.engine.tiny "$ckpt" 2>&1 | tail -n 2
+    python3 -m qwen_chat.engine.checkpoints.tiny "$ckpt" 2>&1 | tail -n 2
     model=(--model tiny --cache-dir "$ckpt")
 else
     proc=.whl-dist/processor
@@ -66,7 +66,7 @@ else
     model=(--model $ckpt)
 fi
 common=("${model[@]}" --device $dev --max-batch 2 --max-context $ctx --collective-timeout-s 600)
-drv=(tests/multirank/driver.py --scenario bench/sharding_scenario.json)
+drv=(tests/support/multirank_driver.py --scenario bench/sharding_scenario.json)
 [[ $smoke == 1 ]] && drv+=(--only text_rocket,text_haiku,image_cat)
 
 run_mode() {  # run_mode MODE SECONDS launcher-args...

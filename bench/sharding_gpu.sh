@@ -23,7 +23,7 @@ proc="${PROCESSOR_DIR:-$wheels/processor}"
 [[ -f "$proc/tokenizer.json.gz" && ! -f "$proc/tokenizer.json" ]] && { mkdir -p /tmp/proc && cp "$proc"/* /tmp/proc/ && gunzip -f /tmp/proc/tokenizer.json.gz && proc=/tmp/proc; }
 python3 bench/sharding_bench.py checkpoint  --processor "$proc" --out $ckpt 2>&1 | tail -n 3
 common=(--model $ckpt --device cuda --max-batch 2 --max-context 8192 --collective-timeout-s 600)
-drv=(tests/multirank/driver.py --scenario bench/sharding_scenario.json)
+drv=(tests/support/multirank_driver.py --scenario bench/sharding_scenario.json)
 run() {  # mode seconds launcher-args...   (own process group: a timeout ends the launcher and its ranks)
     local mode=$1 secs=$2; shift 2
     echo "== $mode $(date +%T)"

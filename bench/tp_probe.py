@@ -36,10 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from qwen_chat.engine import dist as qdist  # noqa: E402
-from qwen_chat.engine.collectives import TensorParallelComm, broadcast_from_rank0  # noqa: E402
-from qwen_chat.engine.executor import LocalExecutor  # noqa: E402
-from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan  # noqa: E402
+from qwen_chat.engine.parallel import ranks as qdist  # noqa: E402
+from qwen_chat.engine.parallel.collectives import TensorParallelComm, broadcast_from_rank0  # noqa: E402
+from qwen_chat.engine.parallel.executors import LocalExecutor  # noqa: E402
+from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan  # noqa: E402
 
 #: TP=2 decode projection shapes of the full config, per rank: (N, K).
 TP2_SHAPES = {"gdn_in_proj/2": (6176, 4096), "attn_qkv/2": (5120, 4096), "out_proj/o_proj/2": (4096, 2048),
@@ -163,7 +163,7 @@ def scheduler_tok_s(executor, runner, steps: int, repeats: int = 3) -> list:
     launched ahead when the executor shares tokens on the device) -> decode tok/s per request = (tokens - 1) /
     (time of the last token - time of the first)."""
     from qwen_chat.chat_types import CancelToken
-    from qwen_chat.engine.scheduler import Scheduler
+    from qwen_chat.engine.serving.scheduler import Scheduler
 
     sched = Scheduler(executor, num_slots=runner.num_slots, max_queue=4, eos_ids=(), max_context=runner.max_context,
                       overlap=bool(getattr(executor, "tokens_on_device", True)))
@@ -212,8 +212,8 @@ def top_kernels(runner, steps: int = 20, batch: int = 1) -> dict:
 
 
 def make_runner(model, device, comm, batches):
-    from qwen_chat.engine.runner import ModelRunner
-    from qwen_chat.engine.sampling import Sampler
+    from qwen_chat.engine.model.runner import ModelRunner
+    from qwen_chat.engine.model.sampling import Sampler
 
     t0 = time.perf_counter()
     runner = ModelRunner(model, num_slots=16, max_context=2048, device=device, comm=comm)
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
         box = [None]
     dist.broadcast_object_list(box, src=1, group=groups.startup)
     doc["tp2_shapes"] = box[0]
-    from qwen_chat.engine import sharding
+    from qwen_chat.engine.parallel import sharding
 
     plan = sharding.read_plan(ROOT / "ds_config.json", info.world_size, "cuda")
     model = sharding.shard_model(model, plan, device)

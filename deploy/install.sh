@@ -40,7 +40,7 @@ torch_pin=$(grep -E '^torch==' requirements.txt)
 # deepspeed needs torch at build time; DS_BUILD_OPS=0 builds no CUDA ops now (they JIT-compile if ever used).
 DS_BUILD_OPS=0 "$PY" -m pip install --no-build-isolation deepspeed==0.19.8
 if [ "$with_test" = 1 ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then
-  # CPU hosts: Triton's interpreter runs the decode kernels in tests/test_triton_kernels.py (CUDA builds of
+  # CPU hosts: Triton's interpreter runs the decode kernels in tests/engine/test_triton_kernels.py (CUDA builds of
   # torch bring their own Triton, which is left alone).
   "$PY" -m pip install triton==3.6.0
 fi

@@ -198,7 +198,7 @@ class ModelInfo:
 
 
 class ChatBackend(Protocol):
-    """What the web layer and the API need from the engine.  Implemented by ``qwen_chat.engine.service``."""
+    """What the web layer and the API need from the engine.  Implemented by ``qwen_chat.engine.serving.chat_engine``."""
 
     info: ModelInfo
 

@@ -21,7 +21,7 @@ from qwen_chat.chat_types import (
     StreamUpdate,
 )
 
-# Marker file that the built-in tiny checkpoint carries (qwen_chat.engine.tiny writes it; defined here, in the
+# Marker file that the built-in tiny checkpoint carries (qwen_chat.engine.checkpoints.tiny writes it; defined here, in the
 # torch-free module, so the page can show the demo badge before the engine has loaded).
 DEMO_MARKER = "QWEN_CHAT_DEMO"
 

@@ -14,7 +14,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
-    from qwen_chat.engine.tiny import build_tiny_checkpoint
+    from qwen_chat.engine.checkpoints.tiny import build_tiny_checkpoint
 
     cache = os.environ.get("QWEN_CHAT_CACHE_DIR")
     cache_dir = Path(cache) if cache else tmp_path_factory.mktemp("qwen_chat_cache")
@@ -25,6 +25,6 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def tiny_loaded(tiny_checkpoint):
     import torch
 
-    from qwen_chat.engine.loading import load_model
+    from qwen_chat.engine.checkpoints.loading import load_model
 
     return load_model(tiny_checkpoint, "cpu", torch.float32)

@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from qwen_chat.engine.requests import SamplingParams
-from qwen_chat.engine.runner import ModelRunner
-from qwen_chat.engine.sampling import Sampler
-from tests.test_runner import TOL, LiveBatch, Seq, image_seq, rel_err, small_config, small_model, text_ids
+from qwen_chat.engine.serving.requests import SamplingParams
+from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.model.sampling import Sampler
+from tests.engine.test_runner import TOL, LiveBatch, Seq, image_seq, rel_err, small_config, small_model, text_ids
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -122,9 +122,9 @@ def test_compiled_top_k_sampling_matches_the_general_path_on_cuda():
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_triton_gemv_matches_fp32_reference(rows):
-    """The decode projections' Triton kernels (qwen_chat.engine.gemv) against an fp32 matmul: no worse than
+    """The decode projections' Triton kernels (qwen_chat.engine.model.gemv) against an fp32 matmul: no worse than
     cuBLAS in bf16, for tuned shapes, a shape that leaves a partial tile of rows, and a TP-halved shape."""
-    from qwen_chat.engine import gemv
+    from qwen_chat.engine.model import gemv
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     for N, K in ((12352, 4096), (4096, 12288), (1000, 384), (6176, 2048)):
@@ -143,7 +143,7 @@ def test_triton_gemv_matches_fp32_reference(rows):
 def test_triton_gemv_with_swiglu_input_matches_the_mlp(rows):
     """``gemv(gate_up, w, swiglu=True)`` is Qwen3_5MLP's down(silu(gate) * up) for the fused gate/up output,
     within bf16 rounding of an fp32 reference, no worse than cuBLAS on the bf16 SwiGLU."""
-    from qwen_chat.engine import gemv
+    from qwen_chat.engine.model import gemv
 
     gen = torch.Generator(device="cuda").manual_seed(10 + rows)
     K, N = 12288, 4096
@@ -191,9 +191,9 @@ def test_scheduler_streams_on_cuda_equal_solo_streams(model, overlap):
     """Through the scheduler on the GPU (graphs, pinned token buffers, the device token table when steps are
     launched ahead): three sampled requests decoded together give exactly their solo streams."""
     from qwen_chat.chat_types import CancelToken
-    from qwen_chat.engine.executor import LocalExecutor
-    from qwen_chat.engine.requests import PreparedPrompt
-    from qwen_chat.engine.scheduler import Scheduler
+    from qwen_chat.engine.parallel.executors import LocalExecutor
+    from qwen_chat.engine.serving.requests import PreparedPrompt
+    from qwen_chat.engine.serving.scheduler import Scheduler
 
     runner = ModelRunner(model, num_slots=3, max_context=256, device="cuda")
     sched = Scheduler(LocalExecutor(runner, Sampler(3, runner.vocab_size, "cuda")), num_slots=3, max_queue=4,
@@ -214,8 +214,8 @@ def test_scheduler_streams_on_cuda_equal_solo_streams(model, overlap):
 def test_launching_a_decode_step_does_not_wait_for_the_gpu(model):
     """The point of launching ahead: queueing a decode step (inputs, graph replay, sampling, the copy of the
     tokens to the host) makes no call that waits for the GPU, for greedy, fused top-k and general rows."""
-    from qwen_chat.engine.executor import LocalExecutor
-    from qwen_chat.engine.requests import PrefillItem, PreparedPrompt, StepPlan
+    from qwen_chat.engine.parallel.executors import LocalExecutor
+    from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, StepPlan
 
     runner = ModelRunner(model, num_slots=3, max_context=256, device="cuda")
     sampler = Sampler(3, runner.vocab_size, "cuda")
@@ -250,7 +250,7 @@ def test_gdn_kernel_matches_the_reference_step_in_bf16(rows, key_heads):
     """The one-kernel Gated DeltaNet decode (gdn.gdn_decode) on the 9B's head sizes (dk = dv = 128, 2 value
     heads per key head; 8 key heads = one rank of TP=2) against kernels.gdn_step in bf16, both measured
     against the step in fp32: the kernel must be as close as the reference (bf16 rounding), over 6 tokens."""
-    from tests.triton_checks import check_against_reference
+    from tests.support.triton_checks import check_against_reference
 
     r = check_against_reference(torch.bfloat16, B=rows, nk=key_heads, rep=2, dk=128, dv=128, slots=20,
                                 device="cuda")
@@ -259,7 +259,7 @@ def test_gdn_kernel_matches_the_reference_step_in_bf16(rows, key_heads):
 
 
 def test_gdn_kernel_equals_the_reference_step_in_fp32_on_cuda():
-    from tests.triton_checks import check_against_reference
+    from tests.support.triton_checks import check_against_reference
 
     r = check_against_reference(torch.float32, B=4, nk=4, rep=2, dk=128, dv=128, device="cuda")
     assert r["conv_equal"] and r["kernel_out"] <= 1e-5 and r["kernel_state"] <= 1e-5, r

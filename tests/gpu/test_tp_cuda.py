@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.two_ranks import run_two_ranks
+from tests.support.two_ranks import run_two_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                 reason="needs two CUDA GPUs")
@@ -34,7 +34,7 @@ def _reference(comm_group, part: torch.Tensor, res, weight) -> tuple[torch.Tenso
 def _body(rank: int, report: dict) -> None:
     import torch.distributed as dist
 
-    from qwen_chat.engine.collectives import TensorParallelComm, broadcast_from_rank0
+    from qwen_chat.engine.parallel.collectives import TensorParallelComm, broadcast_from_rank0
 
     world = 2
     dev = torch.device("cuda", rank)

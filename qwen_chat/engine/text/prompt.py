@@ -1,0 +1,350 @@
+"""Prompt building: chat messages + images -> token ids and vision inputs, ready for prefill.
+
+Pure: no model, no device; only the checkpoint's processor (tokenizer, image processor, chat template).
+
+How the ids are made (``build_prompt``):
+1. The checkpoint's own chat template is rendered with every message text replaced by a unique sentinel
+   string, so the template decides the turn layout (ChatML, ``<|vision_start|><|image_pad|><|vision_end|>``
+   per image, the thinking pre-fill, no reasoning from earlier turns).
+2. The rendered string is split on the sentinels.  Template pieces are encoded normally (their special
+   tokens become control ids); message texts are encoded with ``split_special_tokens=True``, so text that
+   looks like ``<|im_start|>``, ``<|im_end|>``, ``<|image_pad|>``, ``<|endoftext|>`` or ``<think>`` stays
+   ordinary text: no control id ever comes from a message.
+3. Each ``<|image_pad|>`` id is expanded, in order, to the image's number of visual tokens,
+   ``grid_t * grid_h * grid_w / merge_size**2`` (one per 32x32 px block), as ``Qwen3VLProcessor`` does.
+For ordinary text the ids equal what ``processor.apply_chat_template`` + ``processor(...)`` give for the same
+messages (tests/unit/test_prompt.py checks this).  Because the template only ever sees the sentinels, the text
+transformations it would apply are done here, exactly as the tiny model's template does them: each content
+is trimmed (only on the right when images precede the text) and an assistant text keeps only what follows
+its last ``</think>``.  ``ChatMessage.reasoning`` is never sent back to the model (case C17).  With a
+checkpoint whose template does not trim, only whitespace around a message can differ from its own ids.
+
+Images: each path is opened with Pillow (the files are already normalised RGB, see ``qwen_chat.images``)
+and run through the image processor with ``longest_edge = image_token_budget * 1024`` pixels (facts file:
+``smart_resize`` keeps the pixel count in [shortest_edge, longest_edge], one visual token per 1024 px) and
+``shortest_edge = min(processor default, longest_edge / 4)`` (so rounding up never overshoots the budget).
+
+Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
+1. If they do not fit, drop the oldest whole turns (a user message with the assistant replies that follow
+   it) until they fit.  Turns are never cut in the middle, so an image's tokens are never split; the system
+   prompt and the latest user turn are never dropped.
+2. If the prompt alone still leaves less than ``max_new_tokens``, clamp ``max_new_tokens`` to what is left,
+   but not below 64 (the lower end of ``chat_types.MAX_NEW_TOKENS_RANGE``).
+3. If even 64 new tokens do not fit, raise ``ContextTooLong`` with the token counts.
+``PreparedPrompt.notice`` tells the user what was dropped or clamped; ``dropped_turns`` counts the turns.
+"""
+from __future__ import annotations
+
+import secrets
+import threading
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from qwen_chat.chat_types import (
+    MAX_NEW_TOKENS_RANGE,
+    ChatMessage,
+    ContextTooLong,
+    InvalidImage,
+    InvalidInput,
+)
+from qwen_chat.engine.serving.requests import PreparedPrompt
+
+#: Pixels per visual token: one token per 32 x 32 px block (16 px patches, 2 x 2 merge; facts file).
+PIXELS_PER_VISUAL_TOKEN = 1024
+
+#: Smallest reply the context policy leaves room for (tokens).
+MIN_NEW_TOKENS = MAX_NEW_TOKENS_RANGE[0]
+
+IMAGE_PAD = "<|image_pad|>"
+THINK_END = "</think>"
+
+
+def is_blank(text: str) -> bool:
+    """True when ``text`` has only whitespace and invisible format characters (zero-width space/joiners,
+    word joiner, BOM, bidi marks: Unicode category Cf)."""
+    return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
+
+
+@dataclass
+class _Turn:
+    """Messages of one turn: a user message and the assistant replies after it."""
+
+    messages: list[ChatMessage]
+
+
+@dataclass
+class _Encoded:
+    ids: list[int]
+    image_paths: list[str]
+    image_token_counts: list[int]
+    turn_tokens: list[int]  # tokens attributed to each turn (index 0 = system, if any, else first turn)
+
+
+def _processor_of(loaded_or_processor: Any) -> Any:
+    return getattr(loaded_or_processor, "processor", loaded_or_processor)
+
+
+def _content_text(message: ChatMessage) -> str:
+    """The text the template would end up showing for this message (trim, and for an assistant only the
+    part after the last ``</think>``), so that a sentinel can stand in for it."""
+    text = message.text
+    text = text.rstrip() if message.images else text.strip()
+    if message.role == "assistant" and THINK_END in text:
+        text = text.split(THINK_END)[-1].lstrip("\n")
+    return text
+
+
+def _validate(messages: Sequence[ChatMessage]) -> None:
+    if not messages:
+        raise InvalidInput("There is no message to answer.")
+    for index, message in enumerate(messages):
+        if message.role not in ("system", "user", "assistant"):
+            raise InvalidInput(f"Unknown message role {message.role!r}.")
+        if message.role == "system" and index != 0:
+            raise InvalidInput("A system prompt can only come first in a conversation.")
+        if not isinstance(message.text, str):
+            raise InvalidInput("Message text must be a string.")
+    last = messages[-1]
+    if last.role != "user":
+        raise InvalidInput("The last message must be from the user.")
+    if is_blank(last.text) and not last.images:
+        raise InvalidInput("The message is empty: type some text or attach an image.")
+
+
+def _split_turns(messages: Sequence[ChatMessage]) -> tuple[Optional[ChatMessage], list[_Turn]]:
+    system = messages[0] if messages[0].role == "system" else None
+    turns: list[_Turn] = []
+    for message in messages[1:] if system else messages:
+        if message.role == "user" or not turns:
+            turns.append(_Turn([message]))
+        else:
+            turns[-1].messages.append(message)
+    return system, turns
+
+
+def _image_kwargs(image_processor: Any, image_token_budget: int) -> dict:
+    if image_token_budget < 1:
+        raise InvalidInput(f"image_token_budget must be at least 1, got {image_token_budget}")
+    longest = int(image_token_budget) * PIXELS_PER_VISUAL_TOKEN
+    default_shortest = int(image_processor.size["shortest_edge"])
+    # The lower bound must stay well below the cap: smart_resize rounds *up* (ceil) when it enlarges an image to
+    # shortest_edge, which with shortest_edge == longest_edge (budgets <= 64 tokens with the 65536 px default)
+    # overshoots the budget (a 600x400 photo came out at 72 tokens for a 64-token budget).
+    return {"size": {"shortest_edge": min(default_shortest, longest // 4), "longest_edge": longest}}
+
+
+def _open_image(path: str) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise InvalidImage(f"Cannot read image {Path(path).name}: {exc}") from exc
+
+
+def _visual_tokens(image_processor: Any, path: str, kwargs: dict) -> int:
+    """Number of visual tokens of one image, from its size alone (no pixel processing)."""
+    try:
+        with Image.open(path) as image:
+            width, height = image.size
+    except (OSError, UnidentifiedImageError, ValueError) as exc:
+        raise InvalidImage(f"Cannot read image {Path(path).name}: {exc}") from exc
+    size = kwargs["size"]
+    try:
+        patches = image_processor.get_number_of_image_patches(
+            height, width, {"min_pixels": size["shortest_edge"], "max_pixels": size["longest_edge"]})
+    except ValueError as exc:  # smart_resize refuses aspect ratios above 200
+        raise InvalidImage(f"Image {Path(path).name} ({width}x{height}) cannot be used: {exc}") from exc
+    return int(patches) // int(image_processor.merge_size) ** 2
+
+
+def _conversation(system: Optional[ChatMessage], turns: Sequence[_Turn], sentinel: str) -> tuple[list[dict], list]:
+    """Template messages with sentinels for texts; also, per sentinel, (turn index, message) in order."""
+    conversation: list[dict] = []
+    owners: list = []
+    flat = ([(-1, system)] if system else []) + [(i, m) for i, t in enumerate(turns) for m in t.messages]
+    for turn_index, message in flat:
+        marker = f"{sentinel}{len(owners)}{sentinel}"
+        owners.append((turn_index, message))
+        parts: list[dict] = [{"type": "image"} for _ in message.images]
+        parts.append({"type": "text", "text": marker})
+        conversation.append({"role": message.role, "content": parts})
+    return conversation, owners
+
+
+#: Serialises ``_encode``: transformers keeps ``split_special_tokens`` as a setting of the shared backend
+#: tokenizer (``encode_special_tokens``, set on each call), so two threads encoding at once (the API's worker
+#: threads) could each encode with the other's setting: template control tokens split into text, or message
+#: text read as control tokens.  Seen as 4 wrong prompts in 600 concurrent requests (2026-11-30).
+_ENCODE_LOCK = threading.Lock()
+
+
+def _encode(processor: Any, system: Optional[ChatMessage], turns: Sequence[_Turn], enable_thinking: bool,
+            image_tokens: dict[str, int]) -> _Encoded:
+    with _ENCODE_LOCK:
+        return _encode_locked(processor, system, turns, enable_thinking, image_tokens)
+
+
+def _encode_locked(processor: Any, system: Optional[ChatMessage], turns: Sequence[_Turn],
+                   enable_thinking: bool, image_tokens: dict[str, int]) -> _Encoded:
+    tokenizer = processor.tokenizer
+    sentinel = f"\x00QCS{secrets.token_hex(8)}\x00"
+    for turn in turns:
+        for message in turn.messages:
+            if sentinel in message.text:  # practically impossible (random, with NUL bytes), but checked
+                raise InvalidInput("Message text contains reserved control characters.")
+    conversation, owners = _conversation(system, turns, sentinel)
+    chat_template = getattr(processor, "chat_template", None) or tokenizer.chat_template
+    rendered = tokenizer.apply_chat_template(
+        conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
+        enable_thinking=enable_thinking)
+    pieces = rendered.split(sentinel)
+    # pieces: template, index, template, index, ..., template
+    if len(pieces) != 2 * len(owners) + 1:
+        raise RuntimeError("The chat template dropped or repeated a message; cannot build the prompt safely.")
+
+    image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    special_ids = set(tokenizer.all_special_ids) | set(
+        tid for tid in tokenizer.added_tokens_decoder if tokenizer.added_tokens_decoder[tid].special)
+    n_turn_slots = len(turns) + (1 if system else 0)
+    offset = 1 if system else 0
+    turn_tokens = [0] * n_turn_slots
+    ids: list[int] = []
+    image_paths: list[str] = []
+    counts: list[int] = []
+    pending_images: list[str] = []
+
+    def add_template(text: str, slot: int) -> None:
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            if token == image_pad_id:
+                if not pending_images:
+                    raise RuntimeError("The chat template has more image slots than the messages have images.")
+                path = pending_images.pop(0)
+                n = image_tokens[path]
+                ids.extend([image_pad_id] * n)
+                image_paths.append(path)
+                counts.append(n)
+                turn_tokens[slot] += n
+            else:
+                ids.append(token)
+                turn_tokens[slot] += 1
+
+    for index, (turn_index, message) in enumerate(owners):
+        slot = turn_index + offset
+        pending_images.extend(message.images)
+        add_template(pieces[2 * index], slot)
+        if pieces[2 * index + 1] != str(index):
+            raise RuntimeError("The chat template reordered the messages; cannot build the prompt safely.")
+        text = _content_text(message)
+        if text:
+            content_ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+            if special_ids.intersection(content_ids):  # invariant: no control id from message text
+                raise RuntimeError("Message text produced a control token; refusing to build the prompt.")
+            ids.extend(content_ids)
+            turn_tokens[slot] += len(content_ids)
+    add_template(pieces[-1], n_turn_slots - 1)
+    if pending_images:
+        raise RuntimeError("The chat template has fewer image slots than the messages have images.")
+    return _Encoded(ids, image_paths, counts, turn_tokens)
+
+
+def _vision_inputs(processor: Any, encoded: _Encoded, kwargs: dict) -> dict:
+    images = [_open_image(path) for path in encoded.image_paths]
+    out = processor.image_processor(images=images, return_tensors="pt", **kwargs)
+    grid = out["image_grid_thw"].to(torch.int64)
+    merge = int(processor.image_processor.merge_size) ** 2
+    got = [int(n) for n in (grid.prod(dim=-1) // merge).tolist()]
+    if got != encoded.image_token_counts:
+        raise RuntimeError(f"Visual token counts disagree: size-based {encoded.image_token_counts}, "
+                           f"processor {got}")
+    return {"pixel_values": out["pixel_values"].to(torch.float32), "image_grid_thw": grid}
+
+
+def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, enable_thinking: bool,
+                 image_token_budget: int, context_length: int, max_new_tokens: int) -> PreparedPrompt:
+    """Build the prefill inputs of one chat request (see the module docstring for the rules).
+
+    Args:
+        loaded_or_processor: a ``LoadedModel`` or a ``Qwen3VLProcessor``-like object (``tokenizer``,
+            ``image_processor``, ``chat_template``).
+        messages: optional system message first, then user/assistant turns, ending with a user message;
+            ``images`` are paths of normalised RGB image files; ``reasoning`` is ignored.
+        enable_thinking: passed to the chat template (True: the reply starts inside ``<think>``).
+        image_token_budget: visual tokens per image at most (1 token = 32x32 px).
+        context_length: tokens the model may hold (prompt + reply).
+        max_new_tokens: requested reply length in tokens; may be clamped by the context policy.
+
+    Returns:
+        ``PreparedPrompt`` with ``input_ids`` int64 [L]; with images also ``pixel_values`` float32
+        [num_patches, 3 * 2 * 16 * 16], ``image_grid_thw`` int64 [num_images, 3] and ``mm_token_type_ids``
+        int64 [L] (1 at image-pad positions); ``max_new_tokens``, ``dropped_turns`` and ``notice`` from the
+        context policy.
+
+    Raises:
+        InvalidInput: empty last message, misplaced system prompt, last message not from the user.
+        InvalidImage: an image file cannot be read or has an unusable shape.
+        ContextTooLong: the system prompt and the latest turn alone leave no room for 64 new tokens.
+    """
+    _validate(messages)
+    processor = _processor_of(loaded_or_processor)
+    image_processor = processor.image_processor
+    kwargs = _image_kwargs(image_processor, image_token_budget)
+    system, turns = _split_turns(messages)
+    offset = 1 if system else 0
+
+    image_tokens = {path: _visual_tokens(image_processor, path, kwargs)
+                    for message in messages for path in message.images}
+    encoded = _encode(processor, system, turns, enable_thinking, image_tokens)
+
+    dropped = 0
+    dropped_tokens = 0
+    if len(encoded.ids) + max_new_tokens > context_length:
+        # Oldest turns first; the last turn (latest user message) always stays.
+        excess = len(encoded.ids) + max_new_tokens - context_length
+        costs = encoded.turn_tokens[offset:offset + len(turns) - 1]
+        while dropped < len(costs) and dropped_tokens < excess:
+            dropped_tokens += costs[dropped]
+            dropped += 1
+        while dropped:
+            encoded = _encode(processor, system, turns[dropped:], enable_thinking, image_tokens)
+            # Re-check on the real ids (a template may add or remove a few tokens with the turns).
+            if len(encoded.ids) + max_new_tokens <= context_length or dropped == len(turns) - 1:
+                break
+            dropped += 1
+        dropped_tokens = sum(costs[:dropped])  # tokens of the dropped turns, for the notice
+
+    prompt_tokens = len(encoded.ids)
+    notices = []
+    if dropped:
+        notices.append(f"The {dropped} oldest turn{'s' if dropped > 1 else ''} of this conversation "
+                       f"({dropped_tokens} tokens) did not fit the model's context of {context_length} "
+                       f"tokens and {'were' if dropped > 1 else 'was'} left out of the prompt.")
+    new_tokens = max_new_tokens
+    if prompt_tokens + new_tokens > context_length:
+        room = context_length - prompt_tokens
+        if room < MIN_NEW_TOKENS:
+            raise ContextTooLong(
+                f"The message is too long for the model's context: the prompt needs {prompt_tokens} tokens"
+                f"{' even after leaving out all earlier turns' if dropped else ''}, plus at least "
+                f"{MIN_NEW_TOKENS} for the reply, but the context holds {context_length} tokens. "
+                "Shorten the message or system prompt, attach fewer or smaller images, or start a new chat.",
+                prompt_tokens=prompt_tokens, context_length=context_length)
+        new_tokens = room
+        notices.append(f"The reply is limited to {new_tokens} new tokens (instead of {max_new_tokens}) to fit "
+                       f"the context of {context_length} tokens.")
+
+    input_ids = torch.tensor(encoded.ids, dtype=torch.int64)
+    prepared = PreparedPrompt(input_ids=input_ids, max_new_tokens=new_tokens, dropped_turns=dropped,
+                              notice=" ".join(notices))
+    if encoded.image_paths:
+        vision = _vision_inputs(processor, encoded, kwargs)
+        image_pad_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        prepared.pixel_values = vision["pixel_values"]
+        prepared.image_grid_thw = vision["image_grid_thw"]
+        prepared.mm_token_type_ids = (input_ids == image_pad_id).to(torch.int64)
+    return prepared

@@ -1,0 +1,373 @@
+"""ChatEngine end to end on the built-in tiny model (random weights, real Qwen3.5 structure and tokenizer), CPU.
+
+Covers issue 2's engine tests and issue 4's continuous batching at the service level: greedy determinism, the
+token limit, Stop and a closed stream freeing the slot, image + text prompts, concurrent requests that share
+decode steps without cross-talk, Busy, seeded sampling, the reasoning/answer split (C16) and stop strings.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qwen_chat.chat_types import Busy, CancelToken, ChatMessage, GenerationSettings, InvalidInput, NotReady
+from qwen_chat.engine.parallel.executors import LocalExecutor
+from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.model.sampling import Sampler
+from qwen_chat.engine.serving.chat_engine import THINKING_CUT_NOTICE, ChatEngine
+
+IMAGES = Path(__file__).parents[1] / "fixtures" / "images"
+MAX_CONTEXT = 2048
+
+
+class SpyExecutor(LocalExecutor):
+    """LocalExecutor that records plans; ``gate`` (if given) holds every step until it is set; ``script``
+    ({prompt length: [ids]}) replaces the sampled ids of the request with that prompt length."""
+
+    def __init__(self, runner, sampler, gate=None):
+        super().__init__(runner, sampler)
+        self.plans = []
+        self.gate = gate
+        self.step_started = threading.Event()
+        self.script: dict[int, list[int]] = {}
+        self._scripted_slots: dict[int, list[int]] = {}
+
+    def execute(self, plan):
+        self.plans.append(plan)
+        self.step_started.set()
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        out = super().execute(plan)
+        for item in plan.prefills:
+            if item.prompt.num_tokens in self.script:
+                self._scripted_slots[item.slot] = list(self.script[item.prompt.num_tokens])
+        for slot in plan.free_slots:
+            self._scripted_slots.pop(slot, None)
+        for slot, ids in self._scripted_slots.items():
+            if slot in out and ids:
+                out[slot] = ids.pop(0)
+        return out
+
+
+@pytest.fixture(scope="module")
+def runner_and_sampler(tiny_loaded):
+    runner = ModelRunner(tiny_loaded.model, num_slots=2, max_context=MAX_CONTEXT, device="cpu")
+    return runner, Sampler(2, runner.vocab_size, "cpu")
+
+
+@pytest.fixture
+def make_engine(tiny_loaded, runner_and_sampler):
+    engines = []
+
+    def make(num_slots=2, max_queue=4, gate=None, max_context=MAX_CONTEXT):
+        runner, sampler = runner_and_sampler
+        for slot in range(runner.num_slots):
+            runner.free(slot)
+        ex = SpyExecutor(runner, sampler, gate=gate)
+        engine = ChatEngine(tiny_loaded, runner, ex, image_token_budget=64, max_context=max_context,
+                            max_queue=max_queue, num_slots=num_slots, overlap=False)  # scripts rewrite execute()
+        engines.append(engine)
+        return engine, ex
+
+    yield make
+    for e in engines:
+        e.close()
+
+
+@pytest.fixture
+def engine(make_engine):
+    return make_engine()[0]
+
+
+def user(text, *images):
+    return [ChatMessage(role="user", text=text, images=tuple(str(IMAGES / i) for i in images))]
+
+
+def greedy(thinking=False, **kw):
+    return GenerationSettings.preset(thinking, **{"temperature": 0.0, "max_new_tokens": 64, **kw})
+
+
+def run(engine, messages, settings, cancel=None):
+    updates = list(engine.stream_chat(messages, settings, cancel or CancelToken()))
+    assert updates and updates[-1].finish_reason is not None
+    assert all(u.finish_reason is None for u in updates[:-1])
+    return updates
+
+
+def wait_until(cond, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_greedy_is_deterministic_and_deltas_add_up(engine):
+    a = run(engine, user("Tell me about the sea."), greedy())
+    b = run(engine, user("Tell me about the sea."), greedy())
+    assert a[-1].answer and a[-1].answer == b[-1].answer
+    assert a[-1].completion_tokens == b[-1].completion_tokens
+    assert "".join(u.answer_delta for u in a) == a[-1].answer
+    assert a[-1].prompt_tokens > 5 and a[-1].ttft_s is not None and a[-1].ttft_s > 0
+    # complete_chat gives the same greedy text in one update
+    whole = engine.complete_chat(user("Tell me about the sea."), greedy())
+    assert whole.answer == a[-1].answer and whole.answer_delta == whole.answer
+    assert whole.finish_reason == a[-1].finish_reason
+
+
+def test_max_new_tokens_is_honoured(engine):
+    last = run(engine, user("Count to one hundred."), greedy())[-1]
+    assert last.finish_reason == "length"
+    assert last.completion_tokens == 64
+
+
+def test_stop_mid_stream_frees_slot_and_next_request_works(make_engine):
+    engine, ex = make_engine(num_slots=1, max_queue=1)
+    cancel = CancelToken()
+    updates = []
+    for u in engine.stream_chat(user("Write a long story."), greedy(max_new_tokens=8192), cancel):
+        updates.append(u)
+        if len(updates) == 3:
+            cancel.cancel()
+    assert updates[-1].finish_reason == "cancelled"
+    assert updates[-1].completion_tokens < 100
+    wait_until(lambda: engine.stats()["running"] == 0)
+    assert engine.stats()["finished_cancelled_total"] == 1
+    last = run(engine, user("Hi"), greedy())[-1]
+    assert last.finish_reason in ("stop", "length") and last.completion_tokens > 0
+
+
+def test_closing_the_stream_cancels_generation(make_engine):
+    engine, ex = make_engine(num_slots=1, max_queue=1)
+    stream = engine.stream_chat(user("Write a long story."), greedy(max_new_tokens=8192), CancelToken())
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()  # what Gradio/Starlette do when the user presses Stop or the tab goes away
+    wait_until(lambda: any(p.free_slots == [0] for p in ex.plans))  # the step that releases the slot
+    steps = len(ex.plans)
+    assert engine.stats()["running"] == 0 and engine.stats()["finished_cancelled_total"] == 1
+    assert engine.stats()["generated_tokens_total"] < 100
+    time.sleep(0.2)
+    assert len(ex.plans) == steps  # nothing runs after the cancel
+    # an iterator dropped without ever being started is cancelled too
+    engine.stream_chat(user("Write a long story."), greedy(max_new_tokens=8192), CancelToken())
+    wait_until(lambda: engine.stats()["finished_cancelled_total"] == 2 and engine.stats()["running"] == 0)
+
+
+def test_image_and_text_prompt(engine):
+    text_only = engine.prepare(user("What animal is this?"), greedy())
+    with_image = engine.prepare(user("What animal is this?", "chelsea.png"), greedy())
+    grid = with_image.image_grid_thw
+    assert grid is not None and grid.shape == (1, 3)
+    visual_tokens = int(grid.prod()) // 4  # 2x2 spatial merge (qwen3_5-facts.md "Images")
+    assert 0 < visual_tokens <= 64  # image_token_budget=64
+    # the image adds <|vision_start|>, one pad per visual token, <|vision_end|>
+    assert with_image.num_tokens == text_only.num_tokens + visual_tokens + 2
+    a = run(engine, user("What animal is this?", "chelsea.png"), greedy())[-1]
+    b = run(engine, user("What animal is this?"), greedy())[-1]
+    assert a.prompt_tokens == with_image.num_tokens
+    assert a.finish_reason in ("stop", "length") and a.completion_tokens > 0
+    assert a.answer != b.answer  # the image really reached the model
+
+
+def test_concurrent_requests_batch_together_without_cross_talk(make_engine):
+    s1 = GenerationSettings.preset(False, seed=1, max_new_tokens=64)
+    s2 = GenerationSettings.preset(False, seed=2, max_new_tokens=64)
+    m1, m2 = user("First question"), user("Another, longer second question")
+    engine, ex = make_engine()
+    solo1, solo2 = run(engine, m1, s1)[-1], run(engine, m2, s2)[-1]
+    gate = threading.Event()
+    engine, ex = make_engine(gate=gate)
+    g1 = engine.stream_chat(m1, s1, CancelToken())
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault(1, list(g1)[-1]))
+    t.start()
+    assert ex.step_started.wait(30)  # request 1 is inside its prefill step
+    g2 = engine.stream_chat(m2, s2, CancelToken())
+    gate.set()
+    results[2] = list(g2)[-1]
+    t.join(60)
+    assert (results[1].answer, results[1].completion_tokens) == (solo1.answer, solo1.completion_tokens)
+    assert (results[2].answer, results[2].completion_tokens) == (solo2.answer, solo2.completion_tokens)
+    assert results[1].answer != results[2].answer
+    both = [p for p in ex.plans if len(p.decode_slots) == 2]
+    assert both, "the two requests never shared a decode step"
+    assert any(p.prefills and p.decode_slots for p in ex.plans), "request 2 did not join a running batch"
+    assert engine.stats()["max_decode_batch"] == 2
+    assert engine.stats()["step_seconds_total"] > 0  # engine busy time, exported on /metrics
+
+
+def test_queue_full_raises_busy(make_engine):
+    gate = threading.Event()
+    engine, ex = make_engine(num_slots=1, max_queue=1, gate=gate)
+    first = engine.stream_chat(user("one"), greedy(), CancelToken())
+    second = engine.stream_chat(user("two"), greedy(), CancelToken())
+    with pytest.raises(Busy, match=r"busy, 1 requests queued, try again"):
+        engine.stream_chat(user("three"), greedy(), CancelToken())
+    gate.set()
+    assert list(first)[-1].finish_reason in ("stop", "length")
+    assert list(second)[-1].finish_reason in ("stop", "length")
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    s = GenerationSettings.preset(False, seed=1234, max_new_tokens=64, temperature=1.0)
+    a = run(engine, user("Say something"), s)[-1]
+    b = run(engine, user("Say something"), s)[-1]
+    c = run(engine, user("Say something"), GenerationSettings.preset(False, seed=99, max_new_tokens=64,
+                                                                      temperature=1.0))[-1]
+    assert a.answer == b.answer and a.completion_tokens == b.completion_tokens
+    assert c.answer != a.answer
+
+
+def test_invalid_settings_raise_before_streaming(engine):
+    with pytest.raises(InvalidInput, match="top_p"):
+        engine.stream_chat(user("hi"), GenerationSettings(top_p=0.0), CancelToken())
+    with pytest.raises(InvalidInput, match="max_new_tokens"):
+        engine.stream_chat(user("hi"), GenerationSettings(max_new_tokens=10), CancelToken())
+    assert engine.stats()["requests_total"] == 0
+
+
+def test_thinking_cut_off_by_token_limit_stays_reasoning(engine):
+    last = run(engine, user("Prove there are infinitely many primes."), greedy(thinking=True))[-1]
+    assert last.finish_reason == "length"
+    assert last.reasoning and last.answer == "" and last.thinking
+    assert THINKING_CUT_NOTICE in last.notice
+
+
+def test_thinking_off_is_all_answer(engine):
+    updates = run(engine, user("Hello"), greedy(thinking=False))
+    assert updates[-1].reasoning == "" and updates[-1].answer
+    assert not any(u.thinking for u in updates)
+
+
+def _ids(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_reasoning_and_answer_split_at_think_end(make_engine, tiny_loaded):
+    engine, ex = make_engine()
+    tok = tiny_loaded.tokenizer
+    msgs = user("What is 1+1?")
+    n = engine.prepare(msgs, greedy(thinking=True)).num_tokens
+    ex.script[n] = (_ids(tok, "Simple sum.\n") + [tok.convert_tokens_to_ids("</think>")]
+                    + _ids(tok, "\n\n2") + [tok.convert_tokens_to_ids("<|im_end|>")])
+    updates = run(engine, msgs, greedy(thinking=True))
+    last = updates[-1]
+    assert (last.reasoning, last.answer, last.finish_reason) == ("Simple sum.", "2", "stop")
+    assert "</think>" not in last.answer and not last.thinking and not last.notice
+    assert updates[0].thinking and updates[0].answer == ""
+    assert last.completion_tokens == len(ex.script[n])  # the im_end that ended the reply counts, as in OpenAI
+
+
+def test_stop_string_cuts_the_answer(make_engine, tiny_loaded):
+    engine, ex = make_engine()
+    tok = tiny_loaded.tokenizer
+    msgs = user("List")
+    n = engine.prepare(msgs, greedy()).num_tokens
+    ex.script[n] = _ids(tok, "one, two, three, four, five") + [tok.convert_tokens_to_ids("<|im_end|>")]
+    updates = run(engine, msgs, greedy(stop=("three",)))
+    assert updates[-1].answer == "one, two, " and updates[-1].finish_reason == "stop"
+    assert "".join(u.answer_delta for u in updates) == "one, two, "
+    assert all("thr" not in u.answer for u in updates)
+    wait_until(lambda: engine.stats()["running"] == 0)
+
+
+def test_top_k_1_equals_greedy(engine):
+    """Public case C13: top_k=1 keeps only the most likely token, so at any temperature it is greedy."""
+    g = run(engine, user("Name a colour."), greedy())[-1]
+    k1 = run(engine, user("Name a colour."),
+             GenerationSettings.preset(False, temperature=1.5, top_k=1, top_p=0.1, presence_penalty=0.0,
+                                       max_new_tokens=64, seed=5))[-1]
+    assert k1.answer == g.answer and k1.completion_tokens == g.completion_tokens
+
+
+def test_context_policy_notice_and_clamped_reply(make_engine):
+    engine, _ = make_engine(max_context=300)
+    long_turn = "word " * 60
+    msgs = []
+    for i in range(4):
+        msgs += [ChatMessage(role="user", text=f"{i} {long_turn}"), ChatMessage(role="assistant", text=long_turn)]
+    msgs.append(ChatMessage(role="user", text="And now?"))
+    prepared = engine.prepare(msgs, greedy(max_new_tokens=200))
+    assert prepared.dropped_turns > 0 and prepared.notice
+    updates = run(engine, msgs, greedy(max_new_tokens=200))
+    assert all(u.notice.startswith(prepared.notice) for u in updates)
+    last = updates[-1]
+    assert last.prompt_tokens == prepared.num_tokens
+    assert last.prompt_tokens + last.completion_tokens <= 300
+    assert last.completion_tokens <= prepared.max_new_tokens
+
+
+def test_self_check_and_health(engine):
+    assert engine.health()["ok"] is False and "self-check not run" in engine.health()["reason"]
+    assert engine.self_check() is True
+    h = engine.health()
+    assert h["ok"] is True and h["self_check"] == "passed" and h["active"] == 0
+
+
+def test_engine_failure_mid_stream_ends_with_error_not_exception(make_engine):
+    engine, ex = make_engine()
+    assert engine.self_check()
+    original = ex.execute
+
+    def failing(plan):
+        if plan.decode_slots and len(ex.plans) > 6:
+            ex.plans.append(plan)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return original(plan)
+
+    ex.execute = failing
+    updates = run(engine, user("Tell me a story"), greedy())
+    last = updates[-1]
+    assert last.finish_reason == "error"
+    assert last.notice.startswith("generation failed: the engine failed while generating (RuntimeError)")
+    assert "illegal memory access" not in last.notice  # internals stay in the server log
+    health = engine.health()
+    assert health["ok"] is False and "illegal memory access" in health["reason"]
+    assert engine.stats()["finished_error_total"] == 1
+
+
+def test_exit_process_soon_exits_with_code_1():
+    """What build_engine wires to an engine failure: the process ends non-zero so that Supervisor restarts it."""
+    code = ("import time; from qwen_chat.engine.serving.chat_engine import exit_process_soon; "
+            "exit_process_soon('simulated failure', 0.2); time.sleep(60)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1
+    assert "simulated failure" in done.stderr and "exiting with code 1" in done.stderr
+
+
+def test_health_reports_a_stuck_step(make_engine):
+    gate = threading.Event()
+    gate.set()
+    engine, ex = make_engine(gate=gate)
+    assert engine.self_check()
+    gate.clear()  # the next step hangs, as a wedged device would
+    stream = engine.stream_chat(user("hi"), greedy(), CancelToken())
+    wait_until(lambda: engine.stats()["step_running_s"] > 0)
+    assert engine.health()["ok"] is True  # far below stuck_after_s
+    engine.stuck_after_s = 0.0
+    health = engine.health()
+    assert health["ok"] is False and "engine stuck" in health["reason"]
+    gate.set()
+    assert list(stream)[-1].finish_reason in ("stop", "length")
+    wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["step_running_s"] == 0.0)
+    engine.stuck_after_s = 600.0
+    assert engine.health()["ok"] is True
+
+
+def test_failed_self_check_refuses_requests_with_not_ready(make_engine):
+    engine, ex = make_engine()
+
+    def broken(plan):
+        raise RuntimeError("device lost")
+
+    ex.execute = broken
+    assert engine.self_check() is False
+    assert engine.health()["ok"] is False and "self-check failed" in engine.health()["reason"]
+    with pytest.raises(NotReady, match="self-check"):
+        engine.stream_chat(user("hi"), greedy(), CancelToken())

@@ -1,0 +1,374 @@
+"""CPU parity of the engine's ModelRunner against the reference transformers model (fp32, small config).
+
+The reference is a full forward of ``Qwen3_5ForConditionalGeneration`` over the whole sequence so far (prompt,
+image inputs and every token fed in), compared at the last position.  Relative error = max |ours - ref| /
+max |ref| over the vocabulary; the bound 1e-4 is issue 4's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+from qwen_chat.chat_types import ContextTooLong, InvalidInput
+from qwen_chat.engine.model.glue import attn_core
+from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.model.runner import ModelRunner, fuse_linears
+
+IMAGE, VSTART, VEND = 300, 302, 303
+VOCAB = 320
+TOL = 1e-4
+
+
+def small_config() -> Qwen3_5Config:
+    """8 text layers (3 linear + 1 full) x 2, so two full-attention layers; GQA 4/2; linear heads 2 key / 4 value
+    (grouped like the 9B's 16/32); partial interleaved M-RoPE (rotary dim 8 = sections 2+1+1 pairs)."""
+    return Qwen3_5Config(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4, vocab_size=VOCAB,
+            max_position_embeddings=4096, rms_norm_eps=1e-6, attn_output_gate=True, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[2, 1, 1], mrope_interleaved=True),
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, full_attention_interval=4),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           in_channels=3, deepstack_visual_indexes=[]),
+        image_token_id=IMAGE, video_token_id=301, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        tie_word_embeddings=False)
+
+
+def small_model() -> Qwen3_5ForConditionalGeneration:
+    """The fp32 model of ``small_config`` on CPU with seed 0 and non-trivial norm weights (they initialise to the
+    identity), in eval mode."""
+    torch.manual_seed(0)
+    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0.0, 0.3)
+    return m
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model()
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+class Seq:
+    """One sequence fed to the runner, with what the reference needs to recompute it from scratch."""
+
+    def __init__(self, ids, image=None):
+        self.ids = list(ids)
+        self.image = image  # (pixel_values, grid) or None
+
+    def prompt(self) -> PreparedPrompt:
+        ids = torch.tensor(self.ids)
+        if self.image is None:
+            return PreparedPrompt(input_ids=ids)
+        pv, grid = self.image
+        return PreparedPrompt(input_ids=ids, pixel_values=pv, image_grid_thw=grid,
+                              mm_token_type_ids=(ids == IMAGE).long())
+
+    @torch.no_grad()
+    def reference(self, model) -> torch.Tensor:
+        ids = torch.tensor([self.ids])
+        kw = {}
+        if self.image is not None:
+            kw = dict(pixel_values=self.image[0], image_grid_thw=self.image[1],
+                      mm_token_type_ids=(ids == IMAGE).long())
+        return model(input_ids=ids, **kw).logits[0, -1]
+
+
+def text_ids(gen: torch.Generator, n: int) -> list[int]:
+    return torch.randint(0, 290, (n,), generator=gen).tolist()
+
+
+def image_seq(gen: torch.Generator, grid=(1, 4, 6)) -> Seq:
+    """Text, one image of grid t x h x w patches (h*w/4 merged tokens), text."""
+    t, h, w = grid
+    pv = torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=gen)
+    n_tok = t * h * w // 4
+    ids = text_ids(gen, 5) + [VSTART] + [IMAGE] * n_tok + [VEND] + text_ids(gen, 7)
+    return Seq(ids, (pv, torch.tensor([list(grid)])))
+
+
+def run_decode_parity(model, seq: Seq, steps: int, gen: torch.Generator) -> list[float]:
+    runner = ModelRunner(model, num_slots=2, max_context=256, device="cpu")
+    errs = [rel_err(runner.prefill(1, seq.prompt()), seq.reference(model))]
+    for _ in range(steps):
+        tok = int(torch.randint(0, 290, (1,), generator=gen))
+        seq.ids.append(tok)
+        errs.append(rel_err(runner.decode([1], torch.tensor([tok]))[0], seq.reference(model)))
+    return errs
+
+
+def test_text_prefill_and_32_decode_steps_match_reference(model):
+    gen = torch.Generator().manual_seed(1)
+    errs = run_decode_parity(model, Seq(text_ids(gen, 37)), 32, gen)
+    assert len(errs) == 33
+    assert max(errs) <= TOL, errs
+
+
+def test_image_prefill_and_32_decode_steps_match_reference(model):
+    gen = torch.Generator().manual_seed(2)
+    seq = image_seq(gen)
+    runner_probe = ModelRunner(model, num_slots=1, max_context=64, device="cpu")
+    runner_probe.prefill(0, seq.prompt())
+    # A 4x6 patch grid merges to 2x3 tokens: the image spans max(2, 3) = 3 positions for 6 tokens -> delta -3.
+    assert runner_probe.rope_deltas[0] == -3
+    errs = run_decode_parity(model, seq, 32, gen)
+    assert max(errs) <= TOL, errs
+
+
+def test_image_changes_logits(model):
+    """The vision path is really used: other pixels, other logits (guards against ignoring the image)."""
+    gen = torch.Generator().manual_seed(3)
+    a = image_seq(gen)
+    b = Seq(a.ids, (torch.randn(a.image[0].shape, generator=gen), a.image[1]))
+    runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
+    la, lb = runner.prefill(0, a.prompt()), runner.prefill(1, b.prompt())
+    assert rel_err(la, lb) > 1e-3
+
+
+class LiveBatch:
+    """Sequences joining, decoding together and leaving one runner, each step compared with the reference.
+
+    ``errs`` collects the relative error of every prefill and of every row of every decode step.
+    """
+
+    def __init__(self, runner: ModelRunner, model, gen: torch.Generator):
+        self.runner, self.model, self.gen = runner, model, gen
+        self.live: dict[int, Seq] = {}
+        self.errs: list[float] = []
+
+    def join(self, slot: int, seq: Seq) -> None:
+        self.live[slot] = seq
+        self.errs.append(rel_err(self.runner.prefill(slot, seq.prompt()), seq.reference(self.model)))
+
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            slots = list(self.live)
+            toks = torch.randint(0, 290, (len(slots),), generator=self.gen)
+            for s, t in zip(slots, toks.tolist()):
+                self.live[s].ids.append(t)
+            out = self.runner.decode(slots, toks.to(self.runner.device))
+            assert out.shape == (len(slots), self.runner.vocab_size) and out.dtype == torch.float32
+            self.errs.extend(rel_err(out[r], self.live[s].reference(self.model)) for r, s in enumerate(slots))
+
+    def leave(self, slot: int) -> None:
+        self.runner.free(slot)
+        del self.live[slot]
+
+
+def test_batch_of_sequences_joining_and_leaving(model):
+    """Slots of different lengths decode together; sequences join, leave and a freed slot is reused."""
+    gen = torch.Generator().manual_seed(4)
+    runner = ModelRunner(model, num_slots=3, max_context=128, device="cpu")
+    assert runner.vocab_size == VOCAB
+    batch = LiveBatch(runner, model, gen)
+    join, step, leave, errs = batch.join, batch.step, batch.leave, batch.errs
+
+    join(0, Seq(text_ids(gen, 9)))
+    step(3)
+    join(2, Seq(text_ids(gen, 30)))
+    step(4)
+    join(1, image_seq(gen))
+    step(3)
+    leave(0)
+    step(2)
+    join(0, Seq(text_ids(gen, 4)))  # reuse of a freed slot: no stale KV / conv / recurrent state
+    step(4)
+    leave(2)
+    step(2)
+    assert len(errs) == 4 + 3 + 2 * 4 + 3 * 3 + 2 * 2 + 3 * 4 + 2 * 2
+    assert max(errs) <= TOL, max(errs)
+
+
+def test_decode_batch_order_does_not_matter(model):
+    gen = torch.Generator().manual_seed(5)
+    runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
+    a, b = Seq(text_ids(gen, 6)), Seq(text_ids(gen, 11))
+    runner.prefill(0, a.prompt())
+    runner.prefill(1, b.prompt())
+    runner2 = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
+    runner2.prefill(0, a.prompt())
+    runner2.prefill(1, b.prompt())
+    out = runner.decode([0, 1], torch.tensor([7, 8]))
+    out2 = runner2.decode([1, 0], torch.tensor([8, 7]))
+    assert torch.allclose(out[0], out2[1], atol=1e-5) and torch.allclose(out[1], out2[0], atol=1e-5)
+
+
+def test_context_limits_raise_clear_errors(model):
+    runner = ModelRunner(model, num_slots=1, max_context=16, device="cpu")
+    with pytest.raises(ContextTooLong) as exc:
+        runner.prefill(0, PreparedPrompt(input_ids=torch.arange(16)))
+    assert exc.value.prompt_tokens == 16 and exc.value.context_length == 16
+    runner.prefill(0, PreparedPrompt(input_ids=torch.arange(14)))
+    runner.decode([0], torch.tensor([1]))  # writes position 14
+    runner.decode([0], torch.tensor([2]))  # writes position 15, the last one
+    with pytest.raises(ContextTooLong):
+        runner.decode([0], torch.tensor([3]))
+    runner.free(0)
+    with pytest.raises(ValueError, match="not prefilled"):
+        runner.decode([0], torch.tensor([3]))
+    with pytest.raises(InvalidInput, match="token ids"):
+        runner.prefill(0, PreparedPrompt(input_ids=torch.tensor([1, VOCAB])))
+    with pytest.raises(InvalidInput, match="3 image-pad tokens but the images give 4 features"):  # 3 pads, but a 4x4 grid gives 4 features
+        runner.prefill(0, PreparedPrompt(input_ids=torch.tensor([1, IMAGE, IMAGE, IMAGE]),
+                                         pixel_values=torch.randn(16, 1536), image_grid_thw=torch.tensor([[1, 4, 4]])))
+
+
+def test_state_shapes_follow_the_model():
+    """Static state sized from the probed widths: KV [slots+1, kv_heads, max_context, head_dim] in the model
+    dtype for full layers, a conv ring [slots+1, conv_dim, K] and fp32 value-major recurrent state
+    [slots+1, v_heads, dv, dk]."""
+    torch.manual_seed(0)
+    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
+    runner = ModelRunner(m, num_slots=3, max_context=40, device="cpu")
+    assert runner.vocab_size == VOCAB
+    assert sorted(runner.k_cache) == [3, 7]
+    assert runner.k_cache[3].shape == (4, 2, 40, 32) and runner.k_cache[3].dtype == torch.float32
+    assert runner.conv_state[0].shape == (4, 2 * 2 * 16 + 4 * 16, 4)  # ring of K = 4 conv inputs
+    assert runner.rec_state[0].shape == (4, 4, 16, 16) and runner.rec_state[0].dtype == torch.float32
+    assert runner.use_cuda_graphs is False
+
+
+def test_fused_decode_attention_matches_sdpa():
+    """kernels.attn_core (the compiled GPU path) reads each row's own slot up to its position, like SDPA over
+    the gathered cache with a length mask."""
+    gen = torch.Generator().manual_seed(6)
+    slots, nkv, T, hd, G = 5, 2, 40, 16, 3
+    kc, vc = torch.randn(slots, nkv, T, hd, generator=gen), torch.randn(slots, nkv, T, hd, generator=gen)
+    q = torch.randn(3, nkv, G, hd, generator=gen)
+    slot_idx, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 31])
+    ours = attn_core(q, kc, vc, slot_idx, pos, 32, 0.25)
+    for b in range(3):
+        n = int(pos[b]) + 1
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1], kc[slot_idx[b:b + 1], :, :n], vc[slot_idx[b:b + 1], :, :n], scale=0.25)
+        assert torch.allclose(ours[b], ref[0], atol=1e-5)
+
+
+def test_service_tiny_model_with_processed_photo_matches_reference(tiny_loaded):
+    """The service's own tiny checkpoint (real vocab, 16/4 heads, 16/32 linear heads) with a photo through its
+    real processor: prefill and 8 decode steps match the reference forward."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    model, processor = tiny_loaded.model, tiny_loaded.processor
+    image = Image.open(Path(__file__).parents[1] / "fixtures" / "images" / "coffee.png").convert("RGB")
+    image = image.resize((128, 96))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = processor(text=[text], images=[image], return_tensors="pt")
+    ids = enc["input_ids"][0]
+    n_visual = int(enc["image_grid_thw"].prod()) // 4  # one token per 2x2 merged block of 16-px patches
+    assert n_visual > 0 and int((ids == model.config.image_token_id).sum()) == n_visual
+    prompt = PreparedPrompt(input_ids=ids, pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                            mm_token_type_ids=enc["mm_token_type_ids"][0])
+    runner = ModelRunner(model, num_slots=1, max_context=256, device="cpu")
+    seq = list(ids.tolist())
+
+    @torch.no_grad()
+    def reference():
+        full = torch.tensor([seq])
+        mm = torch.zeros_like(full)
+        mm[0, : ids.numel()] = enc["mm_token_type_ids"][0]
+        return model(input_ids=full, pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"],
+                     mm_token_type_ids=mm).logits[0, -1]
+
+    errs = [rel_err(runner.prefill(0, prompt), reference())]
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(8):
+        tok = int(torch.randint(0, 248000, (1,), generator=gen))
+        seq.append(tok)
+        errs.append(rel_err(runner.decode([0], torch.tensor([tok]))[0], reference()))
+    assert max(errs) <= TOL, errs
+
+
+def test_graph_ladder_and_context_buckets(model):
+    runner = ModelRunner(model, num_slots=5, max_context=3000, device="cpu")
+    assert runner.graph_batch_sizes() == [1, 2, 4, 8]
+    assert runner.context_buckets() == [512, 1024, 2048, 3000]
+    assert runner._context_bucket(513) == 1024 and runner._context_bucket(2049) == 3000
+    assert runner.capture_all() == 0  # CPU: no graphs, nothing to capture
+
+
+@pytest.mark.parametrize("make_seq, pad_to", [
+    (lambda gen: Seq(text_ids(gen, 37)), 64),
+    (lambda gen: Seq(text_ids(gen, 37)), 130),   # padding longer than the 64-token chunk of the delta rule
+    (lambda gen: Seq(text_ids(gen, 2)), 128),    # shorter than the conv window (K - 1 = 3)
+    (image_seq, 100),
+])
+def test_padded_prefill_keeps_no_trace_of_the_padding(model, make_seq, pad_to):
+    """The CUDA-graph prefill runs a prompt padded at the end to its bucket.  The padded forward (forced here
+    with ``pad_to``) must give the reference's last-position logits and leave the slot's KV, conv and recurrent
+    state such that 8 decode steps still match the reference."""
+    gen = torch.Generator().manual_seed(11)
+    seq, other = make_seq(gen), Seq(text_ids(gen, 20))
+    runner = ModelRunner(model, num_slots=2, max_context=160, device="cpu")
+    runner.prefill(1, other.prompt())  # a live neighbour: its state must not be touched
+    errs = [rel_err(runner.prefill(0, seq.prompt(), pad_to=pad_to), seq.reference(model))]
+    assert runner.lengths[0] == len(seq.ids)
+    for _ in range(8):
+        toks = torch.randint(0, 290, (2,), generator=gen)
+        seq.ids.append(int(toks[0]))
+        other.ids.append(int(toks[1]))
+        out = runner.decode([0, 1], toks)
+        errs += [rel_err(out[0], seq.reference(model)), rel_err(out[1], other.reference(model))]
+    assert max(errs) <= TOL, errs
+
+
+def test_pad_to_outside_the_prompt_and_context_is_refused(model):
+    runner = ModelRunner(model, num_slots=1, max_context=64, device="cpu")
+    prompt = PreparedPrompt(input_ids=torch.arange(10))
+    for bad in (9, 65):
+        with pytest.raises(ValueError, match="pad_to must be in 10..64"):
+            runner.prefill(0, prompt, pad_to=bad)
+
+
+def test_projections_are_fused_without_extra_memory():
+    """Each layer's token-mixer input projections and the MLP's gate/up read one fused weight; the modules keep
+    views of it (no copy), a second runner on the same model reuses it, and the model's own forward is
+    unchanged."""
+    torch.manual_seed(0)
+    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        before = m(input_ids=ids).logits
+    n_before = sum(p.numel() for p in m.parameters())
+    runner = ModelRunner(m, num_slots=1, max_context=32, device="cpu")
+    assert runner.impl["fused_projection_groups"] == 2 * 8
+    la = m.model.language_model.layers[0].linear_attn
+    fused, sizes = runner._fused[0]["mix"]
+    assert sizes == [la.in_proj_qkv.out_features, la.in_proj_z.out_features, 4, 4]
+    assert la.in_proj_a.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert torch.equal(fused[-4:], la.in_proj_a.weight)
+    again = ModelRunner(m, num_slots=1, max_context=32, device="cpu")
+    assert again._fused[0]["mix"][0].data_ptr() == fused.data_ptr()
+    assert sum(p.numel() for p in m.parameters()) == n_before
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=ids).logits, before)
+
+
+def test_hooked_or_sharded_projections_are_not_fused():
+    """A module with a forward hook (how ZeRO-3 gathers weights) or of another class (DeepSpeed's sharded
+    layers) must keep being called as a module, so fusing is refused for its group."""
+    a, b = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 6, bias=False)
+    assert fuse_linears([a, b]) is not None
+    c, d = torch.nn.Linear(8, 4, bias=False), torch.nn.Linear(8, 6, bias=False)
+    d.register_forward_pre_hook(lambda mod, args: None)
+    assert fuse_linears([c, d]) is None
+
+    class Sharded(torch.nn.Linear):
+        pass
+
+    assert fuse_linears([torch.nn.Linear(8, 4, bias=False), Sharded(8, 6, bias=False)]) is None
+    assert fuse_linears([torch.nn.Linear(8, 4, bias=True), torch.nn.Linear(8, 6, bias=False)]) is None

@@ -1,0 +1,65 @@
+"""The set-up promises of the repository: README's two commands, .ci/run, pinned requirements, import hygiene."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_AND_START = "bash deploy/install.sh && bash start.sh --model tiny"
+INSTALL_AND_TEST = "bash deploy/install.sh --test && python -m pytest -q"
+
+
+def code_block_lines(markdown: str) -> list[str]:
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", markdown, flags=re.S | re.M)
+    return [line for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_readme_has_exactly_the_two_setup_commands():
+    readme = (REPO / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    assert code_block_lines(setup) == [INSTALL_AND_START, INSTALL_AND_TEST]
+
+
+def test_ci_runs_the_readme_test_command_and_fails_on_no_tests(tmp_path):
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci and f"'{INSTALL_AND_TEST}'" in ci
+    # run .ci/run in a copy where install succeeds and "python -m pytest" collects nothing (exit 5)
+    (tmp_path / ".ci").mkdir()
+    (tmp_path / "deploy").mkdir()
+    shutil.copy(REPO / ".ci" / "run", tmp_path / ".ci" / "run")
+    shutil.copy(REPO / "README.md", tmp_path / "README.md")
+    (tmp_path / "deploy" / "install.sh").write_text("exit 0\n")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for code, expected in ((5, 1), (0, 0), (1, 1)):
+        (fake_bin / "python").write_text(f"#!/bin/sh\nexit {code}\n")
+        (fake_bin / "python").chmod(0o755)
+        out = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+        assert out.returncode == expected, (code, out.stderr)
+        if code == 5:
+            assert "no tests" in out.stderr
+
+
+def test_requirements_are_pinned_and_install_script_parses():
+    lines = [l.strip() for l in (REPO / "requirements.txt").read_text().splitlines()
+             if l.strip() and not l.startswith("#")]
+    assert lines and all(re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[0-9][\w.+]*", l) for l in lines), lines
+    assert lines[0].startswith("torch==")
+    names = {l.split("==")[0].lower() for l in lines}
+    assert {"gradio", "gradio_client", "transformers", "playwright", "pytest"} <= names
+    install = (REPO / "deploy" / "install.sh").read_text()
+    assert "DS_BUILD_OPS=0" in install and "--no-build-isolation deepspeed==0.19.8" in install
+    assert subprocess.run(["bash", "-n", str(REPO / "deploy" / "install.sh")]).returncode == 0
+
+
+def test_import_is_light_and_web_layer_never_imports_torch():
+    code = ("import sys, app; assert 'torch' not in sys.modules and 'gradio' not in sys.modules;"
+            "import qwen_chat.web.server, qwen_chat.web.ui, qwen_chat.web.handlers;"
+            "assert 'torch' not in sys.modules, 'web layer imported torch'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

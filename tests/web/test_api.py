@@ -1,0 +1,503 @@
+"""OpenAI-compatible API (qwen_chat.web.api) driven by the official ``openai`` client against a real uvicorn
+server in a background thread, with the scripted ``FakeBackend`` (tests/support/api_fake_backend.py)."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from qwen_chat.config import ServiceConfig
+from tests.support.api_fake_backend import FakeBackend, build_app, serve_app
+
+pytestmark = pytest.mark.timeout(120)
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "images"
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def wait_until(predicate, timeout_s: float = 15.0) -> bool:
+    """Poll ``predicate`` (a liveness wait with a generous deadline, not a speed assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+class Server:
+    def __init__(self, backend: FakeBackend, cfg: ServiceConfig):
+        self.backend = backend
+        self.cfg = cfg
+        self.app, self.instrumented = build_app(backend, cfg)
+        self._cm = serve_app(self.app)
+
+    def __enter__(self) -> "Server":
+        self.url = self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cm.__exit__(*exc)
+
+    def client(self, api_key: str = "unused", **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30, **kwargs)
+
+
+@pytest.fixture
+def server(tmp_path):
+    with Server(FakeBackend(), ServiceConfig(model="fake", history_dir=tmp_path / "history")) as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    return server.client()
+
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+# ------------------------------------------------------------------------------------------ happy paths
+
+
+def test_models_list(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["fake"]  # --model as given
+    assert models[0].root == "fake-qwen" and models[0].max_model_len == 256
+    assert client.models.retrieve("fake").id == "fake"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_text_chat_reasoning_separate_and_usage(server, client):
+    reply = client.chat.completions.create(model="anything", messages=USER, seed=7)
+    choice = reply.choices[0]
+    assert reply.model == "fake"
+    assert choice.finish_reason == "stop"
+    assert choice.message.role == "assistant"
+    assert choice.message.content.startswith("You said: hello there [0 image(s)] [1 messages]")
+    assert choice.message.reasoning_content.startswith("Thinking about it:")
+    assert "Thinking" not in choice.message.content
+    call = server.backend.calls[-1]
+    assert reply.usage.prompt_tokens == 2  # "hello there": one fake token per word
+    assert reply.usage.completion_tokens == call.steps == 7 + 12  # 3+4 reasoning words; 6 head + 6 filler answer words
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    # thinking on by default with the model-card thinking preset
+    s = call.settings
+    assert (s.enable_thinking, s.temperature, s.top_p, s.top_k, s.presence_penalty) == (True, 1.0, 0.95, 20, 1.5)
+
+
+def test_streamed_chat_chunks_then_finish(server, client):
+    chunks = list(client.chat.completions.create(model="m", messages=USER, seed=11, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks[1:-1] if c.choices[0].delta.content]
+    reasoning = [c.choices[0].delta.reasoning_content for c in chunks[1:-1]
+                 if getattr(c.choices[0].delta, "reasoning_content", None)]
+    assert len(content) >= 5 and len(reasoning) >= 3
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert len({c.id for c in chunks}) == 1
+    whole = client.chat.completions.create(model="m", messages=USER, seed=11)
+    assert "".join(content) == whole.choices[0].message.content
+    assert "".join(reasoning) == whole.choices[0].message.reasoning_content
+
+
+def test_stream_usage_chunk_when_asked(client):
+    chunks = list(client.chat.completions.create(
+        model="m", messages=USER, stream=True, stream_options={"include_usage": True},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == 2
+    assert chunks[-1].usage.completion_tokens == 12  # no reasoning tokens with thinking off
+    assert chunks[-2].choices[0].finish_reason == "stop"
+
+
+def test_raw_sse_ends_with_done(server):
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json={"model": "m", "messages": USER, "stream": True}, timeout=30) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    final = json.loads(lines[-2][len("data: "):])
+    assert final["choices"][0]["finish_reason"] == "stop" and final["choices"][0]["delta"] == {}
+
+
+def test_thinking_off_has_no_reasoning_and_uses_non_thinking_preset(server, client):
+    reply = client.chat.completions.create(model="m", messages=USER,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = reply.choices[0].message
+    assert message.content.startswith("You said: hello there")
+    assert getattr(message, "reasoning_content", None) is None
+    s = server.backend.calls[-1].settings
+    assert (s.enable_thinking, s.temperature, s.top_p, s.top_k, s.presence_penalty) == (False, 0.7, 0.8, 20, 1.5)
+    streamed = list(client.chat.completions.create(
+        model="m", messages=USER, stream=True, extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in streamed if c.choices)
+
+
+def test_parameters_reach_the_backend(server, client):
+    client.chat.completions.create(
+        model="m", messages=USER, max_tokens=100, temperature=0.3, top_p=0.5, presence_penalty=0.0,
+        seed=42, stop=["END", "###"], extra_body={"top_k": 5},
+    )
+    s = server.backend.calls[-1].settings
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.presence_penalty, s.seed, s.stop) == (
+        100, 0.3, 0.5, 5, 0.0, 42, ("END", "###"))
+    client.chat.completions.create(model="m", messages=USER, max_completion_tokens=200, stop="STOP")
+    s = server.backend.calls[-1].settings
+    assert (s.max_new_tokens, s.stop) == (200, ("STOP",))
+
+
+def test_length_finish_reason(tmp_path):
+    with Server(FakeBackend(answer_words=200), ServiceConfig(history_dir=tmp_path)) as srv:
+        client = srv.client()
+        reply = client.chat.completions.create(model="m", messages=USER, max_tokens=64)
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == 64
+        chunks = list(client.chat.completions.create(model="m", messages=USER, max_tokens=64, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_system_and_multi_turn_messages(server, client):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "first"}]},
+        {"role": "assistant", "content": "answer one", "reasoning_content": "secret thoughts"},
+        {"role": "user", "content": "second question"},
+    ]
+    reply = client.chat.completions.create(model="m", messages=messages)
+    assert "You said: second question" in reply.choices[0].message.content
+    assert "[4 messages]" in reply.choices[0].message.content
+    sent = server.backend.calls[-1].messages
+    assert [(m.role, m.text) for m in sent] == [
+        ("system", "You are terse."), ("user", "first"), ("assistant", "answer one"), ("user", "second question")]
+    assert all(m.reasoning == "" for m in sent)  # the earlier reasoning is never sent back
+
+
+def test_leading_system_messages_are_merged_and_numbers_normalised(server):
+    resp = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": "m", "stream": None, "max_tokens": 100.0, "top_k": 5.0,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
+                     {"role": "user", "content": "hi"}]})
+    assert resp.status_code == 200, resp.text
+    call = server.backend.calls[-1]
+    assert [(m.role, m.text) for m in call.messages] == [("system", "Be brief.\n\nBe kind."), ("user", "hi")]
+    assert type(call.settings.max_new_tokens) is int and call.settings.max_new_tokens == 100
+    assert type(call.settings.top_k) is int and call.settings.top_k == 5
+
+
+def test_image_question_with_data_url(server, client, tmp_path):
+    png = (FIXTURES / "coffee.png").read_bytes()
+    content = [{"type": "text", "text": "What is in this picture?"},
+               {"type": "image_url", "image_url": {"url": data_url(png)}}]
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+    with Image.open(io.BytesIO(png)) as original:
+        size = original.size
+    # coffee.png is small enough for the default 1024-token budget: the model sees it at its own size
+    assert f"[1 image(s) {size[0]}x{size[1]}]" in reply.choices[0].message.content
+    path = Path(server.backend.calls[-1].messages[-1].images[0])
+    assert path.parent == tmp_path / "history" / "api_images"
+    with Image.open(path) as im:
+        assert (im.format, im.mode, im.size) == ("PNG", "RGB", size)
+    # the same image sent again (clients resend history) maps to the same file
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+    assert server.backend.calls[-1].messages[-1].images[0] == str(path)
+    assert len(list(path.parent.glob("*.png"))) == 1
+
+
+def test_big_jpeg_is_downscaled_to_the_token_budget(tmp_path):
+    cfg = ServiceConfig(history_dir=tmp_path, image_token_budget=64)
+    with Server(FakeBackend(), cfg) as srv:
+        jpg = (FIXTURES / "rocket.jpg").read_bytes()
+        content = [{"type": "image_url", "image_url": {"url": data_url(jpg, "image/jpeg")}}]
+        srv.client().chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+        with Image.open(srv.backend.calls[-1].messages[-1].images[0]) as im:
+            assert im.size[0] * im.size[1] <= 64 * 32 * 32
+
+
+def test_seed_reproducible_at_temperature_above_zero(client):
+    def ask(seed):
+        r = client.chat.completions.create(model="m", messages=USER, temperature=1.0, seed=seed)
+        return r.choices[0].message.content, r.choices[0].message.reasoning_content
+
+    assert ask(1234) == ask(1234)
+    assert ask(1234) != ask(4321)
+
+
+# -------------------------------------------------------------------------------------------- bad input
+
+
+def bad_request(client, **kwargs) -> openai.BadRequestError:
+    kwargs.setdefault("model", "m")
+    kwargs.setdefault("messages", USER)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kwargs)
+    assert info.value.status_code == 400
+    return info.value
+
+
+@pytest.mark.parametrize("params, param, range_text", [
+    ({"top_p": 0}, "top_p", "[0.1, 1.0]"),
+    ({"top_p": 1.5}, "top_p", "[0.1, 1.0]"),
+    ({"extra_body": {"top_k": 0}}, "top_k", "[1, 100]"),
+    ({"temperature": 2.5}, "temperature", "[0.0, 1.5]"),
+    ({"temperature": -0.1}, "temperature", "[0.0, 1.5]"),
+    ({"presence_penalty": 3}, "presence_penalty", "[0.0, 2.0]"),
+    ({"max_tokens": 5}, "max_tokens", "[64, 8192]"),
+    ({"max_completion_tokens": 100000}, "max_completion_tokens", "[64, 8192]"),
+    ({"seed": -1}, "seed", "[0, 2**63-1]"),
+])
+def test_out_of_range_parameters_are_400_with_the_range(server, client, params, param, range_text):
+    calls_before = len(server.backend.calls)
+    err = bad_request(client, **params)
+    assert err.param == param
+    assert range_text in err.message and param in err.message
+    assert len(server.backend.calls) == calls_before  # never reached the engine, never clamped
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([], "non-empty"),
+    ([{"role": "user", "content": "   \n\t"}], "empty"),
+    ([{"role": "user", "content": "\u200b"}], "empty"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "last message"),
+    ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "role 'tool'"),
+    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}, {"role": "user", "content": "x"}],
+     "system message may only come"),
+    ([{"role": "user", "content": "\u200d\ufeff "}], "empty"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
+     "not supported"),
+    ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]},
+      {"role": "user", "content": "hi"}], "only accepted in user messages"),
+])
+def test_bad_messages_are_400(client, messages, needle):
+    err = bad_request(client, messages=messages)
+    assert needle in err.message
+
+
+@pytest.mark.parametrize("url, needle", [
+    ("data:image/png;base64,not*base64!", "not valid base64"),
+    (data_url(b"hello, this is a text file", "image/png"), "not a valid image"),
+    (data_url(b'<svg xmlns="http://www.w3.org/2000/svg"><script>alert(1)</script></svg>', "image/svg+xml"),
+     "not a valid image"),
+    (data_url(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", "image/heic"), "HEIC is not supported"),
+    (data_url((FIXTURES / "rocket.jpg").read_bytes()[:5000], "image/jpeg"), "not a valid image"),
+    ("data:text/plain;base64,aGVsbG8=", "not an image"),
+    ("http://example.com/cat.png", "remote image URLs are disabled"),
+    ("file:///etc/passwd", "unsupported image URL scheme"),
+])
+def test_bad_images_are_400(server, client, url, needle):
+    content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]
+    err = bad_request(client, messages=[{"role": "user", "content": content}])
+    assert needle in err.message
+    assert "messages[0].content[1].image_url" in err.message
+    # the server stays usable
+    assert server.client().chat.completions.create(model="m", messages=USER).choices[0].finish_reason == "stop"
+
+
+def test_remote_images_when_allowed(tmp_path):
+    import functools
+    import http.server
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(FIXTURES))
+    handler.log_message = lambda *a: None
+    files = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{files.server_address[1]}"
+    try:
+        with Server(FakeBackend(), ServiceConfig(history_dir=tmp_path, allow_remote_images=True)) as srv:
+            client = srv.client()
+            part = {"type": "image_url", "image_url": {"url": base + "/coffee.png"}}
+            reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": [part]}])
+            with Image.open(FIXTURES / "coffee.png") as im:
+                assert f"[1 image(s) {im.size[0]}x{im.size[1]}]" in reply.choices[0].message.content
+            missing = {"type": "image_url", "image_url": {"url": base + "/missing.png"}}
+            err = bad_request(client, messages=[{"role": "user", "content": [missing]}])
+            assert "HTTP 404" in err.message
+    finally:
+        files.shutdown()
+
+
+def test_too_many_images_is_400(tmp_path):
+    with Server(FakeBackend(), ServiceConfig(history_dir=tmp_path, max_images_per_turn=2)) as srv:
+        part = {"type": "image_url", "image_url": {"url": data_url((FIXTURES / "coffee.png").read_bytes())}}
+        err = bad_request(srv.client(), messages=[{"role": "user", "content": [part, part, part]}])
+        assert "3 images in one message; max 2" in err.message
+
+
+def test_prompt_too_long_is_400_with_token_counts(server, client):
+    err = bad_request(client, messages=[{"role": "user", "content": "word " * 300}])
+    assert err.code == "context_length_exceeded"
+    assert "300" in err.message and "256" in err.message
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"n": 2}, "more than one choice"),
+    ({"logprobs": True}, "log-probabilities"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_unsupported_features_are_refused(client, extra, needle):
+    err = bad_request(client, **extra)
+    assert needle in err.message
+
+
+def test_invalid_json_body_is_400_in_openai_shape(server):
+    resp = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == "the request body is not valid JSON"
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ------------------------------------------------------------------------------- keys, busy, not ready
+
+
+def test_api_keys_401(tmp_path):
+    cfg = ServiceConfig(history_dir=tmp_path, api_keys=("sk-right",))
+    with Server(FakeBackend(), cfg) as srv:
+        with pytest.raises(openai.AuthenticationError) as info:
+            srv.client("sk-wrong").chat.completions.create(model="m", messages=USER)
+        assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            srv.client("sk-wrong").models.list()
+        resp = httpx.post(srv.url + "/v1/chat/completions", json={"model": "m", "messages": USER})
+        assert resp.status_code == 401 and "missing API key" in resp.json()["error"]["message"]
+        assert srv.backend.calls == []
+        reply = srv.client("sk-right").chat.completions.create(model="m", messages=USER)
+        assert reply.choices[0].finish_reason == "stop"
+        assert httpx.get(srv.url + "/healthz").status_code == 200  # ops endpoints need no key
+
+
+def test_no_key_needed_on_loopback_without_keys(client):
+    assert client.chat.completions.create(model="m", messages=USER).choices[0].finish_reason == "stop"
+
+
+def test_queue_full_is_429(tmp_path):
+    backend = FakeBackend(capacity=1, answer_words=500, step_delay_s=0.01)
+    with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
+        client = srv.client()
+        stream = client.chat.completions.create(model="m", messages=USER, stream=True)
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="m", messages=USER)
+        assert info.value.status_code == 429
+        assert info.value.response.headers["retry-after"] == "1"
+        stream.close()
+
+
+def test_not_ready_is_503_then_ok(tmp_path):
+    backend = FakeBackend(ready=False)
+    with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
+        with pytest.raises(openai.InternalServerError) as info:
+            srv.client().chat.completions.create(model="m", messages=USER)
+        assert info.value.status_code == 503
+        assert info.value.body["type"] == "not_ready"
+        health = httpx.get(srv.url + "/healthz")
+        assert health.status_code == 503 and health.json() == {"status": "unavailable", "reason": "loading model"}
+        backend.ready = True
+        assert httpx.get(srv.url + "/healthz").json() == {"status": "ok"}
+        assert srv.client().chat.completions.create(model="m", messages=USER).choices[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------------------ cancellation
+
+
+def test_stream_cancelled_midway_frees_the_queue(tmp_path):
+    backend = FakeBackend(capacity=1, reasoning_words=0, answer_words=2000, step_delay_s=0.01)
+    with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
+        client = srv.client()
+        stream = client.chat.completions.create(model="m", messages=USER, stream=True, max_tokens=8192)
+        received = 0
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                received += 1
+            if received == 5:
+                break
+        stream.close()  # the client hangs up mid-way
+        assert wait_until(lambda: backend.active == 0), "generation kept running after the client left"
+        first = backend.calls[0]
+        assert first.finish_reason == "cancelled"
+        assert first.steps < 2000
+        # the single slot is free again: the next request is served, not refused with 429
+        backend.answer_words = 3
+        reply = client.chat.completions.create(model="m", messages=USER)
+        assert reply.choices[0].finish_reason == "stop"
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'qwen_chat_finished_total{finish_reason="cancelled"} 1.0' in metrics
+
+
+def test_non_streaming_client_disconnect_cancels(tmp_path):
+    backend = FakeBackend(capacity=1, reasoning_words=0, answer_words=2000, step_delay_s=0.01)
+    with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/chat/completions", timeout=0.5,
+                       json={"model": "m", "messages": USER, "max_tokens": 8192})
+        assert wait_until(lambda: backend.active == 0), "generation kept running after the client left"
+        assert backend.calls[0].finish_reason == "cancelled" and backend.calls[0].steps < 2000
+
+
+def test_concurrent_streams_do_not_mix(tmp_path):
+    backend = FakeBackend(capacity=4, step_delay_s=0.005)
+    with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
+        results: dict[str, str] = {}
+
+        def ask(name: str) -> None:
+            chunks = srv.client().chat.completions.create(
+                model="m", messages=[{"role": "user", "content": name}], stream=True, temperature=0)
+            results[name] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+        threads = [threading.Thread(target=ask, args=(f"user{i}",)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(results) == ["user0", "user1", "user2", "user3"]
+        for name, text in results.items():
+            assert text.startswith(f"You said: {name} [0 image(s)]")
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+def scrape(url: str) -> dict:
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def test_metrics_count_the_requests_made(server, client):
+    client.chat.completions.create(model="m", messages=USER)
+    list(client.chat.completions.create(model="m", messages=USER, stream=True))
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    bad_request(client, top_p=0)
+    bad_request(client, messages=[{"role": "user", "content": "word " * 300}])
+    m = scrape(server.url)
+    assert m[("qwen_chat_requests_total", ())] == 5
+    assert m[("qwen_chat_errors_total", (("kind", "invalid_input"),))] == 1
+    assert m[("qwen_chat_errors_total", (("kind", "context_too_long"),))] == 1
+    assert m[("qwen_chat_finished_total", (("finish_reason", "stop"),))] == 3
+    assert m[("qwen_chat_ttft_seconds_count", ())] == 3
+    assert m[("qwen_chat_decode_tokens_per_second_count", ())] == 3
+    assert m[("qwen_chat_active_streams", ())] == 0
+    assert m[("qwen_chat_completion_tokens_total", ())] == 19 + 19 + 11
+    assert m[("qwen_chat_gpu_memory_bytes", (("rank", "0"),))] == 1000
+    assert m[("qwen_chat_gpu_memory_bytes", (("rank", "1"),))] == 2000
+    assert m[("qwen_chat_queue_depth", ())] == 0
+    assert m[("qwen_chat_healthy", ())] == 1

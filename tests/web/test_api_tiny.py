@@ -1,0 +1,160 @@
+"""The OpenAI-compatible API against the real ``ChatEngine`` on the built-in tiny model (random weights, CPU),
+driven by the official ``openai`` client over a real uvicorn server (issue 6 tests on the tiny model)."""
+from __future__ import annotations
+
+import base64
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from qwen_chat.config import ServiceConfig
+from tests.support.api_fake_backend import build_app, serve_app
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: loads the tiny model and decodes on CPU
+
+COFFEE = Path(__file__).parents[1] / "fixtures" / "images" / "coffee.png"
+USER = [{"role": "user", "content": "Tell me about the sea."}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_loaded, tmp_path_factory):
+    from qwen_chat.engine.serving.chat_engine import build_engine
+
+    cfg = ServiceConfig(model="tiny", history_dir=tmp_path_factory.mktemp("history"), max_batch=2,
+                        max_queue=4, max_context=2048, image_token_budget=64)
+    engine = build_engine(tiny_loaded, cfg)
+    app, instrumented = build_app(engine, cfg)
+    try:
+        with serve_app(app) as url:
+            yield url, engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_health_and_models(served, client):
+    url, engine = served
+    health = httpx.get(url + "/healthz")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].max_model_len == 2048
+
+
+def test_greedy_text_chat_streamed_equals_non_streamed(client):
+    whole = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=64,
+                                           extra_body=NO_THINK)
+    choice = whole.choices[0]
+    assert choice.finish_reason in ("stop", "length")
+    assert choice.message.content
+    assert getattr(choice.message, "reasoning_content", None) is None
+    assert whole.usage.prompt_tokens > 5
+    assert 1 <= whole.usage.completion_tokens <= 64
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=64,
+                                                 stream=True, extra_body=NO_THINK))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) >= 2
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert "".join(deltas) == choice.message.content
+
+
+def test_thinking_on_keeps_reasoning_separate(client):
+    reply = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=64)
+    message = reply.choices[0].message
+    # the random model rarely closes </think>: whatever it wrote inside the reasoning stays out of content
+    assert message.reasoning_content
+    assert "<think>" not in message.content and "</think>" not in message.content
+    assert "</think>" not in message.reasoning_content
+    assert reply.usage.completion_tokens <= 64
+
+
+def test_image_question_with_data_url(client):
+    url = "data:image/png;base64," + base64.b64encode(COFFEE.read_bytes()).decode()
+    text_only = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "What is in this picture?"}],
+        temperature=0, max_tokens=64, extra_body=NO_THINK)
+    reply = client.chat.completions.create(
+        model="tiny", temperature=0, max_tokens=64, extra_body=NO_THINK,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": "What is in this picture?"}]}])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    # the image adds its visual tokens (at most the 64-token budget) plus the vision start/end markers
+    extra = reply.usage.prompt_tokens - text_only.usage.prompt_tokens
+    assert 3 <= extra <= 64 + 2
+
+
+def test_seed_reproducible_at_temperature_above_zero(client):
+    def ask(seed):
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=1.0, seed=seed,
+                                           max_tokens=64, extra_body=NO_THINK)
+        return r.choices[0].message.content
+
+    first = ask(1234)
+    assert first == ask(1234)
+    assert first != ask(99)
+
+
+def test_out_of_range_and_too_long_prompt_are_400(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=USER, top_p=0)
+    assert "top_p" in info.value.message and "[0.1, 1.0]" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "sea " * 3000}],
+                                       max_tokens=64)
+    assert info.value.code == "context_length_exceeded"
+    assert "2048" in info.value.message
+
+
+def test_stream_cancelled_midway_frees_the_engine(served, client):
+    url, engine = served
+    stream = client.chat.completions.create(model="tiny", messages=USER, temperature=1.0, max_tokens=8192,
+                                            stream=True, extra_body=NO_THINK)
+    received = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            received += 1
+        if received == 3:
+            break
+    stream.close()
+    assert wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["queue_depth"] == 0)
+    finished = engine.stats().get("finished_cancelled_total", 0)
+    assert finished >= 1
+    reply = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=64,
+                                           extra_body=NO_THINK)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_metrics_count_requests(served, client):
+    url, _ = served
+
+    def requests_total() -> float:
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for s in family.samples:
+                if s.name == "qwen_chat_requests_total":
+                    return s.value
+        raise AssertionError("qwen_chat_requests_total missing")
+
+    before = requests_total()
+    client.chat.completions.create(model="tiny", messages=USER, max_tokens=64, extra_body=NO_THINK)
+    list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=64, stream=True))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=USER, extra_body={"top_k": 0})
+    assert requests_total() == before + 3

@@ -1,0 +1,251 @@
+"""Real-browser tests: headless Debian chromium driven by playwright against the real server (scripted backend).
+
+1. Upload tests/fixtures/images/chelsea.png with a question, watch the reply stream in, reload the page,
+   reopen the conversation from the sidebar and see the image and the reply (screenshots: a temporary folder,
+   or docs/ with ``QWEN_CHAT_SCREENSHOT_DIR=docs``).
+2. C25: HTML/JS typed into the chat (and echoed by the "model") never runs: no dialog fires, no injected
+   element or javascript: link exists, the literal text is visible, also after reopening from history.
+
+Needs /usr/bin/chromium (``bash deploy/install.sh --test`` installs Debian's package).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from qwen_chat.config import ServiceConfig
+from qwen_chat.history.store import HistoryStore
+from qwen_chat.web.server import build_app
+from tests.support.scripted_backend import RunningServer, ScriptedBackend
+from tests.support.service_harness import wait_until
+
+pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+REPO = Path(__file__).resolve().parents[2]
+CHELSEA = REPO / "tests" / "fixtures" / "images" / "chelsea.png"
+#: Where the screenshots go: a temporary folder, so that running the tests leaves the checkout as it was; set
+#: QWEN_CHAT_SCREENSHOT_DIR=docs to refresh the ones the README shows.
+SCREENSHOT_DIR = os.environ.get("QWEN_CHAT_SCREENSHOT_DIR")
+ANSWER = "A tabby cat looks at the camera; it has green eyes, long white whiskers and striped fur."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("history")
+    backend = ScriptedBackend(answer=ANSWER, reasoning="The photo shows a cat.", step_delay_s=0.12)
+    cfg = ServiceConfig(history_dir=root)
+    with RunningServer(build_app(cfg, backend, HistoryStore(root))) as running:
+        yield running, backend
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if shutil.which(CHROMIUM) is None:
+        pytest.skip("Debian chromium is not installed (run: bash deploy/install.sh --test)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    pg.dialogs = []
+    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+    yield pg
+    context.close()
+
+
+def bot_text(pg) -> str:
+    return "\n".join(pg.locator("#chatbot [data-testid=bot]").all_inner_texts())
+
+
+def open_app(pg, url: str) -> None:
+    pg.goto(url)
+    pg.wait_for_selector("#msg textarea", timeout=60_000)
+
+
+def send(pg, text: str, image: Path | None = None) -> None:
+    if image is not None:
+        pg.locator("#msg input[type=file]").set_input_files(str(image))
+        pg.wait_for_selector("#msg img", timeout=30_000)  # the upload's thumbnail
+    pg.locator("#msg textarea").fill(text)
+    pg.locator("#msg textarea").press("Enter")
+
+
+def wait_for(predicate, timeout_s: float = 60.0):
+    """``service_harness.wait_until`` with the page's defaults (60 s, polled every 50 ms)."""
+    return wait_until(predicate, timeout_s, "the page condition", poll_s=0.05)
+
+
+def reopen_from_sidebar(pg, url: str, title: str) -> None:
+    pg.reload()
+    pg.wait_for_selector("#msg textarea", timeout=60_000)
+    assert pg.locator("#chatbot [data-testid=bot]").count() == 0  # a fresh page shows no chat
+    pg.locator("#conv-list label", has_text=title).first.click()
+
+
+def test_image_question_streams_and_reopens_after_reload(server, page, tmp_path):
+    running, backend = server
+    open_app(page, running.url)
+    assert page.locator("#demo-badge").inner_text().startswith("demo model: random weights")
+    send(page, "What animal is in this photo?", image=CHELSEA)
+
+    seen: list[str] = []
+
+    def finished() -> bool:
+        seen.append(bot_text(page))
+        return ANSWER in seen[-1]
+
+    wait_for(finished)
+    partial = [t for t in seen if "A tabby" in t and ANSWER not in t]
+    assert partial, "the reply never showed up partially: it did not stream"
+    assert page.locator("#chatbot [data-testid=user] img").count() == 1
+    assert backend.calls[-1].messages[-1].text == "What animal is in this photo?"
+    assert len(backend.calls[-1].messages[-1].images) == 1
+    shots = Path(SCREENSHOT_DIR) if SCREENSHOT_DIR else tmp_path
+    shots.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shots / "screenshot.png"))
+
+    reopen_from_sidebar(page, running.url, "What animal is in this photo?")
+    wait_for(lambda: ANSWER in bot_text(page))
+    img = page.locator("#chatbot [data-testid=user] img").first
+    wait_for(lambda: img.evaluate("el => el.complete && el.naturalWidth") > 0)
+    assert "What animal is in this photo?" in page.locator("#chatbot [data-testid=user]").last.inner_text()
+    page.screenshot(path=str(shots / "screenshot-reopened.png"))
+
+
+ATTACKS = [
+    "<img src=x onerror=alert(document.domain)>",
+    "Explain this code: <script>alert('hi')</script>",
+    "[click me](javascript:alert(1))",
+    "<iframe src=https://example.com></iframe> costs $5 and $10",
+]
+
+
+def test_html_and_script_text_never_runs_and_stays_visible(server, page):
+    running, backend = server
+    backend.answer = "{last_user}"  # the "model" writes the same HTML back
+    open_app(page, running.url)
+    text = " ".join(ATTACKS)
+    send(page, text)
+    wait_for(lambda: "costs $5 and $10" in bot_text(page))
+
+    def check() -> None:
+        chat = page.locator("#chatbot")
+        visible = chat.inner_text()
+        for literal in ("<img src=x onerror=alert(document.domain)>", "<script>alert('hi')</script>",
+                        "<iframe src=https://example.com></iframe>", "costs $5 and $10"):
+            assert visible.count(literal) >= 2, literal  # in the user bubble and in the reply
+        assert chat.locator("img[src='x'], iframe, script").count() == 0
+        assert chat.locator("a[href^='javascript' i]").count() == 0
+        assert chat.locator(".katex").count() == 0  # dollar amounts were not typeset
+        assert page.dialogs == []
+
+    check()
+    time.sleep(0.5)  # give an injected handler a chance to fire before checking dialogs again
+    check()
+    reopen_from_sidebar(page, running.url, "<img src=x onerror=alert(document.domain)>")
+    wait_for(lambda: "costs $5 and $10" in bot_text(page))
+    check()
+
+
+def test_stop_button_and_thinking_presets(server, page):
+    running, backend = server
+    backend.answer = " ".join(f"word{i}" for i in range(300))
+    open_app(page, running.url)
+    page.locator("#msg textarea").fill("Write a 5000-word story")
+    page.locator("#send").click()
+    wait_for(lambda: "word3" in bot_text(page))
+    page.locator("#stop").click()
+    wait_for(lambda: "[stopped by the user]" in bot_text(page), timeout_s=30)
+    call = backend.calls[-1]
+    wait_for(lambda: call.finish_reason is not None, timeout_s=30)
+    assert call.finish_reason in ("cancelled", "closed") and call.steps < 250
+    # the queue is free again: the next message is answered
+    backend.answer, backend.step_delay_s = "done", 0.0
+    send(page, "next")
+    wait_for(lambda: bot_text(page).rstrip().endswith("done"))
+    backend.step_delay_s = 0.12
+
+    # switching Thinking off loads Qwen's non-thinking preset into the sliders
+    page.locator("text=Settings").first.click()
+    temperature = page.locator("input[type=number][aria-label*='Temperature' i]").first
+    wait_for(lambda: temperature.input_value() == "1")
+    page.locator("#thinking input[type=checkbox]").click()
+    wait_for(lambda: temperature.input_value() == "0.7")
+    # the seed starts empty (a fresh random seed per reply), not 0; and the backend got no seed
+    assert page.locator("#seed input, #seed textarea").first.input_value() == ""
+    assert call.settings.seed is None
+
+
+def test_page_left_open_across_a_restart_appends_to_saved_history(browser, tmp_path):
+    """C22: restart the server under an open page; its next message joins the saved conversation."""
+    store_root = tmp_path / "history"
+    cfg = ServiceConfig(history_dir=store_root)
+    port = None
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        first = RunningServer(build_app(cfg, ScriptedBackend(answer="first answer"), HistoryStore(store_root)))
+        with first:
+            port = first.port
+            open_app(page, first.url)
+            for i in range(3):
+                send(page, f"turn {i}")
+                wait_for(lambda: bot_text(page).count("first answer") == i + 1)
+        with RunningServer(build_app(cfg, ScriptedBackend(answer="after restart"), HistoryStore(store_root)),
+                           port=port):
+            send(page, "turn 3")  # the same, never reloaded page
+            wait_for(lambda: "after restart" in bot_text(page))
+        history = HistoryStore(store_root).user("local")
+        [summary] = history.list()
+        texts = [m.text for m in history.load(summary.id).messages]
+        assert texts == ["turn 0", "first answer", "turn 1", "first answer", "turn 2", "first answer",
+                         "turn 3", "after restart"]
+    finally:
+        context.close()
+
+
+def test_login_shows_only_own_conversations_and_logout(browser, tmp_path):
+    from qwen_chat.web import auth
+
+    users = tmp_path / "users.txt"
+    db = auth.UserDB()
+    db.set_password("alice", "alice-password-1", rounds=4)
+    db.set_password("bob", "bob-password-22", rounds=4)
+    db.save(users)
+    root = tmp_path / "history"
+    store = HistoryStore(root)
+    store.user("bob").create(title="bob's private plans")
+    cfg = ServiceConfig(history_dir=root, login=True, users_file=users)
+    context = browser.new_context()
+    page = context.new_page()
+    try:
+        with RunningServer(build_app(cfg, ScriptedBackend(answer="hello alice"), store)) as running:
+            page.goto(running.url)
+            page.locator("input[type=password]").wait_for(timeout=60_000)
+            page.locator("input[type=text]").first.fill("alice")
+            page.locator("input[type=password]").fill("alice-password-1")
+            page.locator("input[type=password]").press("Enter")
+            page.wait_for_selector("#msg textarea", timeout=60_000)
+            send(page, "my question")
+            wait_for(lambda: "hello alice" in bot_text(page))
+            sidebar = page.locator("#conv-list").inner_text()
+            assert "my question" in sidebar and "bob's private plans" not in sidebar
+            assert [s.title for s in store.user("alice").list()] == ["my question"]
+            page.locator("#logout").click()
+            page.locator("input[type=password]").wait_for(timeout=60_000)  # back on the login page
+    finally:
+        context.close()
