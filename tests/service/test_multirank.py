@@ -23,7 +23,7 @@ import pytest
 from tests.support.service_harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "tests" / "multirank" / "driver.py"
+DRIVER = ROOT / "tests" / "support" / "multirank_driver.py"
 IMAGE = ROOT / "tests" / "fixtures" / "images" / "chelsea.png"
 LAUNCH_TIMEOUT_S = 420
 
