@@ -9,21 +9,24 @@ Rank 0 binds the port and starts serving *before* the model loads: until the eng
 port or a missing checkpoint folder therefore fails in about a second, well inside Supervisor's ``startsecs``
 (it then gives up with FATAL instead of restarting forever).
 
-Exit codes: 0 after a clean shutdown; 2 for a bad command line; 1 for a fast start-up failure (port busy, no
-checkpoint folder) and for a crash while serving (Supervisor restarts it); 78 (EX_CONFIG) when the engine fails
-to start after loading began (out of memory, broken checkpoint, bad sharding config): the Supervisor program
-treats 78 as final, so a start-up that cannot succeed is not retried forever.  Nothing heavy happens at import
-time; worker ranks never return from ``start_engine``.
+Exit codes: 0 after a clean shutdown; 2 for a bad command line, environment variable or users file (argparse's
+usage error, or one ``app.py: configuration error: ...`` line from ``ServiceConfig.validate``, before anything
+is loaded); 1 for a fast start-up failure (port busy, no checkpoint folder) and for a crash while serving
+(Supervisor restarts it); 78 (EX_CONFIG, ``EXIT_STARTUP_FAILED``) when ``bootstrap.start_engine`` raises
+``StartupError`` after loading began (out of memory, broken checkpoint, bad sharding config): the Supervisor
+program treats 78 as final, so a start-up that cannot succeed is not retried forever.  Nothing heavy happens at
+import time; worker ranks never return from ``start_engine``.
 """
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
 from typing import Optional, Sequence
+
+from qwen_chat import lifecycle
 
 log = logging.getLogger("qwen_chat")
 
@@ -42,7 +45,8 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Parse the command line, serve the UI + API on ``cfg.host:cfg.port`` (rank 0) and start the engine."""
+    """Parse and validate the command line, serve the UI + API on ``cfg.host:cfg.port`` (rank 0) and start the
+    engine.  Returns the process exit code (module docstring); worker ranks do not return."""
     from qwen_chat.config import ConfigError, ServiceConfig, local_checkpoint_problem
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # SIGTERM (Supervisor's stop) -> SystemExit in the main thread -> the finally below shuts the server down
     # gracefully.  Under several ranks the engine replaces this handler with one that first sends the exit
     # message to every rank.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    lifecycle.install_sigterm_exit()  # once; a repeated SIGTERM cannot interrupt the clean-up
     try:
         code = _start_engine_or_exit(cfg, backend)
         if code:
@@ -111,20 +115,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         backend.close()
         server.should_exit = True
         web_done.wait(timeout=15)
-
-
-_STOPPING = threading.Event()
-
-
-def _exit_on_sigterm(signum, frame) -> None:
-    """SIGTERM -> SystemExit(0) in the main thread, once: a repeated SIGTERM during the shutdown (a signal sent
-    to the whole process group, an impatient operator) is ignored, so it cannot interrupt the clean-up."""
-    if _STOPPING.is_set():
-        log.info("SIGTERM again: already shutting down")
-        return
-    _STOPPING.set()
-    log.info("SIGTERM: shutting down")
-    raise SystemExit(0)
 
 
 def _start_engine_or_exit(cfg, backend) -> int:

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams  # noqa: E402
+from qwen_chat.engine.model.options import RunnerOptions  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
 from qwen_chat.engine.model.sampling import Sampler  # noqa: E402
 
@@ -294,7 +295,7 @@ def prefill_graph_vs_eager(runner, sampler, dev, lengths, gen) -> list:
         prompt = PreparedPrompt(input_ids=random_ids(n, gen))
         graph = ttft(runner, sampler, dev, prompt, 3)
         eager = ttft(runner, sampler, dev, prompt, 3, pad_to=n)
-        rows.append({"prompt_tokens": n, "bucket": runner._prefill_bucket(n), "graph_ms": graph["ttft_ms"],
+        rows.append({"prompt_tokens": n, "bucket": runner.prefill_bucket(n), "graph_ms": graph["ttft_ms"],
                      "eager_ms": eager["ttft_ms"]})
     return rows
 
@@ -584,7 +585,7 @@ def main(argv=None) -> int:
     def make(name, compile_glue):
         def f():
             t, r = timed(lambda: ModelRunner(model, num_slots=max(P["streams"]), max_context=P["max_context"],
-                                             device=dev, compile_glue=compile_glue), dev)
+                                             device=dev, options=RunnerOptions(compile_glue=compile_glue)), dev)
             runners[name] = (r, Sampler(r.num_slots, r.vocab_size, dev))
             return {"init_s": t, "impl": r.impl}
         return f
@@ -601,10 +602,11 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             for b in P["streams"]:
                 runner.capture_all([next(x for x in (1, 2, 4, 8, 16, 32, 48, 64) if x >= b)],
-                                   [runner._context_bucket(P["prompt"] + P["new"])])
+                                   [runner.context_bucket(P["prompt"] + P["new"])])
             sampler.warm_up()
-            return {"capture_s": time.perf_counter() - t0, "graphs": len(runner._graphs),
-                    "prefill_graphs": sorted(runner._prefill_graphs)}
+            graphs = runner.graphs
+            return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs.decode_shapes()) if graphs else 0,
+                    "prefill_graphs": graphs.prefill_lengths() if graphs else []}
 
         run.section(f"capture_{name}", warm)
         res = run.section(f"batch1_{name}", lambda: engine_decode(runner, sampler, dev, 1, P["prompt"],

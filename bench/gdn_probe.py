@@ -1,5 +1,5 @@
 """Time the Gated DeltaNet decode token on one GPU: the one-kernel Triton version (gdn.gdn_decode, several warp
-counts) against the Inductor-compiled reference (kernels.gdn_step), each as 24 calls (one per layer, each with
+counts) against the Inductor-compiled reference (glue.gdn_step), each as 24 calls (one per layer, each with
 its own state, as in the 9B) captured in a CUDA graph (``tp_probe.graph_us``: median of 5 timings; run 1 of
 2026-11-30 timed one mean over 200 replays, run 2 this way).  Head sizes of the 9B (dk = dv = 128, 2 value heads per
 key head); 32 value heads = one GPU, 16 = one rank of TP=2.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qwen_chat.engine.model import gdn, glue as kernels  # noqa: E402
+from qwen_chat.engine.model import gdn, glue  # noqa: E402
 from tp_probe import graph_us  # noqa: E402  (bench/ is sys.path[0] when run as a script)
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated  # noqa: E402
 
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    compiled = torch.compile(kernels.gdn_step, fullgraph=True)
+    compiled = torch.compile(glue.gdn_step, fullgraph=True)
     rows = []
     for HV in (32, 16):
         for B in (1, 4, 16):

@@ -134,6 +134,7 @@ def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     """Decode-step timings of a runner with or without the Triton GEMV (batch 1, context bucket 512)."""
     from qwen_chat.engine.parallel.executors import LocalExecutor
     from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
+    from qwen_chat.engine.model.options import RunnerOptions
     from qwen_chat.engine.model.runner import ModelRunner
     from qwen_chat.engine.model.sampling import Sampler
     from torch.profiler import ProfilerActivity, profile
@@ -142,7 +143,8 @@ def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     from decode_bench import decode_ahead
 
     t0 = time.perf_counter()
-    runner = ModelRunner(model, num_slots=2, max_context=2048, device="cuda", fast_gemv=fast_gemv)
+    runner = ModelRunner(model, num_slots=2, max_context=2048, device="cuda",
+                         options=RunnerOptions(fast_gemv=fast_gemv))
     runner.capture_all(batch_sizes=[1], context_buckets=[512], prefill_buckets=[512])
     sampler = Sampler(2, runner.vocab_size, "cuda")
     sampler.warm_up()
@@ -154,7 +156,7 @@ def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     tok = torch.tensor([5])
     for _ in range(3):
         runner.decode([0], tok)
-    g = runner._graphs[(1, 512)]
+    g = runner.graphs.decode_graph(1, 512)
     torch.cuda.synchronize()
     a = time.perf_counter()
     for _ in range(steps):

@@ -16,7 +16,7 @@ the same seed.  Sections (every timing is measured, printed and written to <out>
    sweeps the Triton GEMV tile sizes for the TP=2 projection shapes (``gemv_probe.sweep_shape``, B = 1).
 3. ``tp_<kind>``: the model sharded as the service shards it (``sharding.shard_model`` with ds_config.json),
    one runner per all-reduce kind: replay back to back; replay + wait; decode launched ahead on both ranks
-   (``LocalExecutor``); through ``dist.DistributedExecutor`` + ``worker_loop`` as the service runs, launched
+   (``LocalExecutor``); through ``executors.DistributedExecutor`` + ``worker_loop`` as the service runs, launched
    ahead and waited for each step; batches 4 and 16 launched ahead; and rank 0's top GPU kernels per step.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import time
 import traceback
@@ -38,13 +39,21 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from qwen_chat.engine.parallel import ranks as qdist  # noqa: E402
 from qwen_chat.engine.parallel.collectives import TensorParallelComm, broadcast_from_rank0  # noqa: E402
-from qwen_chat.engine.parallel.executors import LocalExecutor  # noqa: E402
+from qwen_chat.engine.parallel.executors import DistributedExecutor, LocalExecutor, worker_loop  # noqa: E402
 from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan  # noqa: E402
 
 #: TP=2 decode projection shapes of the full config, per rank: (N, K).
 TP2_SHAPES = {"gdn_in_proj/2": (6176, 4096), "attn_qkv/2": (5120, 4096), "out_proj/o_proj/2": (4096, 2048),
               "mlp_gate_up/2": (12288, 4096), "mlp_down/2": (4096, 6144), "lm_head/2": (124160, 4096)}
 PARAMS = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5)
+#: Set to "0" by bench/tp_probe.sh when the 2-GPU test of the fused kernels failed: the TP runners then run
+#: without them (the service's ``--no-tp-fused``).
+FUSED_ENV = "QWEN_CHAT_TP_FUSED"
+
+
+def fused_kernels() -> bool:
+    """Whether the TP comms of this probe offer the fused kernels (not when ``FUSED_ENV`` is "0")."""
+    return os.environ.get(FUSED_ENV, "1").strip() != "0"
 
 
 def graph_us(fn, calls: int = 64, reps: int = 20) -> float:
@@ -75,7 +84,7 @@ def graph_us(fn, calls: int = 64, reps: int = 20) -> float:
 
 def allreduce_section(device) -> dict:
     out = {}
-    comm = TensorParallelComm(None, device, torch.bfloat16, backend="symm_mem")
+    comm = TensorParallelComm(None, device, torch.bfloat16, backend="symm_mem", fused=fused_kernels())
     for rows in (1, 4, 16, 32):
         torch.manual_seed(dist.get_rank() + 10 * rows)
         x = torch.randn(rows, 4096, device=device, dtype=torch.bfloat16)
@@ -181,7 +190,7 @@ def scheduler_tok_s(executor, runner, steps: int, repeats: int = 3) -> list:
 
 
 def replay_ms(runner, steps: int, sync_each: bool) -> float:
-    g = runner._graphs[(1, 512)]
+    g = runner.graphs.decode_graph(1, 512)
     torch.cuda.synchronize()
     a = time.perf_counter()
     for _ in range(steps):
@@ -195,7 +204,7 @@ def replay_ms(runner, steps: int, sync_each: bool) -> float:
 def top_kernels(runner, steps: int = 20, batch: int = 1) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    g = runner._graphs[(batch, 512)]
+    g = runner.graphs.decode_graph(batch, 512)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -211,15 +220,19 @@ def top_kernels(runner, steps: int = 20, batch: int = 1) -> dict:
             "top": [{"ms": t, "calls": c, "name": n} for t, c, n in rows[:25]]}
 
 
-def make_runner(model, device, comm, batches):
+def make_runner(model, device, kind, batches):
+    """A runner (16 slots, graphs for ``batches`` at context 512) and its sampler; ``kind``: the TP all-reduce
+    kind (``RunnerOptions.tp_allreduce``; the fused kernels as ``fused_kernels()``), or None for one GPU."""
+    from qwen_chat.engine.model.options import RunnerOptions
     from qwen_chat.engine.model.runner import ModelRunner
     from qwen_chat.engine.model.sampling import Sampler
 
     t0 = time.perf_counter()
-    runner = ModelRunner(model, num_slots=16, max_context=2048, device=device, comm=comm)
+    options = RunnerOptions(tp_allreduce=kind or "auto", tp_fused=fused_kernels())
+    runner = ModelRunner(model, num_slots=16, max_context=2048, device=device, options=options)
     runner.capture_all(batch_sizes=batches, context_buckets=[512], prefill_buckets=[512])
     sampler = Sampler(16, runner.vocab_size, device)
-    if comm is not None:
+    if kind is not None:
         sampler.token_sync = broadcast_from_rank0
     sampler.warm_up()
     return runner, sampler, time.perf_counter() - t0
@@ -242,8 +255,7 @@ def single_section(model, device, steps: int) -> dict:
 
 
 def tp_section(model, device, kind: str, groups, steps: int) -> dict:
-    comm = TensorParallelComm(None, device, torch.bfloat16, backend=kind)
-    runner, sampler, setup_s = make_runner(model, device, comm, [1, 4, 16])
+    runner, sampler, setup_s = make_runner(model, device, kind, [1, 4, 16])
     ex = LocalExecutor(runner, sampler)
     prefill(ex, range(16))
     res = {"setup_s": setup_s, "impl": runner.impl}
@@ -274,7 +286,7 @@ def tp_section(model, device, kind: str, groups, steps: int) -> dict:
     runner.lengths[0] = 300
     dist.barrier()
     if dist.get_rank() == 0:
-        dex = qdist.DistributedExecutor(ex, groups.control, 600.0)
+        dex = DistributedExecutor(ex, groups.control, 600.0)
         res["service_ahead_tok_s"] = ahead_tok_s(dex, [0], steps)
         tok = dex.execute(StepPlan(decode_slots=[0], tokens_on_device=True))[0]
         torch.cuda.synchronize()
@@ -285,7 +297,7 @@ def tp_section(model, device, kind: str, groups, steps: int) -> dict:
         res["scheduler"] = scheduler_tok_s(dex, runner, steps)
         dex.close()
     else:
-        qdist.worker_loop(ex, groups.control)
+        worker_loop(ex, groups.control)
     del runner, sampler, ex
     torch.cuda.empty_cache()
     return res

@@ -4,13 +4,14 @@ The web layer (``qwen_chat.web``) and the OpenAI-compatible API only ever see th
 ``ChatBackend`` protocol; the engine (``qwen_chat.engine``) implements the protocol.  Keeping them free of
 torch lets the whole UI be tested against a scripted backend.
 
-Sampling ranges and presets come from the Qwen3.5 model card (see ../shared/design/qwen3_5-facts.md,
-"Recommended sampling").
+Sampling ranges and presets come from the Qwen3.5 model card (``docs/facts.md``, "Recommended sampling
+(model card)").  ``is_blank`` is the one rule for an empty message, used by the UI, the API and the engine.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field, replace
+import unicodedata
+from dataclasses import dataclass, replace
 from typing import Iterator, Literal, Optional, Protocol, Sequence
 
 Role = Literal["system", "user", "assistant"]
@@ -23,6 +24,18 @@ TOP_P_RANGE = (0.1, 1.0)
 TOP_K_RANGE = (1, 100)
 PRESENCE_PENALTY_RANGE = (0.0, 2.0)
 SEED_RANGE = (0, 2**63 - 1)
+
+
+def is_blank(text: Optional[str]) -> bool:
+    """True when ``text`` is None or holds only whitespace and invisible format characters.
+
+    Whitespace is what ``str.isspace`` accepts (spaces, tabs, newlines, NBSP U+00A0, the Unicode spaces);
+    invisible format characters are Unicode category Cf: zero-width space and joiners (U+200B-U+200D), word
+    joiner (U+2060), BOM (U+FEFF), soft hyphen (U+00AD), bidi marks (U+200E, U+200F), Mongolian vowel
+    separator (U+180E) and the like.  A message that is blank and has no image is refused (the UI sends
+    nothing, the API answers 400, the engine raises ``InvalidInput``).
+    """
+    return not text or all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
 
 
 class ChatError(Exception):

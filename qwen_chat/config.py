@@ -1,17 +1,21 @@
 """The service's one typed, frozen configuration object, built from argv and the environment.
 
-Usage: ``cfg = ServiceConfig.from_argv(sys.argv[1:])``.  Defaults live in code; ``validate()`` raises
-``ConfigError`` with a message meant for the person starting the service.  Launcher arguments that DeepSpeed
-appends (``--local_rank=N``) are accepted.
+Usage: ``cfg = ServiceConfig.from_argv(sys.argv[1:]).validate()``.  Each setting is one field of
+``ServiceConfig``: its default is the field's default, and its flag, help text, choices and environment variable
+are the field's ``Option`` metadata, from which ``ServiceConfig.parser()`` is generated.  ``validate()`` raises
+``ConfigError`` with a one-line message meant for the person starting the service (app.py prints it and exits 2).
+Launcher arguments that DeepSpeed appends (``--local_rank=N``) are accepted.
 """
 from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 DEFAULT_MODEL = "Qwen/Qwen3.5-9B"
 
@@ -54,21 +58,67 @@ def _is_loopback(host: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Option:
+    """How one ``ServiceConfig`` field is set from the command line and the environment.
+
+    Attributes:
+        help: argparse help text (None: none; ``argparse.SUPPRESS``: the flag is hidden from ``--help``).
+        flags: the flag names; default ``--field-name``.  For a bool field these flags set True (``()``: none).
+        off: bool fields only: the flag that sets False (``--no-login``); with ``flags`` the two exclude each other.
+        choices: the accepted values (checked by argparse and again by ``validate()``).
+        env: environment variable read when no flag was given.  A blank value counts as unset; bool fields are
+            False only for ``0``; choices are matched in lower case; a tuple field reads a comma-separated list
+            and adds it to the flags' values instead of replacing them.
+    """
+
+    help: Optional[str] = None
+    flags: Optional[tuple[str, ...]] = None
+    off: Optional[str] = None
+    choices: tuple[str, ...] = ()
+    env: Optional[str] = None
+
+
+def _opt(default: Any, **option: Any) -> Any:
+    """A dataclass field with ``default`` and its command-line ``Option``."""
+    return field(default=default, metadata={"option": Option(**option)})
+
+
+def _option(f) -> Option:
+    return f.metadata.get("option", Option())
+
+
+def _flags(f) -> tuple[str, ...]:
+    flags = _option(f).flags
+    return ("--" + f.name.replace("_", "-"),) if flags is None else flags
+
+
+def _value_type(hint: Any) -> Any:
+    """``Optional[X]`` -> X; ``tuple[str, ...]`` -> tuple; otherwise the hint itself."""
+    if typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+@dataclass(frozen=True)
 class ServiceConfig:
     """Every start-up setting of the service.
 
     Units: ``port`` TCP port; ``image_token_budget`` visual tokens per image (1 token = one 32x32 px block);
     ``max_context`` tokens per sequence (None: the model's own limit, capped by ``engine_max_context``);
     ``max_upload_mb`` megabytes per file; ``collective_timeout_s`` seconds a worker rank waits for the next
-    request on the gloo control group before it considers rank 0 gone.
+    request on the gloo control group before it considers rank 0 gone.  ``tp_allreduce`` and ``tp_fused`` pick
+    the tensor-parallel all-reduce kernels (``qwen_chat.engine.parallel.collectives.TensorParallelComm``).
     """
 
-    model: str = DEFAULT_MODEL
+    model: str = _opt(DEFAULT_MODEL,
+                      help="hub id, local checkpoint folder, or 'tiny' (built-in random-weight demo model)")
     host: str = "127.0.0.1"
     port: int = 7860
     history_dir: Path = Path("history")
-    local_rank: int = -1
-    ds_config: Optional[Path] = None
+    local_rank: int = _opt(-1, flags=("--local_rank", "--local-rank"), help=argparse.SUPPRESS, env="LOCAL_RANK")
+    ds_config: Optional[Path] = _opt(
+        None, env="QWEN_CHAT_DS_CONFIG",
+        help="DeepSpeed config (tensor parallel or ZeRO-3); default: $QWEN_CHAT_DS_CONFIG or none")
     cache_dir: Optional[Path] = None  # where the built-in tiny model is written; None: ~/.cache/qwen_chat
     image_token_budget: int = 1024
     max_images_per_turn: int = 8
@@ -76,13 +126,23 @@ class ServiceConfig:
     max_context: Optional[int] = None
     max_queue: int = 64
     max_batch: int = 8
-    device: Optional[str] = None  # "cpu", "cuda"; None: cuda if available
+    device: Optional[str] = _opt(None, choices=("cpu", "cuda"))  # None: cuda if available
     users_file: Optional[Path] = None
-    login: Optional[bool] = None  # None: on when bound beyond loopback
-    api_keys: tuple[str, ...] = ()
-    require_api_key: Optional[bool] = None  # None: required when bound beyond loopback
+    login: Optional[bool] = _opt(None, off="--no-login")  # None: on when bound beyond loopback
+    api_keys: tuple[str, ...] = _opt(
+        (), flags=("--api-key",), env="QWEN_CHAT_API_KEYS",
+        help="accepted API key (repeatable); also $QWEN_CHAT_API_KEYS, comma-separated")
+    require_api_key: Optional[bool] = _opt(None, flags=(), off="--no-api-key")  # None: required beyond loopback
     allow_remote_images: bool = False
     collective_timeout_s: float = 7 * 24 * 3600.0
+    tp_allreduce: str = _opt(
+        "auto", choices=("auto", "symm_mem", "nccl"), env="QWEN_CHAT_TP_ALLREDUCE",
+        help="tensor parallel all-reduce: auto (symmetric memory where it works, else NCCL), symm_mem or nccl; "
+             "default: $QWEN_CHAT_TP_ALLREDUCE or auto")
+    tp_fused: bool = _opt(
+        True, off="--no-tp-fused", env="QWEN_CHAT_TP_FUSED",
+        help="tensor parallel: fuse each all-reduce with the next residual add and RMSNorm (the default; "
+             "--no-tp-fused or QWEN_CHAT_TP_FUSED=0 turns it off)")
 
     @property
     def loopback(self) -> bool:
@@ -99,13 +159,31 @@ class ServiceConfig:
         return self.require_api_key
 
     def validate(self) -> "ServiceConfig":
-        """Raise ``ConfigError`` for an impossible setting; return self otherwise."""
+        """Return self, or raise ``ConfigError`` (one line) for a setting the service cannot start with.
+
+        Checks the ranges (``--port`` 1..65535, ``--image-token-budget`` 64..16384, ``--max-queue`` and
+        ``--max-batch`` >= 1, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
+        ``--collective-timeout-s`` > 0), the choices, login and API-key requirements, that ``--ds-config``
+        exists, and, when login is on, that the users file can be read and parsed (``auth.UserDB.from_file``).
+        """
         if not (0 < self.port < 65536):
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
         if not (64 <= self.image_token_budget <= 16384):
             raise ConfigError(f"--image-token-budget must be 64..16384, got {self.image_token_budget}")
         if self.max_queue < 1 or self.max_batch < 1:
             raise ConfigError("--max-queue and --max-batch must be >= 1")
+        if not (math.isfinite(self.max_upload_mb) and self.max_upload_mb * 1024 * 1024 >= 1):
+            raise ConfigError(f"--max-upload-mb must be > 0 (at least one byte), got {self.max_upload_mb:g}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ConfigError(f"--max-context must be >= 1, got {self.max_context}")
+        if not (0 < self.collective_timeout_s < math.inf):
+            raise ConfigError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s:g}")
+        for f in fields(self):
+            choices, value = _option(f).choices, getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                env = _option(f).env
+                where = _flags(f)[0] + (f" (or ${env})" if env else "")
+                raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
         if self.login_enabled and self.users_file is None:
             raise ConfigError(
                 f"login is on (host {self.host} is not loopback) but no --users-file was given; "
@@ -118,73 +196,88 @@ class ServiceConfig:
             )
         if self.ds_config is not None and not Path(self.ds_config).is_file():
             raise ConfigError(f"--ds-config {self.ds_config} does not exist")
+        if self.login_enabled:
+            self._check_users_file()
         return self
+
+    def _check_users_file(self) -> None:
+        """Load the users file the way the web server will, so that a bad one fails here in one line."""
+        from qwen_chat.web import auth  # bcrypt and the standard library only: no torch, no gradio
+
+        try:
+            auth.UserDB.from_file(self.users_file)
+        except auth.UsersFileError as e:
+            raise ConfigError(str(e)) from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"users file {self.users_file} is not UTF-8 text") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read users file {self.users_file}: {e.strerror or e}") from None
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
+        """The command line, generated from the fields: each field's flags, type (from its annotation), choices
+        and help.  No flag carries a default (``argparse.SUPPRESS``): a flag left out is absent from the parsed
+        namespace and ``from_argv`` takes the environment variable or the field's default."""
         p = argparse.ArgumentParser(
             prog="app.py", description="Qwen3.5 private multimodal chat service (web UI + OpenAI-compatible API)"
         )
-        p.add_argument("--model", default=DEFAULT_MODEL,
-                       help="hub id, local checkpoint folder, or 'tiny' (built-in random-weight demo model)")
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=7860)
-        p.add_argument("--history-dir", type=Path, default=Path("history"))
-        p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=-1,
-                       help=argparse.SUPPRESS)
-        p.add_argument("--ds-config", type=Path, default=None,
-                       help="DeepSpeed config (tensor parallel or ZeRO-3); default: $QWEN_CHAT_DS_CONFIG or none")
-        p.add_argument("--cache-dir", type=Path, default=None)
-        p.add_argument("--image-token-budget", type=int, default=1024)
-        p.add_argument("--max-images-per-turn", type=int, default=8)
-        p.add_argument("--max-upload-mb", type=float, default=20.0)
-        p.add_argument("--max-context", type=int, default=None)
-        p.add_argument("--max-queue", type=int, default=64)
-        p.add_argument("--max-batch", type=int, default=8)
-        p.add_argument("--device", default=None, choices=["cpu", "cuda"])
-        p.add_argument("--users-file", type=Path, default=None)
-        g = p.add_mutually_exclusive_group()
-        g.add_argument("--login", dest="login", action="store_true", default=None)
-        g.add_argument("--no-login", dest="login", action="store_false")
-        p.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                       help="accepted API key (repeatable); also $QWEN_CHAT_API_KEYS, comma-separated")
-        g2 = p.add_mutually_exclusive_group()
-        g2.add_argument("--no-api-key", dest="require_api_key", action="store_false", default=None)
-        p.add_argument("--allow-remote-images", action="store_true")
-        p.add_argument("--collective-timeout-s", type=float, default=7 * 24 * 3600.0)
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            opt, kind = _option(f), _value_type(hints[f.name])
+            common = dict(dest=f.name, default=argparse.SUPPRESS)
+            if kind is bool:
+                group = p.add_mutually_exclusive_group() if _flags(f) and opt.off else p
+                if _flags(f):
+                    group.add_argument(*_flags(f), action="store_true", help=opt.help, **common)
+                if opt.off:
+                    group.add_argument(opt.off, action="store_false", **common)
+            elif kind is tuple:
+                p.add_argument(*_flags(f), action="append", help=opt.help, **common)
+            else:
+                p.add_argument(*_flags(f), type=None if kind is str else kind, choices=opt.choices or None,
+                               help=opt.help, **common)
         return p
 
     @classmethod
     def from_argv(cls, argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> "ServiceConfig":
-        """Parse argv (unknown arguments are an error, except DeepSpeed's ``--local_rank``)."""
+        """Parse argv (unknown arguments are an error, except DeepSpeed's ``--local_rank``) and the environment.
+
+        Precedence per field: the flag, else its environment variable (``Option.env``), else the field's
+        default; API keys from ``$QWEN_CHAT_API_KEYS`` are added to the ``--api-key`` ones.
+
+        Raises:
+            SystemExit(2): a bad command line (argparse prints the usage and the error).
+            ConfigError: an environment variable that cannot be read as its field's type.
+        """
         env = os.environ if env is None else env
-        ns = cls.parser().parse_args(list(argv))
-        keys = tuple(ns.api_keys or ()) + tuple(
-            k.strip() for k in env.get("QWEN_CHAT_API_KEYS", "").split(",") if k.strip()
-        )
-        ds_config = ns.ds_config
-        if ds_config is None and env.get("QWEN_CHAT_DS_CONFIG"):
-            ds_config = Path(env["QWEN_CHAT_DS_CONFIG"])
-        local_rank = ns.local_rank if ns.local_rank >= 0 else int(env.get("LOCAL_RANK", "-1"))
-        return cls(
-            model=ns.model,
-            host=ns.host,
-            port=ns.port,
-            history_dir=ns.history_dir,
-            local_rank=local_rank,
-            ds_config=ds_config,
-            cache_dir=ns.cache_dir,
-            image_token_budget=ns.image_token_budget,
-            max_images_per_turn=ns.max_images_per_turn,
-            max_upload_mb=ns.max_upload_mb,
-            max_context=ns.max_context,
-            max_queue=ns.max_queue,
-            max_batch=ns.max_batch,
-            device=ns.device,
-            users_file=ns.users_file,
-            login=ns.login,
-            api_keys=keys,
-            require_api_key=ns.require_api_key,
-            allow_remote_images=ns.allow_remote_images,
-            collective_timeout_s=ns.collective_timeout_s,
-        )
+        given = vars(cls.parser().parse_args(list(argv)))
+        hints = typing.get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name, kind = _option(f).env, _value_type(hints[f.name])
+            raw = env.get(name, "") if name else ""
+            from_env = _from_env(name, raw, kind, bool(_option(f).choices)) if raw.strip() else None
+            if kind is tuple:
+                values[f.name] = tuple(given.get(f.name) or ()) + (from_env or ())
+            elif f.name in given:
+                values[f.name] = given[f.name]
+            elif from_env is not None:
+                values[f.name] = from_env
+        return cls(**values)
+
+
+def _from_env(name: str, raw: str, kind: Any, lower: bool) -> Any:
+    """The value of environment variable ``name`` (non-blank ``raw``) as a field of type ``kind``."""
+    text = raw.strip()
+    if kind is bool:
+        return text != "0"
+    if kind is tuple:
+        return tuple(k.strip() for k in text.split(",") if k.strip())
+    if kind is Path:
+        return Path(raw)
+    if kind is str:
+        return text.lower() if lower else text
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"${name} must be a number, got {raw!r}") from None

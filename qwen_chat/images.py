@@ -3,7 +3,8 @@
 Pillow only (no torch): the web layer imports this module.  Every upload goes through ``normalize_image``
 before it enters the history, so the Qwen2-VL image processor (``transformers.models.qwen2_vl``,
 ``smart_resize``) only ever sees images it accepts, and the chat thumbnail shows exactly the pixels the model
-sees (public cases C01, C04-C09 in ``shared/cases/public-cases.md``).
+sees: extreme aspect ratios, EXIF rotation, animated GIF/WEBP, HEIC and files that only look like images,
+and decompression bombs are all handled here, before the model or the history is touched.
 
 Pipeline of ``normalize_image``:
 
@@ -20,7 +21,8 @@ Pipeline of ``normalize_image``:
    <= 200 (the limit hard-coded in transformers' ``smart_resize``);
 8. encoded as PNG.
 
-Every failure raises ``chat_types.InvalidImage`` with a message meant for the user.
+Every failure raises ``chat_types.InvalidImage`` with a message meant for the user.  ``ImageLimits.from_config``
+builds the limits of the service (UI and API alike) and ``check_image_count`` is the per-message image limit.
 """
 from __future__ import annotations
 
@@ -28,35 +30,25 @@ import io
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from PIL import (
-    GifImagePlugin,
-    ExifTags,
-    Image,
-    ImageFile,
-    ImageMath,
-    ImageOps,
-    JpegImagePlugin,
-    PngImagePlugin,
-    WebPImagePlugin,
-)
+from PIL import GifImagePlugin, Image, ImageFile, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
 from qwen_chat.chat_types import InvalidImage
+from qwen_chat.image_pixels import (
+    PIXELS_PER_TOKEN,
+    PROCESSOR_MAX_ASPECT,
+    WHITE,
+    apply_exif_orientation,
+    frame_count,
+    plan_shape,
+    to_rgb,
+)
 
 log = logging.getLogger(__name__)
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "GIF", "WEBP")
 _ALLOWED_TEXT = ", ".join(ALLOWED_FORMATS)
-
-# Qwen3.5 vision tower: patch 16 x 2x2 spatial merge = one visual token per 32x32 pixel block
-# (shared/design/qwen3_5-facts.md, "Images"; processor factor = patch_size * merge_size).
-PIXELS_PER_TOKEN = 32 * 32
-MIN_SIDE_PX = 32
-# transformers' smart_resize raises "absolute aspect ratio must be smaller than 200" above this
-# (transformers/models/qwen2_vl/image_processing_qwen2_vl.py).
-PROCESSOR_MAX_ASPECT = 200.0
-
-WHITE = (255, 255, 255)
 
 # Pillow's image classes of the allowed formats.  They are constructed directly instead of through
 # ``Image.open`` because ``Image.open`` refuses images above 2 x MAX_IMAGE_PIXELS (179 MP) before we can
@@ -103,6 +95,35 @@ class ImageLimits:
     def max_pixels(self) -> int:
         """Largest width * height of a normalised image, in pixels (``token_budget * 32 * 32``)."""
         return self.token_budget * PIXELS_PER_TOKEN
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ImageLimits":
+        """The service's limits from a ``ServiceConfig``: ``max_upload_mb`` (MB = 2**20 bytes) per file and
+        ``image_token_budget`` visual tokens per image; the other limits keep their defaults.
+
+        Raises:
+            ValueError: for a non-positive upload size or token budget (see the class docstring).
+        """
+        return cls(max_file_bytes=int(cfg.max_upload_mb * 1024 * 1024), token_budget=cfg.image_token_budget)
+
+
+class TooManyImages(InvalidImage):
+    """One message carries more images than allowed.  ``count`` images were sent, ``max_images`` allowed."""
+
+    def __init__(self, count: int, max_images: int):
+        super().__init__(f"at most {max_images} images per message, got {count}")
+        self.count = count
+        self.max_images = max_images
+
+
+def check_image_count(count: int, max_images: int) -> None:
+    """The per-message image limit (``--max-images-per-turn``), checked before any image is decoded.
+
+    Raises:
+        TooManyImages: when ``count > max_images``.
+    """
+    if count > max_images:
+        raise TooManyImages(count, max_images)
 
 
 @dataclass(frozen=True)
@@ -197,121 +218,6 @@ def _open_header(data: bytes) -> ImageFile.ImageFile:
         raise _not_valid(f"the {fmt} header is broken") from None
 
 
-def image_info(data: bytes) -> tuple[str, int, int]:
-    """Return ``(format, width, height)`` read from the header, without decoding pixels.
-
-    ``format`` is one of ``ALLOWED_FORMATS``; width and height are in pixels as stored (before EXIF
-    orientation is applied).  No size limit is applied here.
-
-    Raises:
-        InvalidImage: as ``sniff_format``, or when the header cannot be parsed.
-    """
-    im = _open_header(data)
-    try:
-        return im.format or sniff_format(data), im.size[0], im.size[1]
-    finally:
-        im.close()
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Target geometry in orientation-free terms: content long/short side and canvas long/short side."""
-
-    content_long: int
-    content_short: int
-    canvas_long: int
-    canvas_short: int
-
-
-def _plan_shape(long_side: int, short_side: int, max_pixels: int) -> _Plan:
-    """Choose the content size and padded canvas size for a ``long_side x short_side`` image.
-
-    Guarantees: canvas_long * canvas_short <= max_pixels (max_pixels >= 1024); both canvas sides >= 32;
-    canvas_long / canvas_short <= 200; the content keeps the source aspect ratio (to rounding) and is
-    never upscaled.
-    """
-    aspect = long_side / short_side
-    target = long_side
-    if long_side * short_side > max_pixels:
-        target = max(1, math.floor(long_side * math.sqrt(max_pixels / (long_side * short_side))))
-
-    def canvas(content_long: int) -> tuple[int, int, int]:
-        if content_long == long_side:
-            content_short = short_side
-        else:
-            content_short = max(1, min(short_side, math.floor(content_long / aspect)))
-        canvas_short = max(content_short, MIN_SIDE_PX, math.ceil(content_long / PROCESSOR_MAX_ASPECT))
-        return content_short, max(content_long, MIN_SIDE_PX), canvas_short
-
-    content_short, canvas_long, canvas_short = canvas(target)
-    # Padding the short side (to 32 px, or to keep the aspect <= 200) can push the canvas over the budget:
-    # shrink the long side until it fits.  canvas_short never grows as target shrinks, so this converges.
-    while canvas_long * canvas_short > max_pixels:
-        target = max(1, min(target - 1, max_pixels // canvas_short))
-        content_short, canvas_long, canvas_short = canvas(target)
-    return _Plan(target, content_short, canvas_long, canvas_short)
-
-
-def _to_rgb(im: Image.Image) -> tuple[Image.Image, bool]:
-    """Convert any decoded mode to 8-bit RGB; transparent pixels are composited onto white.
-
-    Handles 1, L, P, RGB, CMYK, YCbCr, I;16 / I (16-bit greyscale PNG, scaled 0..65535 -> 0..255 because
-    Pillow's own ``convert`` clips at 255), LA, PA, RGBA and the tRNS transparency of P, L, RGB and 16-bit
-    greyscale.  Returns ``(rgb_image, had_transparency)``; ``had_transparency`` is True only when some pixel
-    was not fully opaque.
-    """
-    if im.mode.startswith("I"):
-        as_int = im.convert("I")
-        # ``point`` on an "I" image returns "I"; the values are already in 0..255, so convert("L") is exact.
-        grey = as_int.point(lambda v: v / 256).convert("L")
-        trns = im.info.get("transparency")
-        if isinstance(trns, int):
-            equal = ImageMath.lambda_eval(lambda a: a["equal"](a["im"], trns), im=as_int)  # 1 where transparent
-            grey = grey.convert("LA")
-            grey.putalpha(equal.point(lambda v: v * -255 + 255).convert("L"))
-        im = grey
-    has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
-    if not has_alpha:
-        return (im if im.mode == "RGB" else im.convert("RGB")), False
-    rgba = im.convert("RGBA")
-    alpha = rgba.getchannel("A")
-    if alpha.getextrema()[0] == 255:  # an alpha channel, but every pixel opaque (common for screenshots)
-        return rgba.convert("RGB"), False
-    background = Image.new("RGB", rgba.size, WHITE)
-    background.paste(rgba, mask=alpha)
-    return background, True
-
-
-def _frame_count(im: ImageFile.ImageFile) -> int:
-    """Frames in the file (GIF/WEBP/APNG), counted by parsing, not decoding; 1 if it cannot be counted."""
-    try:
-        return max(1, int(getattr(im, "n_frames", 1)))
-    except Exception:  # noqa: BLE001 - a broken later frame must not reject a usable first frame
-        return 1
-    finally:
-        try:
-            im.seek(0)
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def _apply_exif_orientation(im: Image.Image) -> tuple[Image.Image, int]:
-    """Turn ``im`` upright per its EXIF Orientation tag with ``ImageOps.exif_transpose``.
-
-    Returns ``(image, orientation)``: ``orientation`` is the applied tag value 2-8 (5-8 swap width and
-    height), or 1 with ``im`` itself when there was nothing to do.  A malformed EXIF block is ignored (the
-    pixels are still valid).
-    """
-    try:
-        orientation = im.getexif().get(ExifTags.Base.Orientation, 1)
-        if orientation not in (2, 3, 4, 5, 6, 7, 8):
-            return im, 1
-        return ImageOps.exif_transpose(im), orientation
-    except Exception as exc:  # noqa: BLE001 - broken metadata must not reject a decodable image
-        log.info("EXIF orientation ignored: %r", exc)
-        return im, 1
-
-
 def normalize_image(data: bytes, limits: ImageLimits = ImageLimits()) -> NormalizedImage:
     """Check an uploaded image and return it as the upright, RGB, size-limited PNG the model will see.
 
@@ -370,9 +276,9 @@ def _normalize_opened(im: ImageFile.ImageFile, fmt: str, limits: ImageLimits) ->
         raise InvalidImage(
             f"image aspect ratio too extreme; max {limits.max_aspect:g}:1 (this image is {width}x{height})"
         )
-    plan = _plan_shape(long_side, short_side, limits.max_pixels)
+    plan = plan_shape(long_side, short_side, limits.max_pixels)
     notes = []
-    frames = _frame_count(im)
+    frames = frame_count(im)
     if frames > 1:
         notes.append(f"first frame of {frames} used")
 
@@ -382,11 +288,11 @@ def _normalize_opened(im: ImageFile.ImageFile, fmt: str, limits: ImageLimits) ->
         im.draft(None, (math.ceil(width * scale), math.ceil(height * scale)))
     im.load()  # first frame only; raises OSError("image file is truncated") for truncated data
 
-    upright, orientation = _apply_exif_orientation(im)
+    upright, orientation = apply_exif_orientation(im)
     if orientation != 1:
         notes.append("rotated upright (EXIF orientation)")
     shown_size = (height, width) if orientation in (5, 6, 7, 8) else (width, height)  # as viewers show it
-    rgb, had_alpha = _to_rgb(upright)
+    rgb, had_alpha = to_rgb(upright)
     if had_alpha:
         notes.append("transparent areas shown on white")
 

@@ -100,7 +100,7 @@ class PendingBackend:
             close()
 
     def __getattr__(self, name: str) -> Any:
-        # Only for attributes not defined here (e.g. complete_chat): the engine's once attached.
+        # Only for attributes not defined here (e.g. prepare, sampling_params): the engine's once attached.
         engine = self.__dict__.get("_engine")
         if engine is None:
             raise AttributeError(f"{name} is not available while the model is loading")

@@ -1,6 +1,7 @@
-"""Crash-safe file primitives of the history store: atomic replace, exclusive locks, setting bad files aside.
+"""Crash-safe file primitives: atomic replace, exclusive locks, setting bad files aside.
 
-Why (public case C21): a plain ``open(path, "w").write(...)`` killed half-way leaves an empty or cut-off JSON
+``write_atomic`` is the one way the service writes a file it keeps (history, users file, API images, the
+UI's image copies).  Why: a plain ``open(path, "w").write(...)`` killed half-way leaves an empty or cut-off
 file.  ``write_atomic`` writes a temp file in the same folder, fsyncs it, renames it over the target with
 ``os.replace`` (atomic on POSIX) and fsyncs the folder, so after ``kill -9`` or a power cut the target is
 either the old or the new version.  ``exclusive_lock`` serialises read-modify-write cycles between threads
@@ -39,7 +40,8 @@ def fsync_dir(folder: Path) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` atomically: temp file in the same folder, flush, fsync, ``os.replace``,
-    fsync of the folder.  The temp file is named ``.<name>.<random>.tmp`` and removed on failure.
+    fsync of the folder.  The temp file is named ``.<name>.<random>.tmp`` and removed on failure.  The file
+    gets mode 0600 (``tempfile.mkstemp``'s), whatever ``path`` had before.
 
     Raises:
         OSError: when writing or renaming fails; ``path`` is then unchanged.

@@ -28,9 +28,37 @@ DEFAULT_TITLE = "New chat"
 TITLE_MAX_CHARS = 80
 
 ROLES = ("system", "user", "assistant")
-#: ``streaming``: being written now; ``interrupted``: the process died while it streamed; ``stopped``: the user
-#: pressed Stop; ``length``: max new tokens reached; ``error``: generation failed; ``complete``: normal end.
-STATUSES = ("complete", "streaming", "stopped", "interrupted", "error", "length")
+
+
+@dataclass(frozen=True)
+class Status:
+    """One status a saved message can have: ``name`` (as saved), the engine's ``finish_reason``
+    (``chat_types.FinishReason``) that ends a reply with this status (None: none does), and the ``label`` the
+    chat shows after such a reply ("" for none)."""
+
+    name: str
+    finish_reason: Optional[str]
+    label: str
+
+
+#: The one status vocabulary.  ``complete``: normal end; ``streaming``: being written now; ``stopped``: the user
+#: pressed Stop (or closed the tab); ``interrupted``: the service stopped (or died) while it streamed;
+#: ``error``: generation failed; ``length``: max new tokens reached.
+STATUS_TABLE = (
+    Status("complete", "stop", ""),
+    Status("streaming", None, ""),
+    Status("stopped", "cancelled", "stopped by the user"),
+    Status("interrupted", None, "interrupted: the service stopped before this reply finished"),
+    Status("error", "error", "generation failed"),
+    Status("length", "length", "token limit reached"),
+)
+STATUSES = tuple(s.name for s in STATUS_TABLE)
+STREAMING = "streaming"
+INTERRUPTED = "interrupted"
+#: status -> label shown after the reply, for the statuses that have one.
+STATUS_LABELS = {s.name: s.label for s in STATUS_TABLE if s.label}
+#: engine finish reason -> status of the saved reply.
+STATUS_OF_FINISH = {s.finish_reason: s.name for s in STATUS_TABLE if s.finish_reason}
 
 CONVERSATION_ID = re.compile(r"[0-9a-f]{32}")
 MESSAGE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")

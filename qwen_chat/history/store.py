@@ -4,23 +4,24 @@ Layout under the history folder (``--history-dir``)::
 
     users/<user_id>/conversations/<conversation id>.json   one conversation (see records.py)
     users/<user_id>/images/<sha256 of the PNG>.png          each image once
-    users/<user_id>/corrupt/<file>.<UTC time>.bad           unreadable files, set aside (C21)
+    users/<user_id>/corrupt/<file>.<UTC time>.bad           unreadable files, set aside
     users/<user_id>/locks/<conversation id>.lock            flock files (never deleted)
 
-Guarantees (public cases C21, C22; issue 5 items 3-4):
+Guarantees (a crash never leaves a corrupt file; a page left open across a restart never wipes history):
 
 * every mutation is a read-modify-write of the file *as it is on disk now*, under an exclusive lock (a thread
   lock plus ``fcntl.flock``), written atomically (``files.write_atomic``), with ``revision`` + 1.  A stale
   browser page that appends a message therefore merges with newer history instead of overwriting it, and
   concurrent writers (threads or processes) never lose an update;
 * a reply saved as ``streaming`` by a process that is gone (``kill -9`` mid-reply) reads back as
-  ``interrupted`` and is stored that way on the next write;
+  ``interrupted`` and is stored that way on the next write (``conversation_files.py``);
 * corrupt, empty or half-written files are moved to ``corrupt/`` with a logged warning; the others still list;
 * ids are checked on every access (user ids ``[A-Za-z0-9_.-]{1,64}``, conversation ids 32 hex digits, image
   names ``<64 hex>.png``), and each ``UserHistory`` only ever touches its own folder: another user's id, a
   guessed id and a path such as ``../x`` all raise ``ConversationNotFound`` with the same message.
 
-No torch, no Gradio.  Usage::
+Images live in ``image_folder.py``, the conversation files in ``conversation_files.py``, the life of one
+streaming reply in ``turns.py``.  No torch, no Gradio.  Usage::
 
     store = HistoryStore(Path("history"))
     history = store.user("local")
@@ -30,25 +31,20 @@ No torch, no Gradio.  Usage::
 """
 from __future__ import annotations
 
-import hashlib
 import io
-import json
 import logging
-import os
 import re
-import secrets
-import time
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
-from qwen_chat.chat_types import ChatError, ChatMessage, InvalidImage, InvalidInput
-from qwen_chat.history.files import TEMP_SUFFIX, LockTable, exclusive_lock, set_aside, write_atomic
+from qwen_chat.chat_types import InvalidInput
+from qwen_chat.history.conversation_files import ConversationFolder, Unchanged, encode_json, json_settings
+from qwen_chat.history.errors import ConversationNotFound, HistoryUnavailable, MessageNotFound
+from qwen_chat.history.files import LockTable
+from qwen_chat.history.image_folder import ImageFolder
 from qwen_chat.history.records import (
-    CONVERSATION_ID,
     DEFAULT_TITLE,
-    IMAGE_NAME,
-    SCHEMA_VERSION,
     STATUSES,
     Conversation,
     ConversationSummary,
@@ -56,12 +52,11 @@ from qwen_chat.history.records import (
     clean_title,
     make_title,
     new_conversation_id,
-    now_iso,
 )
 
 __all__ = [
     "HistoryStore", "UserHistory", "MessageRef", "StoredMessage", "Conversation", "ConversationSummary",
-    "ConversationNotFound", "MessageNotFound", "StaleConversation", "HistoryUnavailable", "DEFAULT_TITLE",
+    "ConversationNotFound", "MessageNotFound", "HistoryUnavailable", "DEFAULT_TITLE",
     "LOCAL_USER",
 ]
 
@@ -70,51 +65,6 @@ log = logging.getLogger(__name__)
 #: The user id used when login is off.
 LOCAL_USER = "local"
 USER_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-#: Unreferenced images younger than this are kept when a conversation is deleted: they may have been put
-#: a moment ago for a message that is about to be appended.
-IMAGE_GC_GRACE_S = 600.0
-#: Temp files older than this are leftovers of a crash between write and rename; ``list()`` removes them.
-STALE_TEMP_S = 3600.0
-
-# Identifies this process in messages saved as "streaming": a streaming message written by another (dead)
-# process reads back as "interrupted".  The pid part changes in a forked child.
-_BOOT = secrets.token_hex(6)
-
-
-def _writer_id() -> str:
-    return f"{os.getpid()}-{_BOOT}"
-
-
-class ConversationNotFound(InvalidInput):
-    """No such conversation *for this user* (also for foreign, guessed or malformed ids; never says which)."""
-
-    kind = "conversation_not_found"
-    http_status = 404
-
-    def __init__(self, message: str = "conversation not found"):
-        super().__init__(message)
-
-
-class MessageNotFound(InvalidInput):
-    """The message id/index does not exist (any more) in the conversation."""
-
-    kind = "message_not_found"
-    http_status = 404
-
-
-class StaleConversation(ChatError):
-    """The conversation changed since the caller read it (``expected_revision`` did not match): reload."""
-
-    kind = "stale_conversation"
-    http_status = 409
-
-
-class HistoryUnavailable(ChatError):
-    """The history folder could not be read or written (disk full, permissions); nothing was changed."""
-
-    kind = "history_unavailable"
-    http_status = 500
 
 
 class MessageRef(int):
@@ -164,13 +114,11 @@ class UserHistory:
     def __init__(self, folder: Path, user_id: str, locks: LockTable) -> None:
         self.user_id = user_id
         self.folder = folder
-        self._conv_dir = folder / "conversations"
-        self._image_dir = folder / "images"
-        self._lock_dir = folder / "locks"
-        self._corrupt_dir = folder / "corrupt"
-        self._locks = locks
+        lock_dir = folder / "locks"
+        self._files = ConversationFolder(folder / "conversations", lock_dir, folder / "corrupt", locks)
+        self._images = ImageFolder(folder / "images", lock_dir / "images.lock", locks)
         try:
-            for d in (self._conv_dir, self._image_dir, self._lock_dir):
+            for d in (self._files.folder, self._images.folder, lock_dir):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise HistoryUnavailable(f"cannot create the history folder: {e.strerror or e}") from None
@@ -181,17 +129,15 @@ class UserHistory:
 
         Unreadable files are set aside into ``corrupt/`` with a warning; never raises for them.
         """
-        self._remove_stale_temp_files()
+        self._files.remove_stale_temp_files()
         summaries = []
-        for path in self._conv_dir.glob("*.json"):
-            if not CONVERSATION_ID.fullmatch(path.stem):
-                continue
+        for conv_id in self._files.ids():
             try:
-                conv = self._read_checked(path.stem)
+                conv = self._files.read(conv_id)
             except (ConversationNotFound, InvalidInput):
                 continue
             except OSError as e:
-                log.warning("cannot read history file %s: %s", path, e)
+                log.warning("cannot read history file %s: %s", self._files.path(conv_id), e)
                 continue
             summaries.append(ConversationSummary(conv.id, conv.title, conv.created, conv.updated,
                                                  len(conv.messages)))
@@ -204,16 +150,11 @@ class UserHistory:
         Raises:
             ConversationNotFound: unknown, foreign, malformed or unreadable (then set aside) id.
         """
-        path = self._conv_path(conv_id)
+        path = self._files.path(conv_id)
         try:
-            return self._read_checked(path.stem)
+            return self._files.read(path.stem)
         except OSError as e:
             raise HistoryUnavailable(f"cannot read the conversation: {e.strerror or e}") from None
-
-    def chat_messages(self, conv: Conversation) -> list[ChatMessage]:
-        """``conv``'s messages as ``chat_types.ChatMessage`` (image names resolved to file paths)."""
-        return [ChatMessage(role=m.role, text=m.text, reasoning=m.reasoning,
-                            images=tuple(str(self.image_path(n)) for n in m.images)) for m in conv.messages]
 
     # ------------------------------------------------------------------ writing
     def create(self, title: str = DEFAULT_TITLE, settings: Optional[dict] = None) -> Conversation:
@@ -224,9 +165,9 @@ class UserHistory:
         """
         title = DEFAULT_TITLE if not isinstance(title, str) or not title.strip() else clean_title(title)
         conv = Conversation(id=new_conversation_id(), title=title, revision=1,
-                            settings=_json_settings(settings or {}))
-        with self._locked(conv.id):
-            self._write(conv)
+                            settings=json_settings(settings or {}))
+        with self._files.locked(conv.id):
+            self._files.write(conv)
         return conv
 
     def append_message(self, conv_id: str, message: Optional[StoredMessage] = None, *,
@@ -254,14 +195,14 @@ class UserHistory:
         if not isinstance(message, StoredMessage):
             raise InvalidInput("message must be a StoredMessage")
         for name in message.images:
-            if not (self._image_dir / name).is_file():
+            if not self._images.has(name):
                 raise InvalidInput(f"image {name} is not stored for this user")
 
         def change(conv: Conversation) -> Any:
             existing = conv.index_of(message.id)
             if existing is not None:
                 if conv.messages[existing].to_dict() == message.to_dict():
-                    return _Unchanged(MessageRef(existing, message.id))
+                    return Unchanged(MessageRef(existing, message.id))
                 raise InvalidInput("a different message with this id is already saved")
             if (message.role == "user" and conv.title == DEFAULT_TITLE
                     and not any(m.role == "user" for m in conv.messages)):
@@ -269,7 +210,7 @@ class UserHistory:
             conv.messages.append(message)
             return MessageRef(len(conv.messages) - 1, message.id)
 
-        return self._mutate(conv_id, change)[1]
+        return self._files.mutate(conv_id, change)[1]
 
     def update_message(self, conv_id: str, message: MessageKey, *, text: Optional[str] = None,
                        reasoning: Optional[str] = None, status: Optional[str] = None,
@@ -293,25 +234,19 @@ class UserHistory:
                     fields[key] = value
             conv.messages[index] = StoredMessage(**fields)
 
-        return self._mutate(conv_id, change)[0]
+        return self._files.mutate(conv_id, change)[0]
 
-    def truncate_from(self, conv_id: str, message: MessageKey, *,
-                      expected_revision: Optional[int] = None) -> Conversation:
+    def truncate_from(self, conv_id: str, message: MessageKey) -> Conversation:
         """Drop ``message`` and every later message (for Regenerate); returns the saved conversation.
 
-        ``expected_revision``: if given and the saved revision differs, nothing changes and
-        ``StaleConversation`` is raised (so a stale page cannot cut off turns it never saw).
-
         Raises:
-            ConversationNotFound, MessageNotFound, StaleConversation.
+            ConversationNotFound, MessageNotFound.
         """
 
         def change(conv: Conversation) -> None:
-            if expected_revision is not None and conv.revision != expected_revision:
-                raise StaleConversation("this conversation changed in another window; reload it")
             del conv.messages[_resolve(conv, message):]
 
-        return self._mutate(conv_id, change)[0]
+        return self._files.mutate(conv_id, change)[0]
 
     def set_settings(self, conv_id: str, settings: dict) -> Conversation:
         """Replace the stored generation settings (a JSON-serialisable dict).
@@ -319,12 +254,12 @@ class UserHistory:
         Raises:
             ConversationNotFound; InvalidInput when ``settings`` is not a dict of plain JSON values.
         """
-        settings = _json_settings(settings)
+        settings = json_settings(settings)
 
         def change(conv: Conversation) -> None:
             conv.settings = settings
 
-        return self._mutate(conv_id, change)[0]
+        return self._files.mutate(conv_id, change)[0]
 
     def rename(self, conv_id: str, title: str) -> Conversation:
         """Set the title (whitespace collapsed, 1-200 characters).
@@ -337,24 +272,24 @@ class UserHistory:
         def change(conv: Conversation) -> None:
             conv.title = title
 
-        return self._mutate(conv_id, change)[0]
+        return self._files.mutate(conv_id, change)[0]
 
     def delete(self, conv_id: str) -> None:
         """Delete the conversation's file, then images no other conversation of this user uses
-        (except ones stored in the last ``IMAGE_GC_GRACE_S`` seconds).
+        (except ones stored in the last ``image_folder.IMAGE_GC_GRACE_S`` seconds).
 
         Raises:
             ConversationNotFound.
         """
-        path = self._conv_path(conv_id)
-        with self._locked(conv_id):
+        path = self._files.path(conv_id)
+        with self._files.locked(conv_id):
             try:
                 path.unlink()
             except FileNotFoundError:
                 raise ConversationNotFound() from None
             except OSError as e:
                 raise HistoryUnavailable(f"cannot delete the conversation: {e.strerror or e}") from None
-        self._collect_images()
+        self._images.remove_unused(self._files.used_image_names)
 
     def export_zip(self, conv_id: str) -> bytes:
         """A zip (bytes) with ``conversation.json`` (the saved JSON) and ``images/<name>.png`` for its images.
@@ -365,13 +300,14 @@ class UserHistory:
         conv = self.load(conv_id)
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as zf:
-            zf.writestr("conversation.json", _encode(conv.to_dict()))
+            zf.writestr("conversation.json", encode_json(conv.to_dict()))
             names = sorted({n for m in conv.messages for n in m.images})
             for name in names:
                 try:
-                    data = (self._image_dir / name).read_bytes()
+                    data = (self._images.folder / name).read_bytes()
                 except FileNotFoundError:
-                    log.warning("image %s of conversation %s is missing from %s", name, conv.id, self._image_dir)
+                    log.warning("image %s of conversation %s is missing from %s", name, conv.id,
+                                self._images.folder)
                     continue
                 zf.writestr(f"images/{name}", data, compress_type=zipfile.ZIP_STORED)
         return buffer.getvalue()
@@ -383,20 +319,10 @@ class UserHistory:
         Raises:
             InvalidImage: ``png_bytes`` is not PNG data (normalise uploads with ``qwen_chat.images`` first).
         """
-        if not isinstance(png_bytes, (bytes, bytearray)) or not bytes(png_bytes[:8]) == PNG_SIGNATURE:
-            raise InvalidImage("only normalised PNG images can be stored")
-        data = bytes(png_bytes)
-        name = hashlib.sha256(data).hexdigest() + ".png"
-        path = self._image_dir / name
-        with self._locked_images():
-            try:
-                if path.is_file():
-                    os.utime(path)  # fresh mtime: protects it from a concurrent delete's image cleanup
-                else:
-                    write_atomic(path, data)
-            except OSError as e:
-                raise HistoryUnavailable(f"cannot store the image: {e.strerror or e}") from None
-        return name
+        try:
+            return self._images.put(png_bytes)
+        except OSError as e:
+            raise HistoryUnavailable(f"cannot store the image: {e.strerror or e}") from None
 
     def image_path(self, name: str) -> Path:
         """Path of a stored image of this user.
@@ -404,133 +330,15 @@ class UserHistory:
         Raises:
             InvalidInput: malformed name (not ``<64 hex>.png``) or no such image for this user.
         """
-        if not isinstance(name, str) or not IMAGE_NAME.fullmatch(name):
-            raise InvalidInput("bad image reference")
-        path = self._image_dir / name
-        if not path.is_file():
-            raise InvalidInput("image not found")
-        return path
-
-    # ------------------------------------------------------------------ internals
-    def _conv_path(self, conv_id: Any) -> Path:
-        if not isinstance(conv_id, str) or not CONVERSATION_ID.fullmatch(conv_id):
-            raise ConversationNotFound()
-        return self._conv_dir / f"{conv_id}.json"
-
-    def _locked(self, conv_id: str):
-        return exclusive_lock(self._lock_dir / f"{conv_id}.lock", self._locks)
-
-    def _locked_images(self):
-        return exclusive_lock(self._lock_dir / "images.lock", self._locks)
-
-    def _read_checked(self, conv_id: str, *, locked: bool = False) -> Conversation:
-        """Read and parse; an unreadable file is set aside (under the lock) and reported as not found."""
-        path = self._conv_path(conv_id)
-        try:
-            return _parse(path.read_bytes())
-        except FileNotFoundError:
-            raise ConversationNotFound() from None
-        except _NewerSchema as e:
-            log.warning("history file %s: %s; left in place", path, e)
-            raise InvalidInput("this conversation was saved by a newer version of the service") from None
-        except (ValueError, InvalidInput) as e:
-            reason = str(e) or type(e).__name__
-        if locked:
-            set_aside(path, self._corrupt_dir, reason)
-            raise ConversationNotFound()
-        with self._locked(conv_id):
-            # Re-check under the lock: a writer may have replaced the file since we read it.
-            return self._read_checked(conv_id, locked=True)
-
-    def _mutate(self, conv_id: str, change: Callable[[Conversation], Any]) -> tuple[Conversation, Any]:
-        """Read-modify-write under the conversation's lock; ``change`` edits the conversation in place."""
-        self._conv_path(conv_id)
-        with self._locked(conv_id):
-            try:
-                conv = self._read_checked(conv_id, locked=True)
-            except OSError as e:
-                raise HistoryUnavailable(f"cannot read the conversation: {e.strerror or e}") from None
-            result = change(conv)
-            if isinstance(result, _Unchanged):
-                return conv, result.value  # nothing changed (e.g. a retried append): nothing to write
-            conv.revision += 1
-            conv.updated = max(now_iso(), conv.updated)
-            self._write(conv)
-        return conv, result
-
-    def _write(self, conv: Conversation) -> None:
-        data = conv.to_dict()
-        writer = _writer_id()
-        for message in data["messages"]:
-            if message["status"] == "streaming":
-                message["writer"] = writer
-        try:
-            write_atomic(self._conv_dir / f"{conv.id}.json", _encode(data))
-        except OSError as e:
-            raise HistoryUnavailable(f"cannot save the conversation: {e.strerror or e}") from None
-
-    def _collect_images(self) -> None:
-        with self._locked_images():
-            used: set[str] = set()
-            for path in self._conv_dir.glob("*.json"):
-                try:
-                    conv = _parse(path.read_bytes())
-                except Exception:  # noqa: BLE001 - an unreadable file might reference images: keep them all
-                    return
-                used.update(n for m in conv.messages for n in m.images)
-            cutoff = time.time() - IMAGE_GC_GRACE_S
-            for path in self._image_dir.glob("*.png"):
-                try:
-                    if path.name not in used and path.stat().st_mtime < cutoff:
-                        path.unlink()
-                except OSError:
-                    continue
-
-    def _remove_stale_temp_files(self) -> None:
-        cutoff = time.time() - STALE_TEMP_S
-        for path in self._conv_dir.glob(f".*{TEMP_SUFFIX}"):
-            try:
-                if path.stat().st_mtime < cutoff:
-                    path.unlink()
-            except OSError:
-                continue
-
-
-class _NewerSchema(Exception):
-    """A file written by a newer schema: left in place, not treated as corrupt."""
-
-
-class _Unchanged:
-    """Returned by a ``_mutate`` change function that decided not to change anything."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-def _parse(raw: bytes) -> Conversation:
-    """bytes -> Conversation; a ``streaming`` message of another (dead) process becomes ``interrupted``.
-
-    Raises ``ValueError``/``InvalidInput`` for malformed content, ``_NewerSchema`` for schema_version > 1.
-    """
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8: {e}") from None
-    if isinstance(data, dict):
-        version = data.get("schema_version")
-        if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
-            raise _NewerSchema(f"schema_version {version} is newer than {SCHEMA_VERSION}")
-        messages = data.get("messages")
-        if isinstance(messages, list):
-            me = _writer_id()
-            for message in messages:
-                if isinstance(message, dict) and message.get("status") == "streaming" \
-                        and message.get("writer") != me:
-                    message["status"] = "interrupted"
-    return Conversation.from_dict(data)
+        return self._images.path(name)
 
 
 def _resolve(conv: Conversation, key: MessageKey) -> int:
+    """Index of the message ``key`` names: a ``MessageRef`` or id by id, an ``int`` as an index.
+
+    Raises:
+        MessageNotFound: no such message (any more).
+    """
     if isinstance(key, MessageRef) or isinstance(key, str):
         message_id = key.message_id if isinstance(key, MessageRef) else key
         index = conv.index_of(message_id)
@@ -540,16 +348,3 @@ def _resolve(conv: Conversation, key: MessageKey) -> int:
     if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < len(conv.messages):
         return key
     raise MessageNotFound(f"no message {key!r} in this conversation")
-
-
-def _json_settings(settings: Any) -> dict:
-    if not isinstance(settings, dict):
-        raise InvalidInput("settings must be a dict")
-    try:
-        return json.loads(json.dumps(settings, ensure_ascii=False, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise InvalidInput(f"settings must be plain JSON values: {e}") from None
-
-
-def _encode(data: dict) -> bytes:
-    return json.dumps(data, ensure_ascii=False, indent=1).encode("utf-8")

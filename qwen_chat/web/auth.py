@@ -19,15 +19,15 @@ from __future__ import annotations
 import argparse
 import getpass
 import hmac
-import os
 import re
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
 import bcrypt
+
+from qwen_chat.history.files import write_atomic
 
 USERNAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
 MIN_PASSWORD_CHARS = 8
@@ -158,7 +158,7 @@ class UserDB:
             return False
 
     def save(self, path: Optional[Path | str] = None) -> Path:
-        """Write the users file atomically (temp file + ``os.replace``) with mode 0600; return its path.
+        """Write the users file atomically (``history.files.write_atomic``) with mode 0600; return its path.
 
         Raises:
             UsersFileError: no path was given here or at construction.
@@ -169,19 +169,8 @@ class UserDB:
         target.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             body = "".join(f"{name}:{hashed.decode('ascii')}\n" for name, hashed in sorted(self._users.items()))
-        fd, tmp = tempfile.mkstemp(prefix=".users-", dir=str(target.parent))
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write("# qwen_chat users file: username:bcrypt-hash (python -m qwen_chat.web.auth --help)\n")
-                handle.write(body)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        header = "# qwen_chat users file: username:bcrypt-hash (python -m qwen_chat.web.auth --help)\n"
+        write_atomic(target, (header + body).encode("utf-8"))  # mode 0600
         return target
 
 

@@ -46,7 +46,8 @@ from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError, ChatMessag
 log = logging.getLogger(__name__)
 
 # Bucket edges.  TTFT: from ~10 ms (short prompt on a GPU) to minutes (long multimodal prompt, ZeRO-3 offload
-# on CPU).  Decode speed: measured-baselines.md spans well under 1 tok/s (CPU offload) to ~100 tok/s (H200).
+# on CPU).  Decode speed per request: from well under 1 tok/s (ZeRO-3 CPU offload) to about 200 tok/s
+# (batch-1 decode on one H200; measured: docs/performance.md).
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKENS_PER_S_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 35.0, 50.0, 75.0, 100.0, 150.0, 250.0, 500.0)
 

@@ -21,22 +21,18 @@ from qwen_chat.web.handlers import ChatController
 from qwen_chat.web.ui import CSS, build_ui
 
 
-def image_limits(cfg: ServiceConfig) -> ImageLimits:
-    """Upload limits of the UI from the config (``--max-upload-mb`` in MB, ``--image-token-budget`` tokens)."""
-    return ImageLimits(max_file_bytes=int(cfg.max_upload_mb * 1024 * 1024), token_budget=cfg.image_token_budget)
-
-
 def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
     """Assemble the server around an already started backend and a ``HistoryStore``.
 
-    Raises ``auth.UsersFileError`` when login is on and the users file cannot be read.
+    Raises ``auth.UsersFileError`` when login is on and the users file cannot be read, ``ValueError`` (from
+    ``ImageLimits.from_config``) for a non-positive upload size or image token budget.
     """
+    limits = ImageLimits.from_config(cfg)
     served = ops.instrument(backend)
     app = FastAPI(title="Qwen3.5 chat", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(ops.create_router(served))
     app.include_router(api.create_router(served, cfg))
-    controller = ChatController(served, store, limits=image_limits(cfg),
-                                max_images_per_turn=cfg.max_images_per_turn)
+    controller = ChatController(served, store, limits=limits, max_images_per_turn=cfg.max_images_per_turn)
     page = build_ui(controller, max_queue=cfg.max_queue, login_enabled=cfg.login_enabled)
     login = None
     if cfg.login_enabled:
@@ -44,5 +40,5 @@ def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
         login = users.verify
     return gr.mount_gradio_app(
         app, page, path="/", auth=login, auth_message="Qwen3.5 chat: please log in",
-        max_file_size=int(cfg.max_upload_mb * 1024 * 1024), footer_links=["api"], css=CSS, ssr_mode=False,
+        max_file_size=limits.max_file_bytes, footer_links=["api"], css=CSS, ssr_mode=False,
     )

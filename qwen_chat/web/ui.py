@@ -1,5 +1,8 @@
 """The Gradio Blocks page: layout (``_render_*``) and event wiring (``_wire``), behaviour in ``handlers.py``.
 
+The components live in one ``Page`` (named fields, not positions); every event handler returns a dict keyed
+by the components it changes (Gradio leaves the other outputs of the event as they are).
+
 ``build_ui(controller, login_enabled) -> gr.Blocks``.  Only the controller (backend + history store) is
 shared between users; everything per user is in ``gr.State`` (the ``Session`` with the Stop token) or in the
 page itself (the hidden conversation-id box, so a page that outlives a server restart still appends to the
@@ -7,13 +10,13 @@ right conversation on disk).  Every event that touches history resolves the user
 ``request.username`` with login on, ``"local"`` with login off.
 
 Rendering is safe by construction: the Chatbot has ``sanitize_html`` on, LaTeX off (dollar amounts stay
-text), ``allow_tags`` off, and every text passes ``handlers.safe_markdown`` first.
+text), ``allow_tags`` off, and every text passes ``render.safe_markdown`` first.
 """
 from __future__ import annotations
 
 import html
 import logging
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import gradio as gr
@@ -28,18 +31,12 @@ from qwen_chat.chat_types import (
     InvalidImage,
     GenerationSettings,
 )
-from qwen_chat.web.handlers import (
-    LOCAL_USER,
-    ChatController,
-    Session,
-    build_settings,
-    preset_values,
-    safe_markdown,
-)
+from qwen_chat.web.handlers import LOCAL_USER, ChatController, Session, build_settings, preset_values
+from qwen_chat.web.render import safe_markdown
 
 log = logging.getLogger(__name__)
 
-# Case-insensitive in Gradio's server-side check and in the browser's file picker (C05).
+# Case-insensitive in Gradio's server-side check and in the browser's file picker (upper-case .WEBP too).
 IMAGE_FILE_TYPES = [".jpg", ".jpeg", ".png", ".gif", ".webp"]
 DEMO_BADGE = "**demo model: random weights** - answers are gibberish; start with a real checkpoint for real answers"
 
@@ -47,6 +44,38 @@ CSS = """
 #demo-badge {background: #fde68a; color: #78350f; border-radius: 6px; padding: 2px 10px; width: fit-content;}
 #notice {min-height: 1.5em;}
 """
+
+
+@dataclass
+class Page:
+    """The components of the chat page that events read or write (``gr`` components; ``_render_*`` fill
+    them in, ``_wire`` connects them)."""
+
+    page: Any = None  # gr.Blocks
+    session: Any = None  # gr.State holding the handlers.Session of this browser tab
+    conv_id: Any = None  # hidden Textbox: the open conversation's id ("" for a new chat)
+    new_btn: Any = None
+    conv_list: Any = None
+    title_box: Any = None
+    rename_btn: Any = None
+    delete_btn: Any = None
+    export_btn: Any = None
+    export_file: Any = None
+    badge: Any = None
+    chatbot: Any = None
+    notice: Any = None
+    msg: Any = None
+    send_btn: Any = None
+    stop_btn: Any = None
+    regen_btn: Any = None
+    system_prompt: Any = None
+    thinking: Any = None
+    max_new_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    top_k: Any = None
+    presence_penalty: Any = None
+    seed: Any = None
 
 
 def user_of(request: Optional[gr.Request]) -> str:
@@ -62,7 +91,7 @@ def warn(message: str) -> str:
     return safe_markdown(message)
 
 
-def _render_sidebar(c: SimpleNamespace, login_enabled: bool) -> None:
+def _render_sidebar(c: Page, login_enabled: bool) -> None:
     with gr.Sidebar(open=True, label="Conversations"):
         if login_enabled:
             gr.Button("Log out", link="/logout", size="sm", elem_id="logout")
@@ -76,7 +105,7 @@ def _render_sidebar(c: SimpleNamespace, login_enabled: bool) -> None:
         c.export_file = gr.File(label="Export", interactive=False, visible=False, elem_id="export-file")
 
 
-def _render_chat(c: SimpleNamespace, demo: bool, model_name: str) -> None:
+def _render_chat(c: Page, demo: bool, model_name: str) -> None:
     gr.Markdown(f"## Qwen3.5 chat  \n`{model_name}`")
     c.badge = gr.Markdown(DEMO_BADGE, visible=demo, elem_id="demo-badge")
     c.chatbot = gr.Chatbot(
@@ -94,7 +123,7 @@ def _render_chat(c: SimpleNamespace, demo: bool, model_name: str) -> None:
         c.regen_btn = gr.Button("Regenerate", elem_id="regenerate")
 
 
-def _render_settings(c: SimpleNamespace) -> None:
+def _render_settings(c: Page) -> None:
     preset = GenerationSettings.preset(True)
     with gr.Accordion("Settings", open=False):
         c.system_prompt = gr.Textbox(label="System prompt", lines=2, elem_id="system-prompt")
@@ -114,20 +143,24 @@ def _render_settings(c: SimpleNamespace) -> None:
                             elem_id="seed")
 
 
-def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
+def _wire(c: Page, ctl: ChatController) -> None:
     sampling = [c.thinking, c.max_new_tokens, c.temperature, c.top_p, c.top_k, c.presence_penalty, c.seed]
     stream_outputs = [c.chatbot, c.conv_id, c.notice, c.msg, c.session, c.conv_list]
 
     def choices(user: str, selected: Optional[str]) -> Any:
         return gr.update(choices=ctl.conversation_choices(user), value=selected or None)
 
-    def on_disk(user: str, conv_id: str, notice: str, session: Session, box: Any = None):
+    def on_disk(user: str, conv_id: str, notice: str, session: Session, box: Any = None) -> dict:
         """The conversation as saved (after a refused turn); an unknown/foreign id leaves the page empty."""
         try:
             messages = ctl.open(user, conv_id)[0] if conv_id else []
         except ChatError:
             messages, conv_id = [], ""
-        return messages, conv_id, notice, gr.skip() if box is None else box, session, choices(user, conv_id)
+        shown = {c.chatbot: messages, c.conv_id: conv_id, c.notice: notice, c.session: session,
+                 c.conv_list: choices(user, conv_id)}
+        if box is not None:
+            shown[c.msg] = box
+        return shown
 
     def run(turns, user: str, conv_id: str, session: Session, message: Optional[dict] = None):
         """Relay ``TurnView``s; a ChatError shows as a notice + toast and the chat shows what is on disk.
@@ -140,15 +173,16 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
                 box = gr.skip() if cleared else gr.update(value=None)
                 listed = choices(user, view.conv_id) if (not cleared or view.done) else gr.skip()
                 cleared = True
-                yield view.messages, view.conv_id, safe_markdown(view.notice), box, session, listed
+                yield {c.chatbot: view.messages, c.conv_id: view.conv_id, c.notice: safe_markdown(view.notice),
+                       c.msg: box, c.session: session, c.conv_list: listed}
         except ChatError as e:
             box = None
             if isinstance(e, InvalidImage) and message:
                 box = gr.update(value={"text": message.get("text") or "", "files": []})
             yield on_disk(user, conv_id, warn(str(e)), session, box)
             return
-        if not cleared:  # nothing to send (blank message): change nothing on the page (C15)
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), session, gr.skip()
+        if not cleared:  # nothing to send (blank message): change nothing on the page
+            yield {c.session: session}
 
     def send(message, conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
              presence_penalty, seed, request: gr.Request):
@@ -158,7 +192,7 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         try:
             settings = build_settings(thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed)
         except ChatError as e:
-            yield gr.skip(), gr.skip(), warn(str(e)), gr.skip(), session, gr.skip()
+            yield {c.notice: warn(str(e)), c.session: session}
             return
         turns = ctl.send(user, conv_id or None, message.get("text"), message.get("files") or [],
                          system_prompt or "", settings, session)
@@ -171,7 +205,7 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
         try:
             settings = build_settings(thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed)
         except ChatError as e:
-            yield gr.skip(), gr.skip(), warn(str(e)), gr.skip(), session, gr.skip()
+            yield {c.notice: warn(str(e)), c.session: session}
             return
         yield from run(ctl.regenerate(user, conv_id or None, system_prompt or "", settings, session),
                        user, conv_id, session)
@@ -189,39 +223,42 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
             return gr.skip()
 
     def new_chat(request: gr.Request):
-        return [], "", "", gr.update(value=None), choices(user_of(request), None), ""
+        return {c.chatbot: [], c.conv_id: "", c.notice: "", c.msg: gr.update(value=None),
+                c.conv_list: choices(user_of(request), None), c.title_box: ""}
 
     def open_conv(conv_id, request: gr.Request):
         if not isinstance(conv_id, str) or not conv_id:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return gr.skip()  # one skip() leaves every output as it is
         try:
             messages, cid, system_prompt = ctl.open(user_of(request), conv_id)
         except ChatError as e:  # unknown or another user's id: an error toast, the page stays as it is
             raise gr.Error(html.escape(str(e))) from None
         title = dict((v, k) for k, v in ctl.conversation_choices(user_of(request))).get(cid, "")
-        return messages, cid, "", system_prompt, title
+        return {c.chatbot: messages, c.conv_id: cid, c.notice: "", c.system_prompt: system_prompt,
+                c.title_box: title}
 
     def rename(conv_id, title, request: gr.Request):
         user = user_of(request)
         try:
             ctl.rename(user, conv_id, title)
         except ChatError as e:
-            return gr.skip(), warn(str(e))
-        return choices(user, conv_id), safe_markdown(f"Renamed to: {title.strip()}")
+            return {c.notice: warn(str(e))}
+        return {c.conv_list: choices(user, conv_id), c.notice: safe_markdown(f"Renamed to: {title.strip()}")}
 
     def delete(conv_id, request: gr.Request):
         user = user_of(request)
         try:
             ctl.delete(user, conv_id)
         except ChatError as e:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip(), warn(str(e))
-        return [], "", choices(user, None), "", "Conversation deleted."
+            return {c.notice: warn(str(e))}
+        return {c.chatbot: [], c.conv_id: "", c.conv_list: choices(user, None), c.title_box: "",
+                c.notice: "Conversation deleted."}
 
     def export(conv_id, request: gr.Request):
         try:
-            return ctl.export(user_of(request), conv_id), ""
+            return {c.export_file: ctl.export(user_of(request), conv_id), c.notice: ""}
         except ChatError as e:
-            return None, warn(str(e))
+            return {c.export_file: None, c.notice: warn(str(e))}
 
     def refresh(conv_id, request: gr.Request):
         return choices(user_of(request), conv_id or None)
@@ -252,8 +289,9 @@ def _wire(c: SimpleNamespace, ctl: ChatController) -> None:
                        api_name="delete", cancels=[ev_submit, ev_click, ev_regen])
     c.export_btn.click(export, [c.conv_id], [c.export_file, c.notice], api_name="export").then(
         lambda: gr.update(visible=True), None, c.export_file, api_visibility="private")  # hidden until used
-    c.thinking.change(lambda t: preset_values(t), [c.thinking],
-                      [c.temperature, c.top_p, c.top_k, c.presence_penalty], api_visibility="private")
+    preset_controls = [c.temperature, c.top_p, c.top_k, c.presence_penalty]
+    c.thinking.change(lambda t: dict(zip(preset_controls, preset_values(t))), [c.thinking], preset_controls,
+                      api_visibility="private")
     c.page.load(refresh, [c.conv_id], [c.conv_list], api_name="conversations")
 
 
@@ -264,7 +302,7 @@ def build_ui(controller: ChatController, max_queue: int = 64, login_enabled: boo
     ``login_enabled`` adds a "Log out" button (Gradio's ``/logout`` route).
     """
     info = controller.backend.info
-    c = SimpleNamespace()
+    c = Page()
     with gr.Blocks(title="Qwen3.5 chat", analytics_enabled=False) as page:
         c.page = page
         c.session = gr.State(None)

@@ -47,13 +47,12 @@ def test_comm_falls_back_to_torch_distributed_on_cpu_and_sums_gathers_broadcasts
 def test_comm_rejects_an_unknown_backend(monkeypatch):
     import torch.distributed as dist
 
-    from qwen_chat.engine.parallel.collectives import BACKEND_ENV, TensorParallelComm
+    from qwen_chat.engine.parallel.collectives import TensorParallelComm
 
-    monkeypatch.setenv(BACKEND_ENV, "mpi")
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     with pytest.raises(ValueError, match="auto, symm_mem or nccl"):
-        TensorParallelComm(object(), "cpu", torch.float32)
+        TensorParallelComm(object(), "cpu", torch.float32, backend="mpi")
 
 
 def test_sampler_records_the_shared_tokens_not_its_own_draw():
@@ -84,7 +83,7 @@ class _FakeLocal:
 
 
 def test_distributed_executor_launches_ahead_only_when_ranks_share_tokens(monkeypatch):
-    from qwen_chat.engine.parallel import ranks as qdist
+    from qwen_chat.engine.parallel import executors as qdist
 
     sent = []
     monkeypatch.setattr(qdist, "broadcast_plan", lambda plan, group: sent.append(plan) or plan)
@@ -110,7 +109,7 @@ def test_distributed_executor_launches_ahead_only_when_ranks_share_tokens(monkey
 
 
 def test_worker_launches_each_plan_before_waiting_for_the_previous_one(monkeypatch):
-    from qwen_chat.engine.parallel import ranks as qdist
+    from qwen_chat.engine.parallel import executors as qdist
 
     plans = iter([StepPlan(decode_slots=[0], tokens_on_device=True), StepPlan(op=qdist.PING_OP),
                   StepPlan(decode_slots=[0], tokens_on_device=True), StepPlan(op=qdist.EXIT_OP)])

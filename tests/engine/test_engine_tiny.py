@@ -1,8 +1,11 @@
 """ChatEngine end to end on the built-in tiny model (random weights, real Qwen3.5 structure and tokenizer), CPU.
 
-Covers issue 2's engine tests and issue 4's continuous batching at the service level: greedy determinism, the
-token limit, Stop and a closed stream freeing the slot, image + text prompts, concurrent requests that share
-decode steps without cross-talk, Busy, seeded sampling, the reasoning/answer split (C16) and stop strings.
+Covers the engine and its continuous batching at the service level: greedy determinism, the token limit, Stop
+and a closed stream freeing the slot, image + text prompts, concurrent requests that share decode steps without
+cross-talk, Busy, seeded sampling, the reasoning/answer split at ``</think>`` (also for a reply cut off while
+thinking) and stop strings.  Most tests wait for every step (``overlap=False``: the scripted replies rewrite
+``execute``); ``test_production_default_overlap_gives_the_same_replies`` runs the production default, steps
+launched ahead.
 """
 from __future__ import annotations
 
@@ -15,42 +18,14 @@ from pathlib import Path
 import pytest
 
 from qwen_chat.chat_types import Busy, CancelToken, ChatMessage, GenerationSettings, InvalidInput, NotReady
-from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
 from qwen_chat.engine.serving.chat_engine import THINKING_CUT_NOTICE, ChatEngine
+from tests.support.spy_executor import SpyExecutor
+from tests.support.waiting import wait_until
 
 IMAGES = Path(__file__).parents[1] / "fixtures" / "images"
 MAX_CONTEXT = 2048
-
-
-class SpyExecutor(LocalExecutor):
-    """LocalExecutor that records plans; ``gate`` (if given) holds every step until it is set; ``script``
-    ({prompt length: [ids]}) replaces the sampled ids of the request with that prompt length."""
-
-    def __init__(self, runner, sampler, gate=None):
-        super().__init__(runner, sampler)
-        self.plans = []
-        self.gate = gate
-        self.step_started = threading.Event()
-        self.script: dict[int, list[int]] = {}
-        self._scripted_slots: dict[int, list[int]] = {}
-
-    def execute(self, plan):
-        self.plans.append(plan)
-        self.step_started.set()
-        if self.gate is not None:
-            assert self.gate.wait(30)
-        out = super().execute(plan)
-        for item in plan.prefills:
-            if item.prompt.num_tokens in self.script:
-                self._scripted_slots[item.slot] = list(self.script[item.prompt.num_tokens])
-        for slot in plan.free_slots:
-            self._scripted_slots.pop(slot, None)
-        for slot, ids in self._scripted_slots.items():
-            if slot in out and ids:
-                out[slot] = ids.pop(0)
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +38,13 @@ def runner_and_sampler(tiny_loaded):
 def make_engine(tiny_loaded, runner_and_sampler):
     engines = []
 
-    def make(num_slots=2, max_queue=4, gate=None, max_context=MAX_CONTEXT):
+    def make(num_slots=2, max_queue=4, gate=None, max_context=MAX_CONTEXT, overlap=False):
         runner, sampler = runner_and_sampler
         for slot in range(runner.num_slots):
             runner.free(slot)
         ex = SpyExecutor(runner, sampler, gate=gate)
         engine = ChatEngine(tiny_loaded, runner, ex, image_token_budget=64, max_context=max_context,
-                            max_queue=max_queue, num_slots=num_slots, overlap=False)  # scripts rewrite execute()
+                            max_queue=max_queue, num_slots=num_slots, overlap=overlap)  # scripts rewrite execute()
         engines.append(engine)
         return engine, ex
 
@@ -98,13 +73,6 @@ def run(engine, messages, settings, cancel=None):
     return updates
 
 
-def wait_until(cond, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 def test_greedy_is_deterministic_and_deltas_add_up(engine):
     a = run(engine, user("Tell me about the sea."), greedy())
     b = run(engine, user("Tell me about the sea."), greedy())
@@ -112,10 +80,6 @@ def test_greedy_is_deterministic_and_deltas_add_up(engine):
     assert a[-1].completion_tokens == b[-1].completion_tokens
     assert "".join(u.answer_delta for u in a) == a[-1].answer
     assert a[-1].prompt_tokens > 5 and a[-1].ttft_s is not None and a[-1].ttft_s > 0
-    # complete_chat gives the same greedy text in one update
-    whole = engine.complete_chat(user("Tell me about the sea."), greedy())
-    assert whole.answer == a[-1].answer and whole.answer_delta == whole.answer
-    assert whole.finish_reason == a[-1].finish_reason
 
 
 def test_max_new_tokens_is_honoured(engine):
@@ -124,14 +88,20 @@ def test_max_new_tokens_is_honoured(engine):
     assert last.completion_tokens == 64
 
 
-def test_stop_mid_stream_frees_slot_and_next_request_works(make_engine):
-    engine, ex = make_engine(num_slots=1, max_queue=1)
+def stop_after_three_updates(engine):
+    """Stream a long reply and press Stop (cancel its token) after its third update; returns the updates."""
     cancel = CancelToken()
     updates = []
     for u in engine.stream_chat(user("Write a long story."), greedy(max_new_tokens=8192), cancel):
         updates.append(u)
         if len(updates) == 3:
             cancel.cancel()
+    return updates
+
+
+def test_stop_mid_stream_frees_slot_and_next_request_works(make_engine):
+    engine, ex = make_engine(num_slots=1, max_queue=1)
+    updates = stop_after_three_updates(engine)
     assert updates[-1].finish_reason == "cancelled"
     assert updates[-1].completion_tokens < 100
     wait_until(lambda: engine.stats()["running"] == 0)
@@ -163,7 +133,7 @@ def test_image_and_text_prompt(engine):
     with_image = engine.prepare(user("What animal is this?", "chelsea.png"), greedy())
     grid = with_image.image_grid_thw
     assert grid is not None and grid.shape == (1, 3)
-    visual_tokens = int(grid.prod()) // 4  # 2x2 spatial merge (qwen3_5-facts.md "Images")
+    visual_tokens = int(grid.prod()) // 4  # 2x2 spatial merge (docs/facts.md, "Chat template behaviour")
     assert 0 < visual_tokens <= 64  # image_token_budget=64
     # the image adds <|vision_start|>, one pad per visual token, <|vision_end|>
     assert with_image.num_tokens == text_only.num_tokens + visual_tokens + 2
@@ -182,15 +152,7 @@ def test_concurrent_requests_batch_together_without_cross_talk(make_engine):
     solo1, solo2 = run(engine, m1, s1)[-1], run(engine, m2, s2)[-1]
     gate = threading.Event()
     engine, ex = make_engine(gate=gate)
-    g1 = engine.stream_chat(m1, s1, CancelToken())
-    results = {}
-    t = threading.Thread(target=lambda: results.setdefault(1, list(g1)[-1]))
-    t.start()
-    assert ex.step_started.wait(30)  # request 1 is inside its prefill step
-    g2 = engine.stream_chat(m2, s2, CancelToken())
-    gate.set()
-    results[2] = list(g2)[-1]
-    t.join(60)
+    results = run_two_at_once(engine, ex, gate, (m1, s1), (m2, s2))
     assert (results[1].answer, results[1].completion_tokens) == (solo1.answer, solo1.completion_tokens)
     assert (results[2].answer, results[2].completion_tokens) == (solo2.answer, solo2.completion_tokens)
     assert results[1].answer != results[2].answer
@@ -199,6 +161,48 @@ def test_concurrent_requests_batch_together_without_cross_talk(make_engine):
     assert any(p.prefills and p.decode_slots for p in ex.plans), "request 2 did not join a running batch"
     assert engine.stats()["max_decode_batch"] == 2
     assert engine.stats()["step_seconds_total"] > 0  # engine busy time, exported on /metrics
+
+
+def run_two_at_once(engine, ex, gate, first, second):
+    """Stream ``first`` ((messages, settings)); once its prefill step holds at ``gate``, submit ``second`` and open
+    the gate.  Returns {1: last update of first, 2: last update of second}."""
+    g1 = engine.stream_chat(*first, CancelToken())
+    results = {}
+    t = threading.Thread(target=lambda: results.setdefault(1, list(g1)[-1]))
+    t.start()
+    assert ex.step_started.wait(30)  # request 1 is inside its prefill step
+    g2 = engine.stream_chat(*second, CancelToken())
+    gate.set()
+    results[2] = list(g2)[-1]
+    t.join(60)
+    return results
+
+
+def test_production_default_overlap_gives_the_same_replies(make_engine):
+    """The production default (``overlap=None``: on for a ``LocalExecutor``, each step launched before the
+    previous step's tokens are back) gives the replies of the engine that waits for every step: greedy and
+    seeded text, the token limit, two requests sharing decode steps, and Stop freeing the slot."""
+    s1 = GenerationSettings.preset(False, seed=1, max_new_tokens=64)
+    m1, m2 = user("Tell me about the sea."), user("Another, longer second question")
+    waited, _ = make_engine()
+    ref_greedy, ref_seeded = run(waited, m1, greedy())[-1], run(waited, m2, s1)[-1]
+    waited.close()  # its scheduler thread has stopped before the next engine shares the runner
+    gate = threading.Event()
+    engine, ex = make_engine(gate=gate, overlap=None)
+    assert engine.scheduler.overlap
+    results = run_two_at_once(engine, ex, gate, (m1, greedy()), (m2, s1))
+    for got, ref in ((results[1], ref_greedy), (results[2], ref_seeded)):
+        assert (got.answer, got.completion_tokens, got.finish_reason) == (
+            ref.answer, ref.completion_tokens, ref.finish_reason)
+    assert ref_greedy.finish_reason == "length" and ref_greedy.completion_tokens == 64
+    assert any(len(p.decode_slots) == 2 for p in ex.plans), "the two requests never shared a decode step"
+    assert all(p.tokens_on_device for p in ex.plans)  # every step fed the tokens sampled on the device
+    again = run(engine, m1, greedy())
+    assert again[-1].answer == ref_greedy.answer and "".join(u.answer_delta for u in again) == again[-1].answer
+    updates = stop_after_three_updates(engine)
+    assert updates[-1].finish_reason == "cancelled" and updates[-1].completion_tokens < 100
+    wait_until(lambda: engine.stats()["running"] == 0)
+    assert run(engine, m1, greedy())[-1].answer == ref_greedy.answer
 
 
 def test_queue_full_raises_busy(make_engine):
@@ -277,7 +281,7 @@ def test_stop_string_cuts_the_answer(make_engine, tiny_loaded):
 
 
 def test_top_k_1_equals_greedy(engine):
-    """Public case C13: top_k=1 keeps only the most likely token, so at any temperature it is greedy."""
+    """top_k=1 keeps only the most likely token, so at any temperature (and any top_p) it is greedy."""
     g = run(engine, user("Name a colour."), greedy())[-1]
     k1 = run(engine, user("Name a colour."),
              GenerationSettings.preset(False, temperature=1.5, top_k=1, top_p=0.1, presence_penalty=0.0,
@@ -293,7 +297,7 @@ def test_context_policy_notice_and_clamped_reply(make_engine):
         msgs += [ChatMessage(role="user", text=f"{i} {long_turn}"), ChatMessage(role="assistant", text=long_turn)]
     msgs.append(ChatMessage(role="user", text="And now?"))
     prepared = engine.prepare(msgs, greedy(max_new_tokens=200))
-    assert prepared.dropped_turns > 0 and prepared.notice
+    assert "oldest turn" in prepared.notice and "left out of the prompt" in prepared.notice  # whole turns dropped
     updates = run(engine, msgs, greedy(max_new_tokens=200))
     assert all(u.notice.startswith(prepared.notice) for u in updates)
     last = updates[-1]
@@ -313,9 +317,10 @@ def test_engine_failure_mid_stream_ends_with_error_not_exception(make_engine):
     engine, ex = make_engine()
     assert engine.self_check()
     original = ex.execute
+    before = len(ex.plans)  # the self-check's steps
 
     def failing(plan):
-        if plan.decode_slots and len(ex.plans) > 6:
+        if plan.decode_slots and len(ex.plans) - before > 2:
             ex.plans.append(plan)
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return original(plan)
@@ -333,7 +338,7 @@ def test_engine_failure_mid_stream_ends_with_error_not_exception(make_engine):
 
 def test_exit_process_soon_exits_with_code_1():
     """What build_engine wires to an engine failure: the process ends non-zero so that Supervisor restarts it."""
-    code = ("import time; from qwen_chat.engine.serving.chat_engine import exit_process_soon; "
+    code = ("import time; from qwen_chat.lifecycle import exit_process_soon; "
             "exit_process_soon('simulated failure', 0.2); time.sleep(60)")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
                           text=True, timeout=120)

@@ -2,100 +2,26 @@
 
 The reference is a full forward of ``Qwen3_5ForConditionalGeneration`` over the whole sequence so far (prompt,
 image inputs and every token fed in), compared at the last position.  Relative error = max |ours - ref| /
-max |ref| over the vocabulary; the bound 1e-4 is issue 4's.
+max |ref| over the vocabulary; the bound 1e-4 is the parity the engine must keep with transformers.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+from transformers import Qwen3_5ForConditionalGeneration
 
 from qwen_chat.chat_types import ContextTooLong, InvalidInput
 from qwen_chat.engine.model.glue import attn_core
 from qwen_chat.engine.serving.requests import PreparedPrompt
-from qwen_chat.engine.model.runner import ModelRunner, fuse_linears
-
-IMAGE, VSTART, VEND = 300, 302, 303
-VOCAB = 320
-TOL = 1e-4
-
-
-def small_config() -> Qwen3_5Config:
-    """8 text layers (3 linear + 1 full) x 2, so two full-attention layers; GQA 4/2; linear heads 2 key / 4 value
-    (grouped like the 9B's 16/32); partial interleaved M-RoPE (rotary dim 8 = sections 2+1+1 pairs)."""
-    return Qwen3_5Config(
-        text_config=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_key_head_dim=16,
-            linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4, vocab_size=VOCAB,
-            max_position_embeddings=4096, rms_norm_eps=1e-6, attn_output_gate=True, tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
-                                 mrope_section=[2, 1, 1], mrope_interleaved=True),
-            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, full_attention_interval=4),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                           in_channels=3, deepstack_visual_indexes=[]),
-        image_token_id=IMAGE, video_token_id=301, vision_start_token_id=VSTART, vision_end_token_id=VEND,
-        tie_word_embeddings=False)
-
-
-def small_model() -> Qwen3_5ForConditionalGeneration:
-    """The fp32 model of ``small_config`` on CPU with seed 0 and non-trivial norm weights (they initialise to the
-    identity), in eval mode."""
-    torch.manual_seed(0)
-    m = Qwen3_5ForConditionalGeneration(small_config()).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.normal_(0.0, 0.3)
-    return m
+from qwen_chat.engine.model.fusion import fuse_linears
+from qwen_chat.engine.model.runner import ModelRunner
+from tests.support.small_model import (IMAGE, TOL, VOCAB, LiveBatch, Seq, image_seq, rel_err, small_config,
+                                       small_model, text_ids)
 
 
 @pytest.fixture(scope="module")
 def model():
     return small_model()
-
-
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-class Seq:
-    """One sequence fed to the runner, with what the reference needs to recompute it from scratch."""
-
-    def __init__(self, ids, image=None):
-        self.ids = list(ids)
-        self.image = image  # (pixel_values, grid) or None
-
-    def prompt(self) -> PreparedPrompt:
-        ids = torch.tensor(self.ids)
-        if self.image is None:
-            return PreparedPrompt(input_ids=ids)
-        pv, grid = self.image
-        return PreparedPrompt(input_ids=ids, pixel_values=pv, image_grid_thw=grid,
-                              mm_token_type_ids=(ids == IMAGE).long())
-
-    @torch.no_grad()
-    def reference(self, model) -> torch.Tensor:
-        ids = torch.tensor([self.ids])
-        kw = {}
-        if self.image is not None:
-            kw = dict(pixel_values=self.image[0], image_grid_thw=self.image[1],
-                      mm_token_type_ids=(ids == IMAGE).long())
-        return model(input_ids=ids, **kw).logits[0, -1]
-
-
-def text_ids(gen: torch.Generator, n: int) -> list[int]:
-    return torch.randint(0, 290, (n,), generator=gen).tolist()
-
-
-def image_seq(gen: torch.Generator, grid=(1, 4, 6)) -> Seq:
-    """Text, one image of grid t x h x w patches (h*w/4 merged tokens), text."""
-    t, h, w = grid
-    pv = torch.randn(t * h * w, 3 * 2 * 16 * 16, generator=gen)
-    n_tok = t * h * w // 4
-    ids = text_ids(gen, 5) + [VSTART] + [IMAGE] * n_tok + [VEND] + text_ids(gen, 7)
-    return Seq(ids, (pv, torch.tensor([list(grid)])))
 
 
 def run_decode_parity(model, seq: Seq, steps: int, gen: torch.Generator) -> list[float]:
@@ -134,36 +60,6 @@ def test_image_changes_logits(model):
     runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
     la, lb = runner.prefill(0, a.prompt()), runner.prefill(1, b.prompt())
     assert rel_err(la, lb) > 1e-3
-
-
-class LiveBatch:
-    """Sequences joining, decoding together and leaving one runner, each step compared with the reference.
-
-    ``errs`` collects the relative error of every prefill and of every row of every decode step.
-    """
-
-    def __init__(self, runner: ModelRunner, model, gen: torch.Generator):
-        self.runner, self.model, self.gen = runner, model, gen
-        self.live: dict[int, Seq] = {}
-        self.errs: list[float] = []
-
-    def join(self, slot: int, seq: Seq) -> None:
-        self.live[slot] = seq
-        self.errs.append(rel_err(self.runner.prefill(slot, seq.prompt()), seq.reference(self.model)))
-
-    def step(self, n: int) -> None:
-        for _ in range(n):
-            slots = list(self.live)
-            toks = torch.randint(0, 290, (len(slots),), generator=self.gen)
-            for s, t in zip(slots, toks.tolist()):
-                self.live[s].ids.append(t)
-            out = self.runner.decode(slots, toks.to(self.runner.device))
-            assert out.shape == (len(slots), self.runner.vocab_size) and out.dtype == torch.float32
-            self.errs.extend(rel_err(out[r], self.live[s].reference(self.model)) for r, s in enumerate(slots))
-
-    def leave(self, slot: int) -> None:
-        self.runner.free(slot)
-        del self.live[slot]
 
 
 def test_batch_of_sequences_joining_and_leaving(model):
@@ -240,7 +136,7 @@ def test_state_shapes_follow_the_model():
 
 
 def test_fused_decode_attention_matches_sdpa():
-    """kernels.attn_core (the compiled GPU path) reads each row's own slot up to its position, like SDPA over
+    """glue.attn_core (the compiled GPU path) reads each row's own slot up to its position, like SDPA over
     the gathered cache with a length mask."""
     gen = torch.Generator().manual_seed(6)
     slots, nkv, T, hd, G = 5, 2, 40, 16, 3
@@ -297,7 +193,7 @@ def test_graph_ladder_and_context_buckets(model):
     runner = ModelRunner(model, num_slots=5, max_context=3000, device="cpu")
     assert runner.graph_batch_sizes() == [1, 2, 4, 8]
     assert runner.context_buckets() == [512, 1024, 2048, 3000]
-    assert runner._context_bucket(513) == 1024 and runner._context_bucket(2049) == 3000
+    assert runner.context_bucket(513) == 1024 and runner.context_bucket(2049) == 3000
     assert runner.capture_all() == 0  # CPU: no graphs, nothing to capture
 
 
@@ -347,12 +243,12 @@ def test_projections_are_fused_without_extra_memory():
     runner = ModelRunner(m, num_slots=1, max_context=32, device="cpu")
     assert runner.impl["fused_projection_groups"] == 2 * 8
     la = m.model.language_model.layers[0].linear_attn
-    fused, sizes = runner._fused[0]["mix"]
+    fused, sizes = runner.fused_projection(0, "mix")
     assert sizes == [la.in_proj_qkv.out_features, la.in_proj_z.out_features, 4, 4]
     assert la.in_proj_a.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     assert torch.equal(fused[-4:], la.in_proj_a.weight)
     again = ModelRunner(m, num_slots=1, max_context=32, device="cpu")
-    assert again._fused[0]["mix"][0].data_ptr() == fused.data_ptr()
+    assert again.fused_projection(0, "mix")[0].data_ptr() == fused.data_ptr()
     assert sum(p.numel() for p in m.parameters()) == n_before
     with torch.no_grad():
         assert torch.equal(m(input_ids=ids).logits, before)

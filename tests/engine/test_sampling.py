@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qwen_chat.engine.serving.requests import SamplingParams
-from qwen_chat.engine.model.sampling import Sampler
+from qwen_chat.engine.model.sampling import Sampler, nucleus_probs, scaled_logits
 
 V = 50
 
@@ -73,14 +73,25 @@ def test_tokens_do_not_depend_on_batch_composition():
     assert together == alone
 
 
+def filtered_distribution(lg: torch.Tensor, presence: torch.Tensor, penalty: float, temperature: float, top_k: int,
+                          top_p: float) -> torch.Tensor:
+    """The distribution both sampling paths draw one row from (``scaled_logits``, the top-k candidates,
+    ``nucleus_probs``), scattered back to vocabulary order: float32 [V]."""
+    x = scaled_logits(lg, presence, torch.tensor([penalty]), torch.tensor([temperature]), torch.tensor([0]))
+    vals, ids = torch.topk(x, top_k, dim=-1) if top_k else torch.sort(x, dim=-1, descending=True)
+    probs = nucleus_probs(vals, torch.tensor([top_k]), torch.tensor([top_p]))
+    return torch.zeros(1, V).scatter_(1, ids, probs)[0]
+
+
 def test_distribution_matches_definition():
-    """Penalty on generated tokens, then temperature, top-k, top-p: checked against a direct computation."""
+    """Penalty on generated tokens, then temperature, top-k, top-p: checked against a direct computation, and
+    the sampler draws only from its support."""
     s = Sampler(1, V, "cpu")
     p = params(temperature=0.7, top_k=10, top_p=0.6, presence_penalty=1.5, seed=1)
     s.start(0, p)
     lg = logits_batch(1, seed=4)
     s.presence[0, [int(lg[0].argmax()), 3]] = True  # as if generated earlier in this reply
-    got = s.distribution([0], lg)[0]
+    got = filtered_distribution(lg, s.presence, 1.5, 0.7, 10, 0.6)
 
     x = lg[0].clone()
     x[int(lg[0].argmax())] -= 1.5
@@ -99,22 +110,26 @@ def test_distribution_matches_definition():
         expected[tok] = pr / mass
     assert torch.allclose(got, expected, atol=1e-6)
     assert math.isclose(float(got.sum()), 1.0, rel_tol=1e-6)
+    support, penalised = {tok for tok, _ in keep}, s.presence[0].clone()
+    for _ in range(100):
+        s.presence[0] = penalised  # each draw marks its token: keep the penalised set fixed
+        assert s.sample([0], lg)[0] in support
 
 
 def test_presence_penalty_lowers_repeated_tokens():
     lg = torch.zeros(1, V)
     lg[0, 4] = 3.0
     lg[0, 9] = 2.5
-    s = Sampler(1, V, "cpu")
-    s.start(0, params(presence_penalty=0.0, seed=2))
-    before = s.distribution([0], lg)[0]
-    s.start(0, params(presence_penalty=2.0, seed=2))
-    s.presence[0, 4] = True
-    after = s.distribution([0], lg)[0]
+    presence = torch.zeros(1, V, dtype=torch.bool)
+    before = filtered_distribution(lg, presence, 0.0, 1.0, 0, 1.0)
+    presence[0, 4] = True
+    after = filtered_distribution(lg, presence, 2.0, 1.0, 0, 1.0)
     # Token 4's logit drops by 2.0: its odds against token 9 shrink by exactly e^2.
     assert math.isclose(float(before[4] / before[9]), math.exp(0.5), rel_tol=1e-5)
     assert math.isclose(float(after[4] / after[9]), math.exp(-1.5), rel_tol=1e-5)
     # Sampling marks what it drew; start() clears the flags.
+    s = Sampler(1, V, "cpu")
+    s.start(0, params(presence_penalty=2.0, seed=2))
     tok = s.sample([0], lg)[0]
     assert bool(s.presence[0, tok])
     s.start(0, params(presence_penalty=2.0, seed=2))
@@ -160,8 +175,7 @@ def test_fused_top_k_path_draws_the_same_tokens_as_the_general_path():
             params(temperature=1.0, top_p=0.95, top_k=64, seed=6),
             params(temperature=0.0, top_k=20, seed=7),
             params(temperature=0.6, top_p=0.95, top_k=1, presence_penalty=0.5, seed=8)]
-    fused, general = Sampler(4, 500, "cpu"), Sampler(4, 500, "cpu")
-    general._fused_k = 0  # never take the fused path
+    fused, general = Sampler(4, 500, "cpu"), Sampler(4, 500, "cpu", fused_top_k=0)  # general: never fused
     for s in (fused, general):
         for slot, p in enumerate(rows):
             s.start(slot, p)

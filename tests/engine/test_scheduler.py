@@ -16,6 +16,7 @@ from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, InvalidInput
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 from qwen_chat.engine.serving.scheduler import Scheduler
+from tests.support.spy_executor import SpyExecutor
 
 VOCAB = 64
 EOS = 63
@@ -91,28 +92,6 @@ class FakeSampler:
                 probs = torch.softmax(row / self.temps[slot], -1)
                 out.append(int(torch.multinomial(probs, 1, generator=self.gens[slot])))
         return out
-
-
-class SpyExecutor(LocalExecutor):
-    """Records every plan; optionally blocks the first step until ``gate`` is set."""
-
-    def __init__(self, runner, sampler, gate: threading.Event | None = None, fail_on_step: int | None = None,
-                 error: Exception | None = None):
-        super().__init__(runner, sampler)
-        self.plans: list[StepPlan] = []
-        self.gate = gate
-        self.fail_on_step = fail_on_step
-        self.error = error or RuntimeError("simulated device error")
-        self.step_started = threading.Event()
-
-    def launch(self, plan):  # execute() runs launch() too, so both scheduler modes pass here
-        self.plans.append(plan)
-        self.step_started.set()
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        if self.fail_on_step is not None and len(self.plans) == self.fail_on_step:
-            raise self.error
-        return super().launch(plan)
 
 
 def prompt(*ids: int) -> PreparedPrompt:
@@ -352,13 +331,14 @@ def test_refused_prompt_fails_only_that_request(cleanup):
 
 
 def test_real_runner_batched_streams_equal_solo_streams():
-    """With the real ModelRunner and Sampler (small random Qwen3.5 config from test_runner), three requests
-    of different prompt lengths, seeds and limits, decoded together, give exactly their solo token streams."""
+    """With the real ModelRunner and Sampler (the small random Qwen3.5 config of tests/support/small_model.py),
+    three requests of different prompt lengths, seeds and limits, decoded together, give exactly their solo token
+    streams."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     from qwen_chat.engine.model.runner import ModelRunner
     from qwen_chat.engine.model.sampling import Sampler
-    from tests.engine.test_runner import small_config
+    from tests.support.small_model import small_config
 
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(small_config()).eval()
@@ -399,8 +379,8 @@ def test_prefill_budget_spreads_long_prompts_over_steps(cleanup):
 
 
 def test_twenty_stop_cycles_leave_no_slot_or_state_behind(cleanup):
-    """Public case C19: Stop (cancel) or a closed consumer, 20 times in a row; every slot and every runner
-    state is released afterwards and a normal request still gets its full reply."""
+    """Stop (cancel) or a closed consumer (the user pressed Stop or closed the tab), 20 times in a row; every
+    slot and every runner state is released afterwards and a normal request still gets its full reply."""
     sched, ex, runner = make(num_slots=2, max_queue=2)
     cleanup(sched)
     for i in range(20):

@@ -1,11 +1,11 @@
 """The Triton Gated DeltaNet decode kernel (qwen_chat.engine.model.gdn) on CPU, under Triton's interpreter.
 
-The checks run in one subprocess with ``TRITON_INTERPRET=1`` (tests/support/triton_checks.py), since the variable must
-be set before the kernels are defined.  fp32 results must equal the reference ``kernels.gdn_step`` to 1e-5
-and the whole runner must match transformers to issue 4's 1e-4.  In bf16 the interpreter converts fp32 to
-bf16 by truncation rather than round-to-nearest (checked with a one-line kernel, triton 3.6), so there the
-kernel's error against an fp32 reference is only bounded by 3x the error of the bf16 reference; the exact
-bf16 comparison runs on CUDA (tests/gpu/test_runner_cuda.py).
+The checks run in one subprocess with ``TRITON_INTERPRET=1`` (tests/support/triton_checks.py), since the
+variable must be set before the kernels are defined.  fp32 results must equal the reference ``glue.gdn_step``
+to 1e-5 and the whole runner must match transformers to the CPU parity bound, 1e-4 (tests/engine/test_runner.py).
+In bf16 the interpreter converts fp32 to bf16 by truncation rather than round-to-nearest (checked with a
+one-line kernel, triton 3.6), so there the kernel's error against an fp32 reference is only bounded by 3x the
+error of the bf16 reference; the exact bf16 comparison runs on CUDA (tests/gpu/test_runner_cuda.py).
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.service_harness import free_port
+from tests.support.servers import free_port
+from tests.support.waiting import log_tail, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "tests" / "support" / "multirank_driver.py"
@@ -63,24 +64,6 @@ def run_driver(tmp: Path, name: str, steps: list, args: list[str], ranks: int, h
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     return proc, out, log
-
-
-def wait_until(cond, timeout: float, proc=None, what: str = "condition", log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"process exited ({proc.returncode}) before {what}:\n{tail(log)}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}:\n{tail(log)}")
-
-
-def tail(log: Path | None, n: int = 60) -> str:
-    if log is None or not log.exists():
-        return ""
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -129,7 +112,7 @@ def reference(work):
     tmp, cache, _ = work
     proc, out, log = run_driver(tmp, "ref", GREEDY, service_args(cache), ranks=1)
     try:
-        assert proc.wait(LAUNCH_TIMEOUT_S) == 0, tail(log)
+        assert proc.wait(LAUNCH_TIMEOUT_S) == 0, log_tail(log)
     finally:
         kill_group(proc)
     return json.loads(out.read_text())
@@ -154,7 +137,7 @@ def tp_run(work):
         code = proc.wait(LAUNCH_TIMEOUT_S)
     finally:
         kill_group(proc)
-    assert code == 0, tail(log)
+    assert code == 0, log_tail(log)
     return json.loads(out.read_text()), log.read_text(errors="replace")
 
 
@@ -223,7 +206,7 @@ def test_zero3_matches_single_process_and_a_killed_rank_ends_the_group(work, ref
     steps = [dict(s, max_new_tokens=12) for s in GREEDY]
     proc, out, log = run_driver(tmp, "zero3", steps, args, ranks=2, hold=True)
     try:
-        wait_until(out.exists, LAUNCH_TIMEOUT_S, proc, "the ZeRO-3 results", log)
+        wait_until(out.exists, LAUNCH_TIMEOUT_S, "the ZeRO-3 results", poll_s=0.5, process=proc, log=log)
         result = json.loads(out.read_text())
         assert result["info"] == {"world_size": 2, "mode": "zero3"}
         for name in ("text", "image"):
@@ -268,17 +251,17 @@ def test_start_sh_only_rank0_listens_and_sigterm_stops_all_ranks(work):
             except OSError:
                 return False
 
-        wait_until(healthy, LAUNCH_TIMEOUT_S, proc, "/healthz", log)
+        wait_until(healthy, LAUNCH_TIMEOUT_S, "/healthz", poll_s=0.5, process=proc, log=log)
         pids = rank_pids(proc.pid)
         assert set(pids) == {0, 1}
         assert listening_pids(port) == {pids[0]}
         # Supervisor stops the program group with SIGTERM (deploy/qwen3.5-9b.conf: stopasgroup=true).
         os.killpg(proc.pid, signal.SIGTERM)
         wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                   for p in pids.values()), 60, None, "all ranks to exit", log)
+                                   for p in pids.values()), 60, "all ranks to exit", poll_s=0.5, log=log)
         text = log.read_text(errors="replace")
-        assert re.search(r"rank 0: exit sent to 1 worker rank\(s\)", text), tail(log)
-        assert "rank 1: exit message after" in text and "rank 1: worker stopped cleanly" in text, tail(log)
+        assert re.search(r"rank 0: exit sent to 1 worker rank\(s\)", text), log_tail(log)
+        assert "rank 1: exit message after" in text and "rank 1: worker stopped cleanly" in text, log_tail(log)
     finally:
         kill_group(proc)
 
@@ -289,7 +272,7 @@ def test_zero3_in_one_process_without_launcher(work, reference):
     args = service_args(cache, "--ds-config", str(ROOT / "deploy" / "ds_config.zero3.json"))
     proc, out, log = run_driver(tmp, "zero3_single", [dict(GREEDY[0], max_new_tokens=12)], args, ranks=1)
     try:
-        assert proc.wait(LAUNCH_TIMEOUT_S) == 0, tail(log)
+        assert proc.wait(LAUNCH_TIMEOUT_S) == 0, log_tail(log)
     finally:
         kill_group(proc)
     result = json.loads(out.read_text())

@@ -33,7 +33,6 @@ from tests.support.service_harness import (
     ServiceProcess,
     Supervisor,
     conversation_ids,
-    free_port,
     health,
     group_pids,
     history_files,
@@ -42,8 +41,9 @@ from tests.support.service_harness import (
     ui_submit,
     wait_for_streaming_reply,
     wait_healthy,
-    wait_until,
 )
+from tests.support.servers import free_port
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(600)]
 #: reason: starts the real service (tiny model) under supervisord; ~30-90 s per drill on 2 CPU cores

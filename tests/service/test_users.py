@@ -35,12 +35,12 @@ from tests.support.service_harness import (
     REPO,
     UI_CONTROLS,
     ServiceProcess,
-    free_port,
     health,
     history_files,
     service_argv,
     wait_healthy,
 )
+from tests.support.servers import free_port
 
 pytestmark = [
     pytest.mark.slow,  # reason: starts the real service (tiny model) through start.sh, ~30-60 s start-up

@@ -5,9 +5,11 @@ Every helper has a bounded timeout and polls (``/healthz``, ``supervisorctl stat
 instead of sleeping a fixed time.  Everything started here runs in its own session (process group), and the
 context managers kill the whole group on exit, also when the test failed.
 
+In-process servers (``free_port``, ``RunningServer``) are in ``tests/support/servers.py``; the polling wait
+(``wait_until``) is ``tests/support/waiting.py``.
+
 Public API::
 
-    free_port() -> int
     service_argv(port, history_dir, cache_dir, *extra) -> list[str]   # bash start.sh --model tiny ...
     wait_healthy(base_url, timeout_s=...) -> float                     # seconds until GET /healthz == 200
     health(base_url) -> tuple[int | None, dict]                        # status code (None: no answer), body
@@ -32,11 +34,9 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -44,19 +44,14 @@ from typing import Optional, Sequence
 import httpx
 import psutil
 
+from tests.support.waiting import wait_until
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 PROGRAM = "qwen3.5-9b"
 # thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed: the UI's "/send" inputs after
 # (message, conversation id, system prompt).  Greedy decoding so the tiny model's reply length is reproducible.
 UI_CONTROLS = [False, 8192, 0.0, 1.0, 20, 0.0, 1234]
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it; a tiny race remains)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_script() -> Path:
@@ -74,41 +69,6 @@ def service_argv(port: int, history_dir: Path, cache_dir: Path, *extra: str, mod
     """``bash start.sh --model tiny --port PORT --history-dir DIR --cache-dir DIR [extra...]``."""
     return ["bash", str(start_script()), "--model", model, "--port", str(port), "--history-dir", str(history_dir),
             "--cache-dir", str(cache_dir), *extra]
-
-
-class RunningServer:
-    """Serve a FastAPI app with uvicorn in a background thread on a free port (context manager).
-
-    ``url`` is ``http://127.0.0.1:PORT/``.  Start-up polls ``/healthz`` (bounded by ``timeout_s`` seconds);
-    exit asks uvicorn to shut down and joins the thread.
-    """
-
-    def __init__(self, app, port: Optional[int] = None, timeout_s: float = 30.0):
-        import uvicorn  # noqa: PLC0415 (only in-process servers need it)
-
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}/"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._timeout_s = timeout_s
-
-    def __enter__(self) -> "RunningServer":
-        self._thread.start()
-        deadline = time.monotonic() + self._timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "healthz", timeout=2).status_code in (200, 503):
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.__exit__(None, None, None)
-        raise TimeoutError(f"server on port {self.port} did not answer within {self._timeout_s} s")
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=15)
 
 
 def health(base_url: str, timeout_s: float = 5.0) -> tuple[Optional[int], dict]:
@@ -158,17 +118,6 @@ def listening_pids(port: int) -> list[int]:
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
             pids.add(conn.pid)
     return sorted(pids)
-
-
-def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.25):
-    """Poll ``predicate()`` until it returns something truthy; return that.  Raises TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def kill_group(pgid: int, timeout_s: float = 10.0) -> None:

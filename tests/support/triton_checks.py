@@ -12,8 +12,8 @@ import os
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-from qwen_chat.engine.model import gdn, glue as kernels
-from tests.engine.test_runner import rel_err
+from qwen_chat.engine.model import gdn, glue
+from tests.support.small_model import rel_err
 
 
 def _layer(gen, dtype, nk, rep, dk, dv, K=4):
@@ -36,7 +36,7 @@ def _projections(gen, dtype, B, C, HV, dv, device="cpu"):
 
 def check_against_reference(dtype, B=3, nk=2, rep=2, dk=16, dv=16, slots=6, steps=6, seed=0,
                             device="cpu") -> dict:
-    """Run ``gdn.gdn_decode`` and ``kernels.gdn_step`` side by side for ``steps`` tokens on the same slots
+    """Run ``gdn.gdn_decode`` and ``glue.gdn_step`` side by side for ``steps`` tokens on the same slots
     (random states, positions starting below and above K), and the reference once more in fp32 from the
     upcast inputs.  Returns the worst relative errors of output and state of the kernel and of the reference
     in ``dtype`` against fp32, and whether the conv rings stayed equal.  ``device``: where the three run
@@ -58,9 +58,9 @@ def check_against_reference(dtype, B=3, nk=2, rep=2, dk=16, dv=16, slots=6, step
         qkv, z, b, a = _projections(gen, dtype, B, C, HV, dv, device)
         ours = gdn.gdn_decode(qkv, z, b, a, ck, rk, slot_idx, pos, conv_w, A_log, dt_bias, norm.weight,
                               norm.variance_epsilon, key_dim, dk, dv)
-        ref = kernels.gdn_step(qkv, z, b, a, cr, rr, slot_idx, pos, conv_w, A_log, dt_bias, norm, "silu",
+        ref = glue.gdn_step(qkv, z, b, a, cr, rr, slot_idx, pos, conv_w, A_log, dt_bias, norm, "silu",
                                key_dim, dk, dv)
-        f32 = kernels.gdn_step(qkv.float(), z.float(), b.float(), a.float(), c32, r32, slot_idx, pos,
+        f32 = glue.gdn_step(qkv.float(), z.float(), b.float(), a.float(), c32, r32, slot_idx, pos,
                                conv_w.float(), A_log.float(), dt_bias.float(), norm32, "silu", key_dim, dk, dv)
         assert ours.shape == (B, HV * dv) and ours.dtype == dtype
         out["kernel_out"] = max(out["kernel_out"], rel_err(ours, f32))
@@ -95,15 +95,17 @@ def check_padding_rows(seed=1) -> dict:
 
 
 def check_runner_parity(seed=7) -> dict:
-    """The small fp32 Qwen3.5 of tests/engine/test_runner.py through ``ModelRunner(gdn_kernel=True)``: sequences of
-    different lengths (one with an image) join, decode together and leave; every logits row is compared with
-    the reference transformers forward.  Returns the worst relative error and the runner's impl entry."""
+    """The small fp32 Qwen3.5 of tests/support/small_model.py through the runner with
+    ``RunnerOptions(gdn_kernel=True)``: sequences of different lengths (one with an image) join, decode together
+    and leave; every logits row is compared with the reference transformers forward.  Returns the worst relative
+    error and the runner's impl entry."""
+    from qwen_chat.engine.model.options import RunnerOptions
     from qwen_chat.engine.model.runner import ModelRunner
-    from tests.engine.test_runner import LiveBatch, Seq, image_seq, small_model, text_ids
+    from tests.support.small_model import LiveBatch, Seq, image_seq, small_model, text_ids
 
     model = small_model()
     gen = torch.Generator().manual_seed(seed)
-    runner = ModelRunner(model, num_slots=3, max_context=96, device="cpu", gdn_kernel=True)
+    runner = ModelRunner(model, num_slots=3, max_context=96, device="cpu", options=RunnerOptions(gdn_kernel=True))
     batch = LiveBatch(runner, model, gen)
     batch.join(0, Seq(text_ids(gen, 2)))   # shorter than the conv kernel
     batch.step(3)

@@ -1,4 +1,5 @@
-"""Tests of qwen_chat.images: upload intake (issue 2 item 5; public cases C01, C04-C09).
+"""Tests of qwen_chat.images: upload intake (extreme aspect ratios, EXIF rotation, formats, GIF/WEBP frames,
+HEIC and fake images, decompression bombs).
 
 Every variant is generated at test time from tests/fixtures/images/*.  Each test checks what a user would see:
 the error message, or the size / pixel values of the normalised image (which is also the chat thumbnail).
@@ -18,13 +19,13 @@ from qwen_chat.chat_types import InvalidImage, InvalidInput
 from qwen_chat.images import (
     ALLOWED_FORMATS,
     PROCESSOR_MAX_ASPECT,
-    _plan_shape,
     ImageLimits,
     NormalizedImage,
-    image_info,
+    _open_header,
     normalize_image,
     sniff_format,
 )
+from qwen_chat.image_pixels import plan_shape
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "images"
 ALLOWED_TEXT = "allowed: JPEG, PNG, GIF, WEBP"
@@ -51,6 +52,15 @@ def decode(result: NormalizedImage) -> Image.Image:
     return im
 
 
+def header_of(data: bytes) -> tuple[str, int, int]:
+    """(format, width, height) as the file's header states them: stored orientation, no pixel decoded."""
+    im = _open_header(data)
+    try:
+        return im.format, im.size[0], im.size[1]
+    finally:
+        im.close()
+
+
 def close(pixel, expected, tol=12) -> bool:
     return all(abs(a - b) <= tol for a, b in zip(pixel, expected))
 
@@ -66,7 +76,7 @@ def qwen_processor_tokens(result: NormalizedImage, budget: int, min_pixels: int)
     """Run transformers' Qwen2-VL image processor (Qwen3.5 settings: patch 16, merge 2) on the result.
 
     Returns the number of visual tokens (grid_t * grid_h * grid_w / merge**2); raises whatever the processor
-    raises (which is what C01 is about).
+    raises (an extreme aspect ratio used to make it raise).
     """
     from transformers import Qwen2VLImageProcessor
 
@@ -81,7 +91,7 @@ def qwen_processor_tokens(result: NormalizedImage, budget: int, min_pixels: int)
     return t * h * w // 4
 
 
-# ---------------------------------------------------------------- formats and modes (issue 2 item 5, C05, C06)
+# ---------------------------------------------------------------- formats and modes (upper-case WEBP, GIF frames)
 
 
 def test_fixtures_pass_through_unchanged_in_size_and_colour():
@@ -237,7 +247,7 @@ def test_format_comes_from_content_not_from_the_file_name(tmp_path, filename, fm
     path.write_bytes(encode(fixture("chelsea.png"), fmt))
     data = path.read_bytes()
     assert sniff_format(data) == fmt
-    assert image_info(data) == (fmt, 451, 300)
+    assert header_of(data) == (fmt, 451, 300)
     assert normalize_image(data).source_format == fmt
 
 
@@ -245,7 +255,7 @@ def test_allowed_formats_constant():
     assert ALLOWED_FORMATS == ("JPEG", "PNG", "GIF", "WEBP")
 
 
-# ---------------------------------------------------------------- EXIF orientation (C04)
+# ---------------------------------------------------------------- EXIF orientation
 
 CARD_W, CARD_H = 120, 80
 # Transpose that undoes each EXIF orientation, i.e. what a viewer applies to the stored pixels (EXIF 2.3,
@@ -292,7 +302,7 @@ def stored_with_orientation(orientation: int, fmt: str = "JPEG") -> bytes:
 @pytest.mark.parametrize("orientation", range(1, 9))
 def test_exif_orientation_gives_an_upright_card(orientation):
     data = stored_with_orientation(orientation)
-    stored_size = image_info(data)[1:]
+    stored_size = header_of(data)[1:]
     assert stored_size == ((CARD_W, CARD_H) if orientation < 5 else (CARD_H, CARD_W))
     result = normalize_image(data)
     out = decode(result)
@@ -337,7 +347,7 @@ def test_exif_orientation_in_png_and_webp(fmt):
     assert mean_abs_diff(out, make_card()) < 2
 
 
-# ---------------------------------------------------------------- not an image / broken (C07, C08)
+# ---------------------------------------------------------------- not an image / broken (HEIC, fake images)
 
 
 def test_truncated_jpeg_is_rejected():
@@ -430,7 +440,7 @@ def test_fuzzed_bytes_only_ever_raise_invalid_image():
     assert 0 < accepted < len(cases)
 
 
-# ---------------------------------------------------------------- huge pixel counts (C09)
+# ---------------------------------------------------------------- huge pixel counts (decompression bombs)
 
 
 def solid_png_header_claiming(width: int, height: int) -> bytes:
@@ -449,7 +459,7 @@ def solid_png_header_claiming(width: int, height: int) -> bytes:
 def test_20000_square_png_bomb_is_refused_from_the_header():
     data = solid_png_header_claiming(20000, 20000)
     assert len(data) < 200_000
-    assert image_info(data) == ("PNG", 20000, 20000)
+    assert header_of(data) == ("PNG", 20000, 20000)
     with pytest.raises(InvalidImage) as err:
         normalize_image(data)
     assert str(err.value) == "image is too large: 20000x20000 pixels (400.0 MP); max 50 MP"
@@ -478,7 +488,7 @@ def test_48_megapixel_photo_is_accepted_and_downscaled_to_the_token_budget():
     assert qwen_processor_tokens(result, budget=1024, min_pixels=65536) <= 1024
 
 
-# ---------------------------------------------------------------- shape policy (C01)
+# ---------------------------------------------------------------- shape policy (extreme aspect ratios)
 
 
 def test_aspect_ratio_218_is_refused_before_the_processor():
@@ -560,7 +570,7 @@ def test_shape_plan_is_always_legal_for_the_qwen_processor():
         if long / short > PROCESSOR_MAX_ASPECT:
             continue  # refused before planning
         for budget in (1, 64, 256, 1024, 16384):
-            plan = _plan_shape(long, short, budget * 1024)
+            plan = plan_shape(long, short, budget * 1024)
             shape = (long, short, budget, plan)
             assert plan.canvas_long * plan.canvas_short <= budget * 1024, shape
             assert min(plan.canvas_long, plan.canvas_short) >= 32, shape

@@ -8,15 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from qwen_chat.engine.parallel import executors
 from qwen_chat.engine.parallel import ranks as qdist
-from qwen_chat.engine.serving.bootstrap import compare_self_checks
-from qwen_chat.engine.parallel.sharding import (
-    ShardingError,
-    GatheredColumnLinear,
-    VocabParallelEmbedding,
-    check_tp_degree,
-    read_plan,
-)
+from qwen_chat.engine.serving.selfcheck import compare_self_checks
+from qwen_chat.engine.parallel.sharding import ShardingError, check_tp_degree, read_plan
+from qwen_chat.engine.parallel.tp_layers import GatheredColumnLinear, VocabParallelEmbedding
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN35_9B_TEXT = SimpleNamespace(num_key_value_heads=4, num_attention_heads=16, linear_num_key_heads=16,
@@ -124,8 +120,8 @@ def test_rank_info_from_launcher_environment():
 
 
 def test_heartbeat_fits_several_pings_into_one_timeout():
-    assert qdist.heartbeat_interval(2.0) == 0.5
-    assert qdist.heartbeat_interval(7 * 24 * 3600) == qdist.MAX_HEARTBEAT_S
+    assert executors.heartbeat_interval(2.0) == 0.5
+    assert executors.heartbeat_interval(7 * 24 * 3600) == executors.MAX_HEARTBEAT_S
 
 
 def test_self_check_comparison_names_the_rank_that_differs():

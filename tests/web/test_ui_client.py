@@ -1,9 +1,10 @@
 """The web UI launched in-process (real FastAPI + Gradio + history store) and driven with ``gradio_client``.
 
-The backend is ``tests.support.scripted_backend.ScriptedBackend`` (no model); the engine on the tiny model is covered
+The backend is ``tests.support.fake_backend.FakeBackend.for_ui()`` (no model); the engine on the tiny model is covered
 by ``test_ui_tiny.py``.  Covers: text turn, streamed image turn (chelsea.png), Stop, New chat, reopen,
-bad images (C06-C09, C07 HEIC), upper-case WEBP (C05), empty messages (C15), HTML/dollar text (C25), a page
-left open across a restart (C22), rename/delete/export, and two logged-in users.
+bad images (text, empty, truncated and SVG files named as images; HEIC, also renamed), every allowed type in
+any case (upper-case WEBP), empty messages, HTML/dollar text, a page left open across a restart,
+rename/delete/export, and two logged-in users.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from qwen_chat.config import ServiceConfig
 from qwen_chat.history.store import HistoryStore
 from qwen_chat.web import auth
 from qwen_chat.web.server import build_app
-from tests.support.scripted_backend import RunningServer, ScriptedBackend
+from tests.support.fake_backend import FakeBackend
+from tests.support.servers import RunningServer
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "images"
 CHELSEA = FIXTURES / "chelsea.png"
@@ -33,7 +35,7 @@ CONTROLS = [True, 2048, 1.0, 0.95, 20, 1.5, None]
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("history")
-    backend = ScriptedBackend()
+    backend = FakeBackend.for_ui()
     store = HistoryStore(root)
     cfg = ServiceConfig(port=7860, history_dir=root)
     with RunningServer(build_app(cfg, backend, store)) as server:
@@ -44,7 +46,7 @@ def service(tmp_path_factory):
 def ui(service):
     """(client, backend, store) with the backend reset to its defaults and a fresh browser session."""
     server, backend, store = service
-    defaults = ScriptedBackend()
+    defaults = FakeBackend.for_ui()
     for name in ("answer", "reasoning", "step_delay_s", "fail_with", "max_steps", "notice"):
         setattr(backend, name, getattr(defaults, name))
     return Client(server.url, verbose=False), backend, store
@@ -139,7 +141,7 @@ def test_empty_message_does_nothing(ui, text):
 )
 def test_bad_image_shows_message_saves_nothing_and_next_turn_works(ui, tmp_path, name, data, expected):
     client, backend, store = ui
-    if data is None:  # a real JPEG cut in half (C08 d)
+    if data is None:  # a real JPEG cut in half (truncated file)
         buf = io.BytesIO()
         Image.open(CHELSEA).convert("RGB").save(buf, "JPEG")
         data = buf.getvalue()[: len(buf.getvalue()) // 2]
@@ -254,7 +256,7 @@ def test_html_and_dollars_stay_literal_text_live_and_after_reload(ui):
 
 
 def test_stale_page_after_restart_appends_to_saved_history(ui, service):
-    """C22: the page's state is gone (new session) but its conversation id still appends on disk."""
+    """A page left open across a restart: the page's state is gone (new session) but its conversation id still appends on disk."""
     client, backend, store = ui
     conv_id = ""
     for i in range(3):
@@ -331,7 +333,7 @@ def test_two_logged_in_users_see_only_their_own_history(tmp_path):
     db.save(users_file)
     store = HistoryStore(tmp_path / "history")
     cfg = ServiceConfig(history_dir=tmp_path / "history", login=True, users_file=users_file)
-    with RunningServer(build_app(cfg, ScriptedBackend(), store)) as server:
+    with RunningServer(build_app(cfg, FakeBackend.for_ui(), store)) as server:
         alice = Client(server.url, auth=("alice", "alice-password-1"), verbose=False)
         bob = Client(server.url, auth=("bob", "bob-password-22"), verbose=False)
         a_id = send(alice, "alice's secret")[1]

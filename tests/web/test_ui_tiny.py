@@ -16,7 +16,7 @@ import pytest
 from gradio_client import Client, handle_file
 
 from qwen_chat.history.store import HistoryStore
-from tests.support.scripted_backend import free_port
+from tests.support.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHELSEA = REPO / "tests" / "fixtures" / "images" / "chelsea.png"

@@ -7,15 +7,17 @@
   (its own progress bars; a cached copy is used when offline).
 
 Loading always goes through ``from_pretrained`` (``AutoProcessor`` and ``Qwen3_5ForConditionalGeneration``),
-so the tiny model and a real checkpoint share one code path.  bf16 on CUDA, fp32 on CPU (the facts file:
-the published weights are bf16; CPU matmuls in bf16 are slow and less exact).
+so the tiny model and a real checkpoint share one code path.  bf16 on CUDA, fp32 on CPU (the published
+weights are bf16, docs/facts.md, "Shape"; CPU matmuls in bf16 are slow and less exact).
 
-Sharding (``qwen_chat.engine.parallel.sharding``) calls ``load_model(..., place_on_device=False)`` inside its own
-context (e.g. with a ZeRO-3 ``HfDeepSpeedConfig`` alive), so ``from_pretrained`` stays a plain call here and
-the model is not moved when the caller manages placement.
+Under a DeepSpeed sharding plan the caller (``qwen_chat.engine.serving.bootstrap``) first runs
+``sharding.prepare_loading(plan)`` (for ZeRO-3 it keeps an ``HfDeepSpeedConfig`` alive, so ``from_pretrained``
+partitions the weights as it builds the model), then calls ``load_model(..., place_on_device=False)`` and hands the
+result to ``sharding.shard_model``; ``from_pretrained`` therefore stays a plain call here and the model is not
+moved when the caller manages placement.
 
-Usage: ``python -m qwen_chat.engine.checkpoints.loading tiny`` prints the resolved folder, the model info and the Gated
-DeltaNet kernels.
+Usage: ``python -m qwen_chat.engine.checkpoints.loading tiny`` prints the resolved folder, the model info and the
+Gated DeltaNet kernels.
 """
 from __future__ import annotations
 

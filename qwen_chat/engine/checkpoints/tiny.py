@@ -3,12 +3,13 @@
 ``--model tiny`` lets the whole service (UI, API, engine, sharding) run on a CPU-only machine with no
 download.  The checkpoint is written once to a cache folder and then loaded with the very same
 ``AutoProcessor.from_pretrained`` + ``Qwen3_5ForConditionalGeneration.from_pretrained`` code as a real one
-(``qwen_chat.engine.checkpoints.loading``).  Its answers are gibberish; ``config.json`` carries ``"qwen_chat_demo": true``
-(and the folder a ``QWEN_CHAT_DEMO`` marker file) so the UI can show a "demo model: random weights" badge.
+(``qwen_chat.engine.checkpoints.loading``).  Its answers are gibberish; ``config.json`` carries
+``"qwen_chat_demo": true`` (and the folder a ``QWEN_CHAT_DEMO`` marker file) so the UI can show a "demo model:
+random weights" badge.
 
-What is real (from ../shared/design/qwen3_5-facts.md and qwen3_5_9b_config.json): model_type ``qwen3_5``;
-the layer pattern 3 x Gated DeltaNet ``linear_attention`` + 1 x gated ``full_attention``; attention output
-gate; partial rotary 0.25 with interleaved M-RoPE; 16 query / 4 KV heads; 16 key / 32 value linear heads;
+What is real (docs/facts.md, "Shape", and the published config, ``bench/qwen3_5_9b_config.json``): model_type
+``qwen3_5``; the layer pattern 3 x Gated DeltaNet ``linear_attention`` + 1 x gated ``full_attention``; attention
+output gate; partial rotary 0.25 with interleaved M-RoPE; 16 query / 4 KV heads; 16 key / 32 value linear heads;
 conv1d width 4; vocab 248,320 with the real tokenizer and special ids; vision tower with patch 16, temporal
 patch 2, 2x2 spatial merge and ``out_hidden_size`` = text hidden; Qwen3VLProcessor with
 Qwen2VLImageProcessor.  What is small: hidden 64, 4 text layers, head dims 64 (attention) / 16 (linear),
@@ -62,12 +63,7 @@ PREPROCESSOR_SETTINGS = dict(
 VIDEO_PREPROCESSOR_CONFIG = dict(
     video_processor_type="Qwen3VLVideoProcessor",
     processor_class="Qwen3VLProcessor",
-    patch_size=16,
-    temporal_patch_size=2,
-    merge_size=2,
-    image_mean=[0.5, 0.5, 0.5],
-    image_std=[0.5, 0.5, 0.5],
-    size={"shortest_edge": 4096, "longest_edge": 25165824},
+    **{**PREPROCESSOR_SETTINGS, "size": {"shortest_edge": 4096, "longest_edge": 25165824}},
 )
 
 

@@ -1,9 +1,9 @@
 """One Triton kernel for the whole Gated DeltaNet decode token: causal conv1d + SiLU, q/k l2-norm, gates, the
 delta-rule state update, the readout and the gated RMSNorm.
 
-Compiled by Inductor, the same maths (``kernels.gdn_step``) becomes about eight kernels per layer, and at 16
-rows its state update took 32 us per layer against ~10 us for the 2 x 16 x 16 x 64 KiB of fp32 state it moves
-(TP=2 on an H200, bench/results/2026-11-30-NVIDIA-H200x2-tp-probe-run5.log).  Here one program owns one
+Compiled by Inductor, the same maths (``glue.gdn_step``) becomes about eight kernels per layer, and at 16
+rows its state update took about three times what the fp32 state it moves needs (measured:
+docs/performance.md, "One kernel for the Gated DeltaNet decode token").  Here one program owns one
 (row, value head): it computes the conv outputs of that head's value channels and of its key head's q and k
 channels, updates the [dv, dk] fp32 state in registers in one read and one write, and writes the normed,
 gated output.
@@ -15,7 +15,7 @@ t-K+1..t-1 and writes position t, whose ring entry held position t-K.  Several v
 
 Formulas: transformers ``models/qwen3_5/modeling_qwen3_5.py`` (Qwen3_5GatedDeltaNet,
 torch_recurrent_gated_delta_rule, l2norm, Qwen3_5RMSNormGated); the reference in this package is
-``kernels.gdn_step``, which this kernel is compared with (tests/engine/test_triton_kernels.py under Triton's
+``glue.gdn_step``, which this kernel is compared with (tests/engine/test_triton_kernels.py under Triton's
 interpreter on CPU, tests/gpu on CUDA).  Roundings to the model dtype are where the reference has them.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 
 import torch
 
-try:  # Triton ships with CUDA builds of PyTorch; CPU hosts use kernels.gdn_step.
+try:  # Triton ships with CUDA builds of PyTorch; CPU hosts use glue.gdn_step.
     import triton
     import triton.language as tl
 except Exception:  # pragma: no cover - depends on the host
@@ -108,7 +108,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
                A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor, norm_eps: float,
                key_dim: int, dk: int, dv: int, num_warps: int | None = None) -> torch.Tensor:
     """One Gated DeltaNet decode token per row in one kernel; same arguments and result as
-    ``kernels.gdn_step`` (which documents the maths), with the gated norm given as ``norm_weight`` [dv] and
+    ``glue.gdn_step`` (which documents the maths), with the gated norm given as ``norm_weight`` [dv] and
     ``norm_eps`` and the activation fixed to SiLU.
 
     qkv [B, C], z [B, value_dim], b/a [B, HV]: rows may be strided views (last dim contiguous); conv_buf
@@ -136,7 +136,7 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
         raise ValueError("gdn_decode: z, b and a need a contiguous last dimension")
     conv_w = conv_w.contiguous()  # a view of conv1d.weight [C, 1, K]: already contiguous, no copy
     out = torch.empty(B, HV * dv, device=qkv.device, dtype=qkv.dtype)
-    # 4 warps: fastest at 1, 4 and 16 rows on an H200 (bench/results/2026-11-30-NVIDIA-H200-gdn-probe-run{1,2}.json)
+    # 4 warps: fastest at 1, 4 and 16 rows on an H200 (bench/gdn_probe.py; measured: docs/performance.md)
     warps = num_warps or (4 if dk * dv >= 2048 else 1)
     _gdn_decode_kernel[(B, HV)](
         qkv, z, b, a, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),

@@ -1,9 +1,9 @@
 """Decode-time projections (skinny GEMMs) as Triton kernels: y[B, N] = x[B, K] @ W[N, K]^T for B <= 16.
 
-A batch-1 decode step is bound by reading the weights once (qwen3_5-facts.md: ~15.9 GB per step for the 9B
-text model and LM head).  cuBLAS picks split-K kernels plus a separate reduction kernel for several of the
-decode shapes and reads some of them well below the copy bandwidth (docs/performance.md, profile of
-2026-11-30).  These kernels stream each weight row block once, without split-K, with fp32 accumulation:
+A batch-1 decode step is bound by reading the weights once (~15.9 GB per step for the 9B text model and LM
+head: docs/facts.md, "Per-token cost (batch 1 decode, bf16)").  cuBLAS picks split-K kernels plus a separate
+reduction kernel for several of the decode shapes and reads some of them well below the copy bandwidth
+(measured: docs/performance.md).  These kernels stream each weight row block once, without split-K, with fp32 accumulation:
 
 - ``B == 1``: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` tiles, multiplying the
   tile by the broadcast input row and reducing across K on the CUDA cores;
@@ -106,8 +106,8 @@ def supports(x: torch.Tensor, w: torch.Tensor, swiglu: bool = False) -> bool:
 
 
 #: Tile sizes measured fastest on an H200 for the decode shapes of the full config: (kernel, N, K) ->
-#: (BLOCK_N, BLOCK_K, num_warps, num_stages).  bench/gemv_probe.py, 2026-11-30, bench/results/
-#: 2026-11-30-NVIDIA-H200-gemv-probe-run1.json ("dot" entries: the best at B = 4 and 8).
+#: (BLOCK_N, BLOCK_K, num_warps, num_stages).  Swept by bench/gemv_probe.py ("dot" entries: the best at B = 4
+#: and 8; measured: docs/performance.md, raw: bench/results/*-NVIDIA-H200-gemv-probe-run1.json).
 TUNED = {
     ("row", 12352, 4096): (16, 256, 4, 3), ("row", 10240, 4096): (8, 256, 4, 3),
     ("row", 4096, 4096): (4, 1024, 8, 3), ("row", 24576, 4096): (4, 1024, 4, 3),
@@ -115,8 +115,8 @@ TUNED = {
     ("dot", 12352, 4096): (32, 256, 4, 3), ("dot", 10240, 4096): (32, 256, 4, 3),
     ("dot", 4096, 4096): (32, 256, 4, 5), ("dot", 24576, 4096): (64, 128, 4, 3),
     ("dot", 4096, 12288): (32, 256, 4, 5), ("dot", 248320, 4096): (128, 128, 4, 3),
-    # tensor parallel over 2 GPUs, per rank (bench/tp_probe.py, 2026-11-30, bench/results/
-    # 2026-11-30-NVIDIA-H200x2-tp-probe-run1.json: rows at B = 1, "dot" at B = 4)
+    # tensor parallel over 2 GPUs, per rank (swept by bench/tp_probe.py: rows at B = 1, "dot" at B = 4;
+    # raw: bench/results/*-NVIDIA-H200x2-tp-probe-run1.json)
     ("row", 6176, 4096): (4, 1024, 4, 3), ("row", 5120, 4096): (4, 512, 4, 3),
     ("row", 4096, 2048): (4, 512, 4, 3), ("row", 12288, 4096): (16, 256, 4, 3),
     ("row", 4096, 6144): (4, 512, 4, 3), ("row", 124160, 4096): (8, 256, 4, 3),

@@ -78,7 +78,7 @@ def draw_top_k(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tens
     [slots]; idx: int64 [B] (each row's slot); u: float32 [B] uniforms in [0, 1); K: static candidate count
     (<= V).  Returns int64 [B] (greedy rows, temperature 0, are not handled here: ``Sampler.sample_async``
     replaces them by the argmax, which as a separate kernel spreads over many thread blocks, while fused here it
-    made the whole pass one block per row: 0.15 ms per step at batch 1 on an H200, bench/results gemv-probe).
+    made the whole pass one block per row; measured: docs/performance.md).
     The same functions as the general path in ``Sampler.sample_async``; the K largest candidates cut to each
     row's own top_k are its top_k largest, in the same order.
     """
@@ -90,11 +90,13 @@ def draw_top_k(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tens
 class Sampler:
     """Per-slot sampling state: parameters, generator, uniforms and presence flags.
 
-    Args: num_slots (int); vocab_size (int, logits width V); device (where logits live).
+    Args: num_slots (int); vocab_size (int, logits width V); device (where logits live); fused_top_k (int,
+    default ``FUSED_TOPK``): batches whose rows all have 0 < top_k <= fused_top_k are drawn by ``draw_top_k``
+    (0: never; tests compare the two paths).
     Memory: a bool [num_slots, V] presence table and a float32 [num_slots, UNIFORM_BLOCK] uniform table.
     """
 
-    def __init__(self, num_slots: int, vocab_size: int, device):
+    def __init__(self, num_slots: int, vocab_size: int, device, fused_top_k: int = FUSED_TOPK):
         self.num_slots = int(num_slots)
         self.vocab_size = int(vocab_size)
         self.device = torch.device(device)
@@ -108,7 +110,7 @@ class Sampler:
         self._top_p = torch.ones(self.num_slots, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
         self._penalty = torch.zeros(self.num_slots, dtype=torch.float32, device=dev)
-        self._fused_k = min(FUSED_TOPK, self.vocab_size)
+        self._fused_k = min(int(fused_top_k), self.vocab_size)
         #: The last token sampled for each slot (int64 [num_slots], on the device): the runner reads a decode
         #: step's inputs from here (``ModelRunner.decode(..., token_table=)``) without a trip through the host.
         self.last_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
@@ -206,22 +208,6 @@ class Sampler:
         else:
             vals, ids = torch.sort(x, dim=-1, descending=True)
         return nucleus_probs(vals, self._top_k[idx], self._top_p[idx]), ids
-
-    def distribution(self, slots: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        """The distribution each row would be sampled from, scattered back to vocabulary order.
-
-        logits: float [B, V].  Returns float32 [B, V] (rows sum to 1); greedy rows are one-hot at the argmax.
-        Does not consume randomness or change presence flags.
-        """
-        self._check(slots, logits)
-        idx = torch.tensor(list(slots), device=self.device)
-        probs, ids = self._nucleus(slots, logits, idx)
-        out = torch.zeros(logits.shape, dtype=torch.float32, device=self.device).scatter_(1, ids, probs)
-        greedy = self._temperature[idx] == 0
-        if any(self.params[s].temperature == 0 for s in slots):
-            onehot = torch.zeros_like(out).scatter_(1, logits.float().argmax(-1, keepdim=True), 1.0)
-            out = torch.where(greedy[:, None], onehot, out)
-        return out
 
     def _check(self, slots: Sequence[int], logits: torch.Tensor) -> None:
         if logits.dim() != 2 or logits.shape[0] != len(slots) or logits.shape[1] != self.vocab_size:

@@ -3,8 +3,8 @@ all-gather of the vocabulary-split logits, and the broadcast that gives every ra
 
 At batch 1 a TP=2 decode step of the 9B runs 65 all-reduces of one hidden row (4,096 bf16 = 8 KiB): after the
 vocabulary-split embedding and after each of the 64 row-parallel projections (24 Gated DeltaNet ``out_proj``,
-8 ``o_proj``, 32 ``down_proj``; ``qwen_chat.engine.parallel.sharding``), and one all-gather of the lm_head's logits.  Such
-small messages are bound by latency, not bandwidth, so the kernels that do them matter:
+8 ``o_proj``, 32 ``down_proj``; ``qwen_chat.engine.parallel.tp_layers``), and one all-gather of the lm_head's
+logits.  Such small messages are bound by latency, not bandwidth, so the kernels that do them matter:
 
 - ``symm_mem``: PyTorch's symmetric-memory one-shot all-reduce (``torch.ops.symm_mem.one_shot_all_reduce_copy_out``,
   ``torch.distributed._symmetric_memory``): each rank copies its partial sums into a buffer that every peer maps
@@ -19,14 +19,14 @@ small messages are bound by latency, not bandwidth, so the kernels that do them 
 
 ``TensorParallelComm(group, device, dtype)`` picks symmetric memory at construction (``backend="auto"``) after
 checking it and the fused kernels against known results, and every rank agrees on the choice;
-``QWEN_CHAT_TP_ALLREDUCE=nccl`` forces ``torch.distributed`` and ``QWEN_CHAT_TP_FUSED=0`` turns the fused kernels
-off.  All of them can be captured in a CUDA graph.  Measured on 2 x H200: docs/performance.md ("Tensor parallel
-on 2 x H200").
+``backend="nccl"`` forces ``torch.distributed`` and ``fused=False`` turns the fused kernels off (the service's
+``ServiceConfig.tp_allreduce`` and ``tp_fused``: ``--tp-allreduce``, ``--no-tp-fused``).  All of them can be
+captured in a CUDA graph.  Measured on 2 x H200: docs/performance.md ("Tensor parallel on 2 x H200").  The
+decode step calls them through ``qwen_chat.engine.parallel.tp_decode``.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -57,11 +57,9 @@ _GATHER_END = _GATHER_START + GATHER_FLAGS
 #: Elements per program of the gather kernel.
 GATHER_BLOCK = 4096
 
-#: Environment variable that switches the fused all-reduce + RMSNorm kernel off when set to "0".
-FUSED_ENV = "QWEN_CHAT_TP_FUSED"
-
-#: Environment variable that forces the all-reduce kind: "auto" (default), "symm_mem" or "nccl" (plain
-#: ``torch.distributed``).
+#: The all-reduce kinds ``TensorParallelComm(backend=)`` takes: symmetric memory when it works here, else
+#: ``torch.distributed`` ("auto"); symmetric memory or an error ("symm_mem"); plain ``torch.distributed`` ("nccl").
+BACKENDS = ("auto", "symm_mem", "nccl")
 
 
 if triton is not None:
@@ -128,7 +126,6 @@ if triton is not None:
             v = tl.load(base + offset + row * n_local + cols, mask=mask, other=0.0, volatile=True)
             tl.store(out_ptr + row * (WORLD * n_local) + r * n_local + cols, v.to(tl.float32), mask=mask)
         _peer_barrier(pad_ptrs, end_flag + f, RANK, WORLD)
-BACKEND_ENV = "QWEN_CHAT_TP_ALLREDUCE"
 
 
 class TensorParallelComm:
@@ -138,9 +135,10 @@ class TensorParallelComm:
         group: the TP process group (default: the default group, as the service runs TP over all ranks).
         device: this rank's device.
         dtype: dtype of the activations to reduce (the symmetric buffer is allocated in it).
-        backend: "auto" (symmetric memory when it works here, else ``torch.distributed``), "symm_mem" (raise if
-            it cannot be set up) or "nccl" (``torch.distributed``); default from ``QWEN_CHAT_TP_ALLREDUCE``, else
-            "auto".
+        backend: one of ``BACKENDS``: "auto" (symmetric memory when it works here, else ``torch.distributed``),
+            "symm_mem" (raise if it cannot be set up) or "nccl" (``torch.distributed``).
+        fused: offer the fused all-reduce + residual add + RMSNorm and the staged logits gather (Triton, on
+            symmetric memory) when they pass their start-up check; False: never.
         max_bytes: largest message sent through symmetric memory.
 
     Attributes: ``world_size``, ``rank``, ``kind`` ("symm_mem" or "torch.distributed": what ``all_reduce`` uses
@@ -151,16 +149,16 @@ class TensorParallelComm:
         RuntimeError: ``backend="symm_mem"`` and symmetric memory could not be set up or failed its check.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], device, dtype: torch.dtype,
-                 backend: Optional[str] = None, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup], device, dtype: torch.dtype, backend: str = "auto",
+                 fused: bool = True, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.device = torch.device(device)
         self.dtype = dtype
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        backend = (backend or os.environ.get(BACKEND_ENV) or "auto").strip().lower()
-        if backend not in ("auto", "symm_mem", "nccl"):
-            raise ValueError(f"{BACKEND_ENV} must be auto, symm_mem or nccl (got {backend!r})")
+        backend = str(backend).strip().lower()
+        if backend not in BACKENDS:
+            raise ValueError(f"the TP all-reduce backend must be auto, symm_mem or nccl (got {backend!r})")
         self.kind = "torch.distributed"
         self.max_numel = max(1, int(max_bytes) // torch.empty(0, dtype=dtype).element_size())
         self._buf: Optional[torch.Tensor] = None
@@ -182,7 +180,7 @@ class TensorParallelComm:
                     raise RuntimeError(f"symmetric-memory all-reduce unavailable: {problem or 'on another rank'}")
                 log.info("TP all-reduce: symmetric memory unavailable (%s); using torch.distributed",
                          problem or "on another rank")
-        if self.kind == "symm_mem" and triton is not None and os.environ.get(FUSED_ENV, "1").strip() != "0":
+        if self.kind == "symm_mem" and triton is not None and fused:
             problem = None
             try:
                 self._setup_fused()
@@ -381,15 +379,3 @@ def broadcast_from_rank0(tokens: torch.Tensor) -> torch.Tensor:
         dist.broadcast(tokens, src=0)
     return tokens
 
-
-def tp_comm_for(model: torch.nn.Module, device, dtype: torch.dtype) -> Optional[TensorParallelComm]:
-    """The ``TensorParallelComm`` for a model sharded by tensor parallelism over the default group, or None when
-    torch.distributed is not initialised, runs one rank, or the model holds no row-parallel layer.  Collective:
-    every rank calls it at the same time."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    from qwen_chat.engine.parallel.sharding import row_parallel_weight
-
-    if not any(row_parallel_weight(m) is not None for m in model.modules()):
-        return None
-    return TensorParallelComm(None, device, dtype)

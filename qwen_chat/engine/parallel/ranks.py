@@ -1,43 +1,27 @@
-"""Several ranks behind one web front: rank info, the gloo control group, step-plan broadcast, the worker loop.
+"""Several ranks behind one web front: this process's rank, the process groups, the launcher watchdog.
 
-Only rank 0 talks to users.  It validates and preprocesses every request before any collective (bad input
-fails on rank 0 alone), then, for every engine step, broadcasts the whole ``StepPlan`` (op, CPU tensors,
-sampling settings and seeds, which slots to free = Stop) to the other ranks over a **gloo** group and runs it
-itself; each worker runs the identical plan, so every rank executes the same forward passes (the collectives
-inside TP / ZeRO-3 layers line up) and samples the same tokens from the same seeds.  Each rank's sampler then
-replaces its draw with rank 0's (``collectives.broadcast_from_rank0``, on the device), so a plan may feed each
-sequence its last sampled token from the device (``tokens_on_device``): rank 0 launches step N+1 before step
-N's tokens reached its host, and each worker launches a plan before waiting for the one before it.
+Only rank 0 talks to users; every rank runs the same engine steps (``qwen_chat.engine.parallel.executors``:
+plan broadcast, ``DistributedExecutor``, ``worker_loop``).  This module holds what every rank sets up first:
 
-Waiting for requests happens on gloo, never on NCCL (NCCL's watchdog kills a process whose collective waited
-longer than its timeout).  The gloo group has a long timeout (``--collective-timeout-s``, default 7 days) and
-rank 0 sends a ``ping`` plan whenever it has been silent for ``heartbeat_interval(timeout)`` seconds, so an idle
-worker never reaches the timeout while rank 0 lives, and notices a dead rank 0 within that timeout at most
-(usually at once: the TCP connection breaks).
-
-Failure policy (a rank that raised inside a collective cannot recover): a ``ChatError`` from the runner (it
-checks its input before any state change or collective, identically on every rank) fails only the affected
-requests; any other exception while broadcasting or executing a plan is logged and the process leaves with ``os._exit(1)`` within seconds; the siblings see a
-broken gloo connection or are ended by the DeepSpeed launcher, which exits non-zero, and Supervisor restarts
-the whole group.  A clean shutdown is an ``exit`` plan from rank 0 (``DistributedExecutor.close``), after which
-every worker exits 0.
+- ``RankInfo.from_env()``: rank, local rank and world size from the launcher's environment;
+- ``init_process_groups``: the default group for the model's own collectives (NCCL on CUDA, gloo on CPU) and
+  two gloo groups, ``control`` (plans and pings, timeout ``--collective-timeout-s``) and ``startup`` (the
+  one-off start-up exchanges).  Waiting for requests happens on gloo, never on NCCL (NCCL's watchdog kills a
+  process whose collective waited longer than its timeout);
+- ``start_launcher_watchdog``: a rank whose launcher died leaves instead of serving unsupervised;
+- ``unlink_deepspeed_shm``: DeepSpeed's CPU all-reduce files in ``/dev/shm`` do not outlive the ranks.
 
 Usage::
 
-    groups = init_process_groups(info, device, timeout_s)       # every rank
-    # rank 0
-    executor = DistributedExecutor(LocalExecutor(runner, sampler), groups.control, timeout_s)
-    executor.execute(plan)   # broadcast + run locally (or launch(plan) ... collect(launched)); close() sends "exit"
-    # other ranks
-    worker_loop(LocalExecutor(runner, sampler), groups.control) # returns after "exit"
+    info = RankInfo.from_env(local_rank_arg=cfg.local_rank)
+    start_launcher_watchdog()                                   # world size > 1
+    groups = init_process_groups(info, device, timeout_s)       # every rank; None at world size 1
 """
 from __future__ import annotations
 
 import glob
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -47,31 +31,9 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from qwen_chat.chat_types import ChatError, NotReady
-from qwen_chat.engine.serving.requests import StepPlan
+from qwen_chat.lifecycle import STOPPING, die
 
 log = logging.getLogger(__name__)
-
-#: Ops that only the distributed layer uses on top of the executor's ("step", "selfcheck", "exit").
-PING_OP = "ping"
-EXIT_OP = "exit"
-
-#: Longest silence of rank 0 on the control group before it sends a ping (seconds).  Short enough that a
-#: dead worker is noticed by rank 0 within seconds even when no one is chatting.
-MAX_HEARTBEAT_S = 5.0
-
-#: Seconds a worker waits, after SIGTERM from the launcher, for rank 0's exit plan before it leaves on its own
-#: (below the DeepSpeed launcher's 30 s grace before SIGKILL).
-WORKER_SIGTERM_GRACE_S = 20.0
-
-#: Exit code of a rank that left because of a failure (Supervisor restarts the group on any non-zero code).
-FAILURE_EXIT_CODE = 1
-
-
-def heartbeat_interval(timeout_s: float) -> float:
-    """Seconds of rank-0 silence after which it pings: a quarter of the collective timeout, at most
-    ``MAX_HEARTBEAT_S`` (so at least three pings fit into one timeout window)."""
-    return max(0.05, min(MAX_HEARTBEAT_S, float(timeout_s) / 4.0))
 
 
 @dataclass(frozen=True)
@@ -185,9 +147,6 @@ def _alive(pid: int) -> bool:
         return True
 
 
-#: Set once this rank has begun an orderly shutdown (a stop signal); the launcher watchdog then stands aside.
-STOPPING = threading.Event()
-
 #: Seconds the watchdog waits after the launcher vanished before it ends the rank: a SIGTERM to the whole
 #: group (Supervisor stop) also ends the launcher at once, and the rank's own shutdown must win that race.
 LAUNCHER_GONE_GRACE_S = 5.0
@@ -230,32 +189,12 @@ def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Threa
     return thread
 
 
-def die(message: str, code: int = FAILURE_EXIT_CODE) -> None:
-    """Log ``message`` (with the current exception, if any) and leave the process at once with ``code``.
-
-    ``os._exit`` skips atexit handlers and thread joins, which could block forever on a broken collective.
-    """
-    if code == 0:
-        log.info(message)
-    elif sys.exc_info()[0] is not None:
-        log.critical(message, exc_info=True)
-    else:
-        log.critical(message)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - leaving anyway
-            pass
-    logging.shutdown()
-    os._exit(code)
-
-
 def unlink_deepspeed_shm(rank: int) -> list[str]:
     """Remove this rank's name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it.
 
     On CPU, DeepSpeed's communication backend creates ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_
     <rank>`` (66 MB per rank; deepspeed/ops/csrc/cpu/comm/shm.cpp) and never removes it, so every multi-rank run
-    on a new master port left 132 MB of RAM-backed files behind (measured 2026-11-30: 20 GB after a day of tests).
+    on a new master port left 132 MB of RAM-backed files behind (measured: docs/performance.md).
     Every rank opens the others' buffers while DeepSpeed initialises, so after the start-up self-check (a
     collective on every rank) the names are no longer needed: unlinking keeps the mappings alive and frees the
     memory when the processes end, however they end.  Uses ``MASTER_PORT``; returns the paths removed (none on
@@ -275,182 +214,3 @@ def unlink_deepspeed_shm(rank: int) -> list[str]:
         log.info("rank %d: unlinked DeepSpeed's shared-memory all-reduce file %s (mapped by every rank)", rank,
                  ", ".join(os.path.basename(p) for p in removed))
     return removed
-
-
-def broadcast_plan(plan: Optional[StepPlan], group: dist.ProcessGroup) -> StepPlan:
-    """Rank 0 passes ``plan``; the others pass None and get rank 0's plan (pickled, tensors on CPU).
-
-    Raises: whatever gloo raises (peer gone, timeout) - callers treat it as fatal.
-    """
-    box = [plan]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-class DistributedExecutor:
-    """Rank 0's executor when several ranks run: broadcast each plan, then launch it locally (``launch`` /
-    ``collect`` / ``execute``, as ``LocalExecutor``).
-
-    Args:
-        local: the ``LocalExecutor`` of rank 0 (``execute(StepPlan) -> {slot: token}``).
-        group: the gloo control group from ``init_process_groups``.
-        timeout_s: the control group's timeout (seconds); rank 0 pings after ``heartbeat_interval(timeout_s)``
-            seconds of silence.
-
-    Thread safety: ``launch``, the heartbeat thread and ``close`` serialise on one lock, so a plan is never
-    interleaved with a ping or the exit message.  Any failure inside a broadcast or a step ends the process
-    (``die``): the other ranks are inside the same collectives and cannot be brought back in step.
-    """
-
-    def __init__(self, local, group: dist.ProcessGroup, timeout_s: float) -> None:
-        self.local = local
-        self.group = group
-        self.interval = heartbeat_interval(timeout_s)
-        self._lock = threading.Lock()
-        self._closed = False
-        self._exit_sent = False
-        self.steps = 0  # plans broadcast (pings and exit excluded); workers log the same count at exit
-        self._last = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._heartbeat, name="rank0-heartbeat", daemon=True)
-        self._thread.start()
-
-    @property
-    def tokens_on_device(self) -> bool:
-        """True when every rank records rank 0's sampled tokens on its device (the sampler's ``token_sync``), so
-        plans with ``tokens_on_device`` (steps launched ahead) keep the ranks feeding the same tokens."""
-        return getattr(getattr(self.local, "sampler", None), "token_sync", None) is not None
-
-    def execute(self, plan: StepPlan) -> dict[int, int]:
-        """Broadcast ``plan`` to every rank, run it here and wait for its tokens: ``collect(launch(plan))``.
-        Returns {slot: sampled token id}.  Raises like ``launch``."""
-        return self.collect(self.launch(plan))
-
-    def launch(self, plan: StepPlan):
-        """Broadcast ``plan`` to every rank and queue it here without waiting for its tokens
-        (``LocalExecutor.launch``); the workers launch it too and wait for their previous step.
-
-        Raises: NotReady once ``close`` has sent the exit message; ValueError for a plan with
-        ``tokens_on_device`` when the ranks do not share their sampled tokens (``tokens_on_device`` is False);
-        a ``ChatError`` that the runner raised for the plan's input (every rank refuses it the same way).  Exits
-        the process on any other failure.
-        """
-        if plan.tokens_on_device and not self.tokens_on_device:
-            raise ValueError("a plan with tokens_on_device needs samplers that share rank 0's tokens (token_sync)")
-        with self._lock:
-            if self._closed:
-                raise NotReady("the engine is shutting down")
-            try:
-                broadcast_plan(plan, self.group)
-                self._last = time.monotonic()
-                self.steps += 1
-                return self.local.launch(plan)
-            except ChatError:
-                # The runner refused this plan's input before touching any state or collective; every rank got
-                # the same plan and refuses it the same way, so the group stays in step (the scheduler fails
-                # only the affected requests).
-                raise
-            except BaseException:  # noqa: BLE001 - the group is out of step: leave, Supervisor restarts it
-                die(f"rank 0: engine step ({plan.op}) failed; exiting so the whole group restarts")
-                raise  # not reached
-
-    def collect(self, launched) -> dict[int, int]:
-        """Wait for a launched plan's tokens on rank 0: {slot: sampled token id}.  Exits the process if the
-        device failed."""
-        try:
-            return self.local.collect(launched)
-        except BaseException:  # noqa: BLE001 - a failed step leaves the group out of step
-            die("rank 0: waiting for an engine step failed; exiting so the whole group restarts")
-            raise  # not reached
-
-    def health(self) -> dict:
-        """{"ok": bool, "reason": str} for /healthz: not ok once closed."""
-        return {"ok": not self._closed, "reason": "shut down" if self._closed else "all ranks in step"}
-
-    def close(self) -> bool:
-        """Send the ``exit`` plan (workers leave with code 0) and stop the heartbeat.  Idempotent; waits for a
-        step in progress to finish first.
-
-        Returns: True when the exit message reached every rank (or was sent by an earlier call), False when a
-        worker was already gone.
-        """
-        with self._lock:
-            if self._closed:
-                return self._exit_sent
-            self._closed = True
-            self._stop.set()
-            try:
-                broadcast_plan(StepPlan(op=EXIT_OP), self.group)
-                self._exit_sent = True
-                log.info("rank 0: exit sent to %d worker rank(s) after %d steps",
-                         dist.get_world_size(self.group) - 1, self.steps)
-            except Exception:  # noqa: BLE001 - a worker is already gone; nothing left to stop cleanly
-                log.warning("rank 0: could not send exit to the worker ranks", exc_info=True)
-            return self._exit_sent
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(self.interval / 2):
-            if time.monotonic() - self._last < self.interval or not self._lock.acquire(blocking=False):
-                continue
-            try:
-                if self._closed:
-                    return
-                try:
-                    broadcast_plan(StepPlan(op=PING_OP), self.group)
-                    self._last = time.monotonic()
-                except BaseException:  # noqa: BLE001
-                    die("rank 0: a worker rank stopped answering on the control group; exiting")
-            finally:
-                self._lock.release()
-
-
-def worker_loop(local_executor, group: dist.ProcessGroup) -> None:
-    """Run on every rank but 0: receive each plan, launch it (``LocalExecutor.launch``), wait for the step before
-    it, discard the tokens; return on ``exit``.  Launching before waiting lets this rank queue step N+1 while the
-    GPU still runs step N, as rank 0 does when the scheduler launches steps ahead.
-
-    A broadcast that fails (rank 0 gone, or silent longer than the control group's timeout) or a step that
-    raises ends the process with ``FAILURE_EXIT_CODE``.  SIGTERM / SIGINT (the launcher or Ctrl-C stopping the
-    group) are held off for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit plan can arrive; after
-    that the worker leaves with 128 + the signal number.
-    """
-    rank = dist.get_rank()
-
-    def on_stop_signal(signum, frame):
-        if STOPPING.is_set():  # the launcher forwards the group's signal: one grace timer is enough
-            return
-        STOPPING.set()
-        name = signal.Signals(signum).name
-        log.info("rank %d: %s; waiting up to %.0f s for rank 0's exit message", rank, name, WORKER_SIGTERM_GRACE_S)
-        timer = threading.Timer(WORKER_SIGTERM_GRACE_S, die,
-                                args=(f"rank {rank}: no exit message after {name}", 128 + signum))
-        timer.daemon = True
-        timer.start()
-
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl-C in a terminal reaches every rank at once: let rank 0 lead the shutdown as with SIGTERM.
-        signal.signal(signal.SIGTERM, on_stop_signal)
-        signal.signal(signal.SIGINT, on_stop_signal)
-    steps = 0
-    pending = None  # the last step launched here, not yet waited for (its tokens are not needed on this rank)
-    while True:
-        try:
-            plan = broadcast_plan(None, group)
-        except BaseException:  # noqa: BLE001
-            die(f"rank {rank}: lost rank 0 on the control group; exiting")
-        if plan.op == PING_OP:
-            continue
-        if plan.op == EXIT_OP:
-            log.info("rank %d: exit message after %d steps; leaving cleanly", rank, steps)
-            return
-        try:
-            launched = local_executor.launch(plan)
-            if pending is not None:  # the step before this one: wait for it so at most two are queued
-                local_executor.collect(pending)
-            pending = launched
-        except ChatError as exc:
-            # Same plan, same deterministic input check as on rank 0 (see DistributedExecutor.launch).
-            log.info("rank %d: step input refused like on rank 0 (%s)", rank, exc)
-        except BaseException:  # noqa: BLE001
-            die(f"rank {rank}: engine step ({plan.op}) failed; exiting so the whole group restarts")
-        steps += 1

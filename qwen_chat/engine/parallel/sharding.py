@@ -8,11 +8,12 @@ This is the only module of the service that imports ``deepspeed``.  Modes (``Sha
   Qwen3.5 (q/k/v, gate/up column-parallel; o_proj, down_proj row-parallel with one all-reduce; the vision
   tower replicated), except the Gated DeltaNet layers, which are split by heads here instead of the plan's
   ``colwise_gather_output`` (``_split_gated_deltanet``: one all-reduce per layer).  The input embedding, which
-  that plan leaves whole, is split by vocabulary rows here (``VocabParallelEmbedding``), and the lm_head by
-  output rows with gathered logits (``GatheredColumnLinear``, the plan's own style for it, applied here so it
-  does not depend on the transformers version).  Needs deepspeed >= 0.19.6 and
+  that plan leaves whole, is split by vocabulary rows here (``tp_layers.VocabParallelEmbedding``), and the
+  lm_head by output rows with gathered logits (``tp_layers.GatheredColumnLinear``, the plan's own style for it,
+  applied here so it does not depend on the transformers version).  Needs deepspeed >= 0.19.6 and
   transformers >= 5.13 (older versions silently fall back to name heuristics that split Gated DeltaNet
-  wrongly: ../shared/design/deepspeed-notes.md).  N must divide the KV heads (4 on the 9B): N in {1, 2, 4}.
+  wrongly: docs/facts.md, "Sharding with DeepSpeed: tensor parallel").  N must divide the KV heads (4 on the
+  9B): N in {1, 2, 4}.
 - ``zero3`` / ``zero3-offload``: ZeRO stage 3; ``HfDeepSpeedConfig`` is created before ``from_pretrained``
   (so the weights are partitioned while loading) and kept alive for the life of the process (transformers
   holds it weakly); optional ``offload_param`` to CPU with pinned memory.  Small tensors (norms, ``A_log``,
@@ -31,26 +32,28 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
 
 from qwen_chat.config import ConfigError
+from qwen_chat.engine.parallel.tp_layers import shard_input_embedding, shard_lm_head, split_gated_deltanet_heads
 
 log = logging.getLogger(__name__)
 
 MODES = ("single", "tp", "zero3", "zero3-offload")
 
-#: Minimum versions for AutoTP through transformers' tp_plan (deepspeed-notes.md "Tensor parallel").
+#: Minimum versions for AutoTP through transformers' tp_plan (docs/facts.md, "Sharding with DeepSpeed: tensor
+#: parallel").
 MIN_DEEPSPEED = (0, 19, 6)
 MIN_TRANSFORMERS = (5, 13)
 
 #: Parameters with fewer elements than this stay resident (not partitioned) under ZeRO-3 when the config
 #: gives no value.  The largest small tensor of the 9B that the engine reads directly is the depthwise conv of
 #: a Gated DeltaNet layer: (2 x 16 x 128 + 32 x 128) channels x width 4 = 32,768 elements
-#: (qwen3_5-facts.md "Shape"); norms are 4,096, ``A_log``/``dt_bias`` 32.
+#: (docs/facts.md, "Shape"); norms are 4,096, ``A_log``/``dt_bias`` 32.
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 
 # Objects that must live as long as the process: HfDeepSpeedConfig (held weakly by transformers; once
@@ -197,7 +200,7 @@ def check_tp_degree(text_config, tp_size: int) -> None:
     """Refuse a TP degree that does not split every head group of ``text_config`` evenly.
 
     Checked: ``num_key_value_heads`` (4 on the 9B), ``num_attention_heads`` (16), ``linear_num_key_heads`` (16)
-    and ``linear_num_value_heads`` (32) must all be divisible by ``tp_size`` (qwen3_5-facts.md "Shape").
+    and ``linear_num_value_heads`` (32) must all be divisible by ``tp_size`` (docs/facts.md, "Shape").
 
     Raises:
         ShardingError: naming the head count and the TP degrees that would work.
@@ -260,8 +263,8 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
 
     if plan.mode == "tp":
         check_versions()
-        _split_input_embedding(model)
-        _split_lm_head(model)
+        shard_input_embedding(model)
+        shard_lm_head(model)
         _split_gated_deltanet(model)
     engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
     _KEEP_ALIVE.append(engine)
@@ -271,148 +274,15 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
     return module
 
 
-class VocabParallelEmbedding(torch.nn.Module):
-    """One rank's rows of an input embedding table; the lookup is completed by an all-reduce (sum).
-
-    Rank r of N holds rows ``[r * ceil(V / N), min(V, (r + 1) * ceil(V / N)))`` of the ``[V, H]`` table; ids
-    outside its range embed to zeros, and the all-reduce over the default process group (the TP group: the
-    service runs TP over all ranks) adds the one non-zero row, so the result equals the unsharded lookup
-    exactly in any dtype.  Scheme: Megatron-LM's VocabParallelEmbedding (Shoeybi et al. 2019, sec. 3).
-
-    Why: transformers' Qwen3.5 tp_plan leaves the untied 248,320 x 4,096 input embedding (2.03 GB in bf16)
-    whole on every rank, and DeepSpeed only splits embeddings tied to a vocab-parallel head.
-
-    Input: int64 ids of any shape [...]; output: [..., H] in the table's dtype.
-    """
-
-    def __init__(self, full: torch.nn.Embedding, rank: int, world_size: int) -> None:
-        super().__init__()
-        vocab, self.embedding_dim = full.weight.shape
-        per = -(-vocab // world_size)
-        self.num_embeddings = vocab
-        self.start, self.end = min(vocab, rank * per), min(vocab, (rank + 1) * per)
-        self.padding_idx = full.padding_idx
-        self.weight = torch.nn.Parameter(full.weight.data[self.start:self.end].clone(), requires_grad=False)
-
-    def partial(self, ids: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the lookup: rows of its range, zeros for ids outside it ([..., H]); the sum over
-        ranks is the full lookup."""
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.end - self.start)
-        out = torch.nn.functional.embedding(local.clamp(0, max(0, self.end - self.start - 1)), self.weight)
-        return out.masked_fill(outside.unsqueeze(-1), 0)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.partial(ids)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(out)
-        return out
-
-
-class GatheredColumnLinear(torch.nn.Module):
-    """One rank's output rows of a bias-free ``nn.Linear``; the local outputs are all-gathered into the full width.
-
-    Rank r of N holds rows ``[r * O / N, (r + 1) * O / N)`` of the ``[O, I]`` weight (O divisible by N) as ``weight_rows``
-    and computes those O / N outputs; an all-gather over the default process group (the TP group) concatenates
-    them in rank order, so the result has the unsharded shape [..., O] and the same values (each output is the
-    same dot product as before).  This is the ``colwise_gather_output`` style of transformers' tp_plan, applied
-    to the lm_head here so that it is split whatever the installed transformers/DeepSpeed pair does with the
-    model-level plan entry (seen whole with transformers 5.17, split with 5.23).
-
-    Input [..., I]; output [..., O] in the weight's dtype.
-    """
-
-    def __init__(self, full: torch.nn.Linear, rank: int, world_size: int) -> None:
-        super().__init__()
-        self.out_features, self.in_features = full.weight.shape
-        per = self.out_features // world_size
-        self.world_size = world_size
-        # Not called ``weight``: DeepSpeed AutoTP matches the plan's "lm_head" entry by parameter name
-        # (``lm_head.weight``) and would try to split this module a second time.
-        self.weight_rows = torch.nn.Parameter(full.weight.data[rank * per:(rank + 1) * per].clone(),
-                                              requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = torch.nn.functional.linear(x, self.weight_rows).contiguous()
-        if self.world_size == 1 or not torch.distributed.is_initialized():
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, local)
-        return torch.cat(parts, dim=-1)
-
-
-def _split_lm_head(model: torch.nn.Module) -> None:
-    """Replace a bias-free ``lm_head`` whose width divides by the world size with ``GatheredColumnLinear``."""
-    head = getattr(model, "lm_head", None)
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    if not isinstance(head, torch.nn.Linear) or head.bias is not None or head.out_features % world:
-        return
-    if head.weight is model.get_input_embeddings().weight:  # tied head: leave it to the tied embedding
-        return
-    model.lm_head = GatheredColumnLinear(head, rank, world)
-    log.info("TP: lm_head split by output rows over %d ranks (%d x %d each), logits all-gathered", world,
-             head.out_features // world, head.in_features)
-
-
-class RowParallelLinear(torch.nn.Module):
-    """One rank's input columns of a bias-free ``nn.Linear``; the partial outputs are summed by an all-reduce.
-
-    Holds ``weight_cols`` [O, I_local]: the columns of the full [O, I] weight that multiply this rank's slice
-    of the input (which the caller already has locally, e.g. its own attention heads).  Output [..., O] equals
-    the unsharded layer's (sum over ranks of the partial products).  Megatron-LM's RowParallelLinear (Shoeybi
-    et al. 2019, sec. 3).  The weight is not called ``weight`` so that DeepSpeed AutoTP, which matches plan
-    entries by parameter name, never splits it again.
-    """
-
-    def __init__(self, weight_cols: torch.Tensor, world_size: int) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight_cols.shape
-        self.world_size = world_size
-        self.weight_cols = torch.nn.Parameter(weight_cols, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(x, self.weight_cols)
-        if self.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(out)
-        return out
-
-
-def is_deepspeed_layer(m: torch.nn.Module, name: str) -> bool:
-    """True when ``m`` is DeepSpeed's class ``name`` (matched by name, so this module need not import deepspeed
-    to recognise AutoTP's layers)."""
-    return type(m).__name__ == name and type(m).__module__.startswith("deepspeed.")
-
-
-def row_parallel_weight(m: torch.nn.Module) -> Optional[torch.Tensor]:
-    """This rank's weight [out, in_local] of a row-parallel projection whose forward is ``x @ w^T`` followed by a
-    sum-all-reduce over all ranks: ``RowParallelLinear`` or DeepSpeed AutoTP's ``LinearAllreduce`` (bias-free,
-    collectives not deferred to a compiler; deepspeed/module_inject/layers.py, DeepSpeed 0.19.8), without hooks.
-    None for any other module."""
-    if m._forward_hooks or m._forward_pre_hooks:
-        return None
-    if isinstance(m, RowParallelLinear):
-        return m.weight_cols
-    w = getattr(m, "weight", None)
-    if (is_deepspeed_layer(m, "LinearAllreduce") and getattr(m, "bias", None) is None
-            and isinstance(w, torch.Tensor) and w.dim() == 2
-            and not getattr(m, "defer_collectives_to_compiler", False) and getattr(m, "mp_group", None) is not None):
-        return w
-    return None
-
-
 def _split_gated_deltanet(model: torch.nn.Module) -> int:
     """Split every Gated DeltaNet layer by heads over the TP ranks (before AutoTP); returns the layers split.
 
     transformers' tp_plan marks all five Gated DeltaNet projections ``colwise_gather_output``: each rank then
-    all-gathers four projection outputs and runs the whole recurrence, conv and out_proj itself (measured
-    2026-11-30 on 2 x H200: TP=2 decoded at 0.87x of one GPU).  Here rank r of N keeps key heads
-    [r * nk / N, (r + 1) * nk / N) and value heads [r * nv / N, (r + 1) * nv / N): the matching rows of
-    ``in_proj_qkv`` (its q, k and v blocks) and of the depthwise ``conv1d``, of ``in_proj_z``, ``in_proj_b``,
-    ``in_proj_a``, ``A_log`` and ``dt_bias``, and the matching input columns of ``out_proj``
-    (``RowParallelLinear``: one all-reduce per layer).  Value head j reads key head j // (nv / nk) (the
-    ``repeat_interleave`` grouping), so a rank's value heads only need its own key heads; the gated RMSNorm
-    weight is per head dimension and stays whole.  The plan's ``linear_attn`` entries are removed so AutoTP
-    leaves these layers alone.  Skipped (returns 0) when the plan cannot be edited on this model.
+    all-gathers four projection outputs and runs the whole recurrence, conv and out_proj itself (TP=2 then
+    decoded slower than one GPU; measured: docs/performance.md).  Instead each rank keeps its own heads
+    (``tp_layers.split_gated_deltanet_heads``: one all-reduce per layer, after ``out_proj``).  The plan's
+    ``linear_attn`` entries are removed so AutoTP leaves these layers alone.  Skipped (returns 0) when the plan
+    cannot be edited on this model.
     """
     from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
 
@@ -427,53 +297,16 @@ def _split_gated_deltanet(model: torch.nn.Module) -> int:
     if left:
         log.warning("TP: tp_plan entries %s could not be removed; Gated DeltaNet stays gathered", left)
         return 0
-    count = 0
+    count, nk_l, nv_l = 0, 0, 0
     for layer in model.model.language_model.layers:
         la = getattr(layer, "linear_attn", None)
         if la is None:
             continue
-        nk, nv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
-        nk_l, nv_l = nk // world, nv // world
-        k_rows = torch.arange(rank * nk_l * dk, (rank + 1) * nk_l * dk)
-        v_rows = torch.arange(rank * nv_l * dv, (rank + 1) * nv_l * dv)
-        heads = torch.arange(rank * nv_l, (rank + 1) * nv_l)
-        qkv_rows = torch.cat([k_rows, nk * dk + k_rows, 2 * nk * dk + v_rows])
-        with torch.no_grad():
-            for lin, rows in ((la.in_proj_qkv, qkv_rows), (la.in_proj_z, v_rows), (la.in_proj_b, heads),
-                              (la.in_proj_a, heads)):
-                lin.weight = torch.nn.Parameter(lin.weight.data[rows.to(lin.weight.device)].clone(),
-                                                requires_grad=False)
-                lin.out_features = lin.weight.shape[0]
-            conv = la.conv1d
-            conv.weight = torch.nn.Parameter(conv.weight.data[qkv_rows.to(conv.weight.device)].clone(),
-                                             requires_grad=False)
-            if conv.bias is not None:
-                conv.bias = torch.nn.Parameter(conv.bias.data[qkv_rows.to(conv.bias.device)].clone(),
-                                               requires_grad=False)
-            conv.in_channels = conv.out_channels = conv.groups = len(qkv_rows)
-            la.A_log = torch.nn.Parameter(la.A_log.data[heads.to(la.A_log.device)].clone(), requires_grad=False)
-            la.dt_bias = torch.nn.Parameter(la.dt_bias.data[heads.to(la.dt_bias.device)].clone(),
-                                            requires_grad=False)
-            w = la.out_proj.weight.data
-            la.out_proj = RowParallelLinear(w[:, v_rows.to(w.device)].clone(), world)
-        la.num_k_heads, la.num_v_heads = nk_l, nv_l
-        la.key_dim, la.value_dim = nk_l * dk, nv_l * dv
-        la.conv_dim = 2 * la.key_dim + la.value_dim
+        nk_l, nv_l = split_gated_deltanet_heads(la, rank, world)
         count += 1
     log.info("TP: %d Gated DeltaNet layers split by heads over %d ranks (%d key / %d value heads each)", count,
-             world, nk_l if count else 0, nv_l if count else 0)
+             world, nk_l, nv_l)
     return count
-
-
-def _split_input_embedding(model: torch.nn.Module) -> None:
-    """Replace the model's input embedding with this rank's ``VocabParallelEmbedding`` (before AutoTP)."""
-    full = model.get_input_embeddings()
-    if not isinstance(full, torch.nn.Embedding):
-        return
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    model.set_input_embeddings(VocabParallelEmbedding(full, rank, world))
-    log.info("TP: input embedding split by vocabulary rows over %d ranks (%d x %d each)", world,
-             -(-full.weight.shape[0] // world), full.weight.shape[1])
 
 
 def _gather_persistent(module: torch.nn.Module) -> None:
@@ -509,3 +342,8 @@ def local_parameter_count(model: torch.nn.Module) -> int:
         part = getattr(p, "ds_tensor", None)
         total += int(part.numel()) if part is not None else int(p.numel())
     return total
+
+
+def is_zero3_partitioned(model: torch.nn.Module) -> bool:
+    """True when DeepSpeed ZeRO-3 has partitioned the parameters of ``model`` (they carry a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())

@@ -1,29 +1,29 @@
 """Start the engine on every rank: distributed init, sharded loading, start-up report, cross-rank self-check.
 
 ``start_engine(cfg)`` is what app.py calls.  It returns the ``ChatEngine`` on rank 0 only; on every other rank
-it runs ``dist.worker_loop`` and ends the process (exit 0 after rank 0's exit message, non-zero on failure),
+it runs ``executors.worker_loop`` and ends the process (exit 0 after rank 0's exit message, non-zero on failure),
 so only rank 0 ever reaches the code that binds the web port.  World size 1 (``python app.py``) goes through
 the same steps with no control group and a plain ``LocalExecutor``.
 
 Steps, identical on every rank:
 1. rank info from the launcher (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``), the device (``cuda:LOCAL_RANK`` or CPU),
-   the sharding plan from ``cfg.ds_config`` (``qwen_chat.engine.parallel.sharding``), process groups (the model's default
-   group and the gloo control group with timeout ``cfg.collective_timeout_s``);
+   the sharding plan from ``cfg.ds_config`` (``qwen_chat.engine.parallel.sharding``), process groups (the model's
+   default group and the gloo control group with timeout ``cfg.collective_timeout_s``;
+   ``qwen_chat.engine.parallel.ranks``);
 2. the checkpoint: rank 0 resolves it first (downloads or builds the tiny model), then the others;
    the TP degree is checked against the model's head counts before any weight is loaded;
 3. loading + sharding, then one report line per rank (rank, device, parameters held, GPU memory);
    rank 0 adds the sharding mode and the kernel each Gated DeltaNet op resolved to;
-4. runner + sampler (``service.build_runner``), a fixed greedy self-check run on every rank and compared
-   across ranks (a mismatch stops the start-up with a non-zero exit before the port opens);
-5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor``; the others enter the worker loop.
+4. runner + sampler (``chat_engine.build_runner``), the start-up self-check (``selfcheck.run_self_check``) run
+   on every rank and compared across ranks (a mismatch stops the start-up: ``StartupError``, exit code 78,
+   before the engine answers any request);
+5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor`` (``chat_engine.build_engine``) and hands
+   SIGTERM to ``lifecycle.install_rank0_sigterm``; the others enter the worker loop.
 """
 from __future__ import annotations
 
 import atexit
 import logging
-import math
-import signal
-import threading
 import time
 from dataclasses import replace
 from typing import Optional
@@ -34,17 +34,10 @@ import torch.distributed as dist
 from qwen_chat.config import ConfigError, ServiceConfig
 from qwen_chat.engine.parallel import ranks as qdist
 from qwen_chat.engine.parallel import sharding
-from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.serving.selfcheck import compare_self_checks, run_self_check
+from qwen_chat.lifecycle import die, install_rank0_sigterm
 
 log = logging.getLogger(__name__)
-
-#: Fixed prompt of the cross-rank self-check and the number of greedy tokens compared.
-SELF_CHECK_TEXT = "Self-check: the capital of France is"
-SELF_CHECK_TOKENS = 8
-
-#: Relative tolerance when comparing the self-check's prefill-logit checksums across ranks.  Every rank ends
-#: with the same (all-reduced or all-gathered) activations, so they agree to rounding at most.
-CHECKSUM_RTOL = 1e-4
 
 
 class StartupError(RuntimeError):
@@ -98,50 +91,15 @@ def _memory_report(device: torch.device) -> str:
             f"{torch.cuda.max_memory_allocated(device) / gib:.2f} GiB peak")
 
 
-def run_self_check(local_executor, tokenizer) -> dict:
-    """Greedy-decode ``SELF_CHECK_TOKENS`` tokens of ``SELF_CHECK_TEXT`` in slot 0 and free it.
-
-    Every rank calls this at the same time with identical inputs (collectives inside the sharded layers).
-
-    Returns: ``{"tokens": list[int], "checksum": float}`` - the greedy ids and the float64 sum of the fp32
-    prefill logits [V].
-    """
-    ids = torch.tensor(tokenizer.encode(SELF_CHECK_TEXT), dtype=torch.int64)
-    prompt = PreparedPrompt(input_ids=ids, max_new_tokens=SELF_CHECK_TOKENS)
-    params = SamplingParams(temperature=0.0, top_p=1.0, top_k=1, presence_penalty=0.0, seed=0,
-                            max_new_tokens=SELF_CHECK_TOKENS, stop_token_ids=())
-    runner = local_executor.runner
-    with torch.no_grad():
-        checksum = float(runner.prefill(0, prompt).double().sum())
-        runner.free(0)
-    tokens = [local_executor.execute(StepPlan(op="selfcheck", prefills=[PrefillItem(0, prompt, params)]))[0]]
-    for _ in range(SELF_CHECK_TOKENS - 1):
-        tokens.append(local_executor.execute(StepPlan(op="selfcheck", decode_slots=[0],
-                                                      decode_tokens=[tokens[-1]]))[0])
-    local_executor.execute(StepPlan(op="selfcheck", free_slots=[0]))
-    return {"tokens": tokens, "checksum": checksum}
-
-
-def compare_self_checks(results: list[dict]) -> Optional[str]:
-    """None when every rank's self-check equals rank 0's (tokens exactly, checksum within ``CHECKSUM_RTOL``);
-    otherwise a message naming the first rank that differs."""
-    ref = results[0]
-    for rank, res in enumerate(results[1:], start=1):
-        same_sum = math.isclose(res["checksum"], ref["checksum"], rel_tol=CHECKSUM_RTOL, abs_tol=1e-6)
-        if res["tokens"] != ref["tokens"] or not same_sum:
-            return (f"rank {rank} disagrees with rank 0 on the self-check: tokens {res['tokens']} vs "
-                    f"{ref['tokens']}, logit checksum {res['checksum']:.6g} vs {ref['checksum']:.6g}")
-    return None
-
-
-def _self_check_across_ranks(local_executor, tokenizer, groups: Optional[qdist.Groups],
+def _self_check_across_ranks(local_executor, result: dict, groups: Optional[qdist.Groups],
                              info: qdist.RankInfo) -> None:
+    """Compare this rank's self-check ``result`` (``run_self_check``) with every other rank's (all ranks call
+    this at the same time); raises StartupError on a mismatch or a runner on the wrong kind of device."""
     runner_device = getattr(local_executor.runner, "device", None)
     expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
         torch.cuda.is_initialized() else None
     if runner_device is not None and expected is not None and runner_device.type != expected.type:
         raise StartupError(f"rank {info.rank}: the runner was placed on {runner_device}, expected {expected}")
-    result = run_self_check(local_executor, tokenizer)
     if groups is None:
         results = [result]
     else:
@@ -155,27 +113,6 @@ def _self_check_across_ranks(local_executor, tokenizer, groups: Optional[qdist.G
                  result["tokens"], result["checksum"])
 
 
-def _install_sigterm(executor) -> None:
-    """Rank 0: SIGTERM sends the exit message to the workers, then leaves with code 0 (SystemExit, so that
-    app.py's cleanup still runs), or at once with code 1 when a worker was already gone.  uvicorn captures
-    SIGTERM while serving and re-raises it here after its graceful shutdown."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def on_sigterm(signum, frame):
-        # The launcher forwards the group's SIGTERM, so it arrives twice: a second run of this handler inside
-        # the first one's executor.close() would deadlock on the executor's lock.
-        if qdist.STOPPING.is_set():
-            return
-        qdist.STOPPING.set()
-        log.info("rank 0: SIGTERM; stopping all ranks")
-        if not executor.close():
-            qdist.die("rank 0: a worker rank was already gone at shutdown")
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-
-
 def start_engine(cfg: ServiceConfig):
     """Bring up the engine on this rank (see the module docstring for the steps).
 
@@ -184,7 +121,7 @@ def start_engine(cfg: ServiceConfig):
         plans until rank 0's exit message and then leave the process with code 0.
     Raises:
         StartupError: on any rank, for anything that stops the start-up (bad ds_config or TP degree, model not
-        loadable, self-check mismatch); app.py turns it into exit code 1.
+        loadable, self-check mismatch); app.py turns it into exit code 78 (``EXIT_STARTUP_FAILED``).
     """
     try:
         info = qdist.RankInfo.from_env(local_rank_arg=cfg.local_rank)
@@ -205,7 +142,7 @@ def start_engine(cfg: ServiceConfig):
         log.error("rank %d: start-up failed", info.rank, exc_info=True)
         raise StartupError(f"rank {info.rank}: {type(exc).__name__}: {exc}") from exc
     if engine_or_none is None:  # a worker rank after the exit message
-        qdist.die(f"rank {info.rank}: worker stopped cleanly", code=0)
+        die(f"rank {info.rank}: worker stopped cleanly", code=0)
     return engine_or_none
 
 
@@ -213,7 +150,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
            groups: Optional[qdist.Groups]):
     from transformers import AutoConfig
 
-    from qwen_chat.engine.parallel.executors import LocalExecutor
+    from qwen_chat.engine.parallel.executors import DistributedExecutor, LocalExecutor, worker_loop
     from qwen_chat.engine.checkpoints.loading import describe_kernels, load_model
     from qwen_chat.engine.serving.chat_engine import build_engine, build_runner
 
@@ -240,25 +177,23 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
             log.info("kernel: %s -> %s", op, impl)
 
     if not info.is_main:
-        runner, sampler = build_runner(loaded, cfg)
-        local = LocalExecutor(runner, sampler)
-        _self_check_across_ranks(local, loaded.tokenizer, groups, info)
+        local = LocalExecutor(*build_runner(loaded, cfg))
+        _self_check_across_ranks(local, run_self_check(local, loaded.tokenizer), groups, info)
         qdist.unlink_deepspeed_shm(info.rank)
         log.info("rank %d: ready, waiting for plans from rank 0", info.rank)
-        qdist.worker_loop(local, groups.control)
+        worker_loop(local, groups.control)
         log.info("rank %d: stopping; %s", info.rank, _memory_report(device))
         return None
 
-    def executor_factory(runner, sampler):
-        local = LocalExecutor(runner, sampler)
-        log.info("runner implementation: %s", runner.impl)
-        _self_check_across_ranks(local, loaded.tokenizer, groups, info)
+    def executor_factory(local, self_check: dict):
+        log.info("runner implementation: %s", local.runner.impl)
+        _self_check_across_ranks(local, self_check, groups, info)
         if groups is None:
             return local
         qdist.unlink_deepspeed_shm(info.rank)
-        executor = qdist.DistributedExecutor(local, groups.control, cfg.collective_timeout_s)
+        executor = DistributedExecutor(local, groups.control, cfg.collective_timeout_s)
         atexit.register(executor.close)
-        _install_sigterm(executor)
+        install_rank0_sigterm(executor.close)
         return executor
 
     return build_engine(loaded, cfg, executor_factory=executor_factory)

@@ -28,7 +28,6 @@ class PreparedPrompt:
     image_grid_thw: Optional[torch.Tensor] = None
     mm_token_type_ids: Optional[torch.Tensor] = None
     max_new_tokens: int = 2048
-    dropped_turns: int = 0
     notice: str = ""
 
     @property
@@ -55,6 +54,8 @@ class SamplingParams:
 
 @dataclass
 class PrefillItem:
+    """One new sequence of a step: the slot it takes (0 .. num_slots-1), its prompt and its sampling settings."""
+
     slot: int
     prompt: PreparedPrompt
     sampling: SamplingParams
@@ -64,7 +65,8 @@ class PrefillItem:
 class StepPlan:
     """One engine step, identical on every rank.
 
-    op: "step" (free, then prefill, then one decode over ``decode_slots``), "selfcheck", or "exit".
+    op: "step" (free, then prefill, then one decode over ``decode_slots``); the distributed layer adds "ping"
+    (heartbeat, no work) and "exit" (the workers leave; ``qwen_chat.engine.parallel.executors``).
     ``free_slots``: sequences that finished or were cancelled; their state is released first.
     ``prefills``: new sequences that join this step (their first token is sampled from the prefill logits).
     ``decode_slots``/``decode_tokens``: running sequences and the token each feeds in (int64 lists, same length).

@@ -16,12 +16,13 @@ For ordinary text the ids equal what ``processor.apply_chat_template`` + ``proce
 messages (tests/unit/test_prompt.py checks this).  Because the template only ever sees the sentinels, the text
 transformations it would apply are done here, exactly as the tiny model's template does them: each content
 is trimmed (only on the right when images precede the text) and an assistant text keeps only what follows
-its last ``</think>``.  ``ChatMessage.reasoning`` is never sent back to the model (case C17).  With a
-checkpoint whose template does not trim, only whitespace around a message can differ from its own ids.
+its last ``</think>``.  ``ChatMessage.reasoning`` is never sent back to the model (docs/facts.md, "Chat
+template behaviour").  With a checkpoint whose template does not trim, only whitespace around a message can
+differ from its own ids.
 
 Images: each path is opened with Pillow (the files are already normalised RGB, see ``qwen_chat.images``)
-and run through the image processor with ``longest_edge = image_token_budget * 1024`` pixels (facts file:
-``smart_resize`` keeps the pixel count in [shortest_edge, longest_edge], one visual token per 1024 px) and
+and run through the image processor with ``longest_edge = image_token_budget * 1024`` pixels (docs/facts.md,
+"Images": ``smart_resize`` keeps the pixel count in [shortest_edge, longest_edge], one visual token per 1024 px) and
 ``shortest_edge = min(processor default, longest_edge / 4)`` (so rounding up never overshoots the budget).
 
 Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
@@ -31,13 +32,12 @@ Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
 2. If the prompt alone still leaves less than ``max_new_tokens``, clamp ``max_new_tokens`` to what is left,
    but not below 64 (the lower end of ``chat_types.MAX_NEW_TOKENS_RANGE``).
 3. If even 64 new tokens do not fit, raise ``ContextTooLong`` with the token counts.
-``PreparedPrompt.notice`` tells the user what was dropped or clamped; ``dropped_turns`` counts the turns.
+``PreparedPrompt.notice`` tells the user what was dropped (how many turns, how many tokens) or clamped.
 """
 from __future__ import annotations
 
 import secrets
 import threading
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -51,10 +51,12 @@ from qwen_chat.chat_types import (
     ContextTooLong,
     InvalidImage,
     InvalidInput,
+    is_blank,
 )
 from qwen_chat.engine.serving.requests import PreparedPrompt
 
-#: Pixels per visual token: one token per 32 x 32 px block (16 px patches, 2 x 2 merge; facts file).
+#: Pixels per visual token: one token per 32 x 32 px block (16 px patches, 2 x 2 merge; docs/facts.md,
+#: "Images").
 PIXELS_PER_VISUAL_TOKEN = 1024
 
 #: Smallest reply the context policy leaves room for (tokens).
@@ -62,12 +64,6 @@ MIN_NEW_TOKENS = MAX_NEW_TOKENS_RANGE[0]
 
 IMAGE_PAD = "<|image_pad|>"
 THINK_END = "</think>"
-
-
-def is_blank(text: str) -> bool:
-    """True when ``text`` has only whitespace and invisible format characters (zero-width space/joiners,
-    word joiner, BOM, bidi marks: Unicode category Cf)."""
-    return all(ch.isspace() or unicodedata.category(ch) == "Cf" for ch in text)
 
 
 @dataclass
@@ -180,7 +176,7 @@ def _conversation(system: Optional[ChatMessage], turns: Sequence[_Turn], sentine
 #: Serialises ``_encode``: transformers keeps ``split_special_tokens`` as a setting of the shared backend
 #: tokenizer (``encode_special_tokens``, set on each call), so two threads encoding at once (the API's worker
 #: threads) could each encode with the other's setting: template control tokens split into text, or message
-#: text read as control tokens.  Seen as 4 wrong prompts in 600 concurrent requests (2026-11-30).
+#: text read as control tokens (4 wrong prompts in 600 concurrent requests; measured: docs/performance.md).
 _ENCODE_LOCK = threading.Lock()
 
 
@@ -282,8 +278,7 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
     Returns:
         ``PreparedPrompt`` with ``input_ids`` int64 [L]; with images also ``pixel_values`` float32
         [num_patches, 3 * 2 * 16 * 16], ``image_grid_thw`` int64 [num_images, 3] and ``mm_token_type_ids``
-        int64 [L] (1 at image-pad positions); ``max_new_tokens``, ``dropped_turns`` and ``notice`` from the
-        context policy.
+        int64 [L] (1 at image-pad positions); ``max_new_tokens`` and ``notice`` from the context policy.
 
     Raises:
         InvalidInput: empty last message, misplaced system prompt, last message not from the user.
@@ -339,8 +334,7 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
                        f"the context of {context_length} tokens.")
 
     input_ids = torch.tensor(encoded.ids, dtype=torch.int64)
-    prepared = PreparedPrompt(input_ids=input_ids, max_new_tokens=new_tokens, dropped_turns=dropped,
-                              notice=" ".join(notices))
+    prepared = PreparedPrompt(input_ids=input_ids, max_new_tokens=new_tokens, notice=" ".join(notices))
     if encoded.image_paths:
         vision = _vision_inputs(processor, encoded, kwargs)
         image_pad_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)

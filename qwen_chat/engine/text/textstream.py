@@ -1,18 +1,19 @@
 """Streaming detokenizer for replies: UTF-8-safe text deltas, reasoning split at ``</think>``, stop strings.
 
 The engine pushes the ids it samples, step by step, into a :class:`ReplyDecoder` and forwards the returned
-``(reasoning_delta, answer_delta)`` pairs as ``StreamUpdate`` deltas.  Rules (public cases C16 and C18 in
-../shared/cases/public-cases.md):
+``(reasoning_delta, answer_delta)`` pairs as ``StreamUpdate`` deltas.  Rules (they answer two known failures
+of chat services: broken Unicode or a stalled stream while streaming, and reasoning shown as the answer when
+the template pre-fills ``<think>``):
 
 * Text is decoded from the accumulated *bytes* of the ids, never per token: every id of a byte-level BPE
   vocabulary stands for a fixed byte string, and those bytes go through one incremental UTF-8 decoder
   (``codecs.getincrementaldecoder("utf-8")("replace")``).  A character split across tokens (CJK, emoji,
   ``Ɐ``) is therefore emitted whole once its last byte arrives, and no delta ever ends in a partial
   character.  U+FFFD appears only where the model really produced it (the bytes EF BF BD, or an invalid
-  byte sequence), and it streams immediately instead of stalling the rest of the reply (C18b).
+  byte sequence), and it streams immediately instead of stalling the rest of the reply.
 * With thinking on, Qwen3.5's chat template ends the prompt with ``<think>\\n``, so the reply is reasoning
   from its first token until the ``</think>`` id; after it comes the answer.  A reply cut off before
-  ``</think>`` is all reasoning with an empty answer (C16b).  A stray ``<think>`` id is dropped.  With
+  ``</think>`` is all reasoning with an empty answer.  A stray ``<think>`` id is dropped.  With
   thinking off everything is answer.
 * Special and control ids (added tokens such as ``<|im_end|>``, ``<think>``, ``<|image_pad|>``) never
   become text.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import codecs
 from typing import Sequence
 
-#: Default ids from the Qwen3.5 tokenizer (../shared/design/qwen3_5-facts.md, "Tokens").
+#: Default ids from the Qwen3.5 tokenizer (docs/facts.md, "Tokens").
 THINK_START_ID = 248068  # <think>
 THINK_END_ID = 248069  # </think>
 ENDOFTEXT_ID = 248044  # <|endoftext|> (eos)

@@ -11,8 +11,8 @@ Sources:
 - conversion to a ``tokenizers`` BPE model with transformers' ``TikTokenConverter``;
 - NFC normalisation, as the package's ``QwenTokenizer.encode`` and transformers' ``Qwen3_5Tokenizer`` apply.
 
-Bare combining marks: the facts file reports one mismatch against the package's encoder, a string starting
-with a bare combining mark (U+0301 then ``e`` U+0301).  It comes from a missing NFC step: the package
+Bare combining marks: docs/facts.md, "Tokens", reports one mismatch against the package's encoder, a string
+starting with a bare combining mark (U+0301 then ``e`` U+0301).  It comes from a missing NFC step: the package
 NFC-normalises before encoding (``e`` U+0301 becomes ``é``), a converter output without a normaliser does
 not.  With the NFC normaliser set here, that string and every other sample in ``tests/unit/test_tokenizer.py``
 (CJK, emoji and ZWJ sequences, Arabic, Hebrew, Devanagari, Tamil, digits, code, U+FFFD) give identical ids.

@@ -1,0 +1,238 @@
+"""The scheduler's batch state: who waits, who runs in which slot, and what the next step does.
+
+``Batch`` is the deciding half of the continuous-batching scheduler; ``Scheduler``
+(``qwen_chat.engine.serving.scheduler``) owns the model thread and the executor and calls it.  All state lives
+under one condition variable, ``Batch.cond``:
+
+- admission (``submit``): the context check, the queue bound (``Busy``), one ``RequestHandle`` per request;
+- planning (``next_plan``): requests whose consumer went away leave, running sequences decode one token, waiting
+  ones are prefilled into free slots within the prefill token budget;
+- delivery (``deliver``): each sampled token goes to the request that owns the slot; a stop id or a limit ends it;
+- retirement (``retire``, ``fail``, ``drain``): a finished request gives its slot back; the runner state of that
+  slot is released by the next plan (``StepPlan.free_slots``).
+
+Invariants: a slot belongs to at most one request, and a token sampled for a slot goes only to that request's
+stream; every decision that must be the same on every rank (slots, input tokens, seeds, stopping) is made here
+on rank 0 and carried in the plan.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import Iterable, Optional
+
+from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, FinishReason, NotReady
+from qwen_chat.engine.serving.handles import RequestHandle
+from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class Request:
+    """One submitted request as the scheduler tracks it: its handle, prompt, sampling, stop ids (int), the slot it
+    holds (None while waiting or after it finished) and the last token sampled for it."""
+
+    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token")
+
+    def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids):
+        self.handle = handle
+        self.prompt = prompt
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.slot: Optional[int] = None
+        self.last_token: Optional[int] = None
+
+
+class Batch:
+    """Waiting queue, running slots and counters of one scheduler (see the module docstring).
+
+    Args: as ``Scheduler``: ``num_slots`` (sequences decoded together), ``max_queue`` (requests that may wait),
+    ``eos_ids`` (token ids that end every request), ``max_context`` (tokens per sequence, or None),
+    ``prefill_token_budget`` (prompt tokens prefilled in one step at most, one prompt always).
+
+    Attributes read by the scheduler: ``cond`` (the lock of everything here), ``stopping`` (no new work; the
+    loop ends), ``waiting`` (deque of ``Request``), ``running`` ({slot: Request}), ``totals`` (counters, see
+    ``Scheduler.stats``).
+    """
+
+    def __init__(self, *, num_slots: int, max_queue: int, eos_ids: Iterable[int], max_context: Optional[int],
+                 prefill_token_budget: int) -> None:
+        self.num_slots = num_slots
+        self.max_queue = max_queue
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
+        self.max_context = max_context
+        self.prefill_token_budget = int(prefill_token_budget)
+        self.cond = threading.Condition()
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self._free_slots = list(range(num_slots))
+        self._to_free: list[int] = []  # slots whose runner state must be released in the next plan
+        self._ids = itertools.count(1)
+        self.stopping = False
+        self.totals = {
+            "requests": 0, "rejected_busy": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
+            "step_seconds": 0.0,
+            "decode_steps": 0, "max_decode_batch": 0,
+            "finished": {"stop": 0, "length": 0, "cancelled": 0, "error": 0},
+        }
+
+    def notify(self) -> None:
+        """Wake the scheduler thread (a new request, a closed handle, a shutdown)."""
+        with self.cond:
+            self.cond.notify()
+
+    def stop(self) -> None:
+        """Take no new work; the scheduler loop ends at its next plan."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    # ---- admission -----------------------------------------------------------------------------------
+    def submit(self, prompt: PreparedPrompt, sampling: SamplingParams, cancel: CancelToken) -> RequestHandle:
+        """Queue a request (see ``Scheduler.submit``).  Raises Busy, ContextTooLong or NotReady."""
+        n = prompt.num_tokens
+        if self.max_context is not None and n >= self.max_context:
+            raise ContextTooLong(
+                f"prompt is {n} tokens but the context holds {self.max_context}; shorten the conversation",
+                prompt_tokens=n, context_length=self.max_context,
+            )
+        stop_ids = self.eos_ids | frozenset(int(t) for t in sampling.stop_token_ids)
+        with self.cond:
+            if self.stopping:
+                raise NotReady("the engine is shutting down")
+            # Waiting requests that a free slot will take at the next step do not count as queued.
+            queued = len(self.waiting) - len(self._free_slots)
+            if queued >= self.max_queue:
+                self.totals["rejected_busy"] += 1
+                raise Busy(f"busy, {queued} requests queued, try again in a moment")
+            handle = RequestHandle(next(self._ids), n, cancel, self.notify)
+            self.waiting.append(Request(handle, prompt, sampling, stop_ids))
+            self.totals["requests"] += 1
+            self.totals["prompt_tokens"] += n
+            self.cond.notify()
+        return handle
+
+    # ---- planning ------------------------------------------------------------------------------------
+    def next_plan(self, ahead: Optional[list[Request]], overlap: bool
+                  ) -> tuple[Optional[StepPlan], list[Request], list[Request]]:
+        """Build the next plan under the lock: ``(plan, prefilled, decoded)``, or ``(None, [], [])`` once stopping.
+
+        Waits while there is nothing to do and no step is in flight (``ahead`` is None).  ``ahead``: the requests
+        of the step in flight (overlap mode); they are decoded again on the device's copy of their last token,
+        except those whose in-flight token reaches ``max_new_tokens`` or the context.  ``overlap``: plans carry
+        ``tokens_on_device`` instead of ``decode_tokens``."""
+        with self.cond:
+            while ahead is None and not (self.stopping or self.waiting or self.running or self._to_free):
+                self.cond.wait()
+            if self.stopping:
+                return None, [], []
+            # Requests whose consumer cancelled or went away leave now, before this step runs.
+            for slot, req in list(self.running.items()):
+                if req.handle.abandoned:
+                    self.retire(req, "cancelled")
+            for req in [r for r in self.waiting if r.handle.abandoned]:
+                self.waiting.remove(req)
+                self.retire(req, "cancelled")
+            plan = StepPlan(free_slots=self._to_free, tokens_on_device=overlap)
+            self._to_free = []
+            # Running sequences decode one token; waiting ones are prefilled into free slots.
+            decoded = list(self.running.values())
+            if ahead is not None:
+                ids = {id(r) for r in ahead}
+                decoded = [r for r in decoded if id(r) not in ids or not self.at_limit(r, 1)]
+            plan.decode_slots = [r.slot for r in decoded]
+            if not overlap:
+                plan.decode_tokens = [int(r.last_token) for r in decoded]
+            prefilled: list[Request] = []
+            budget = self.prefill_token_budget
+            while self.waiting and self._free_slots:
+                # At least one prefill per step; more only while they fit the budget, so that a burst of long
+                # prompts does not stall the running streams for many prefills in a row.
+                if prefilled and self.waiting[0].prompt.num_tokens > budget:
+                    break
+                req = self.waiting.popleft()
+                budget -= req.prompt.num_tokens
+                req.slot = self._free_slots.pop(0)
+                self.running[req.slot] = req
+                prefilled.append(req)
+                plan.prefills.append(PrefillItem(req.slot, req.prompt, req.sampling))
+            self.totals["steps"] += 1
+            if decoded:
+                self.totals["decode_steps"] += 1
+                self.totals["max_decode_batch"] = max(self.totals["max_decode_batch"], len(decoded))
+            return plan, prefilled, decoded
+
+    def at_limit(self, req: Request, pending: int = 0) -> bool:
+        """True when ``req`` has reached max_new_tokens or the context after ``pending`` more tokens."""
+        h = req.handle
+        done = h.completion_tokens + pending
+        return done >= req.sampling.max_new_tokens or (
+            self.max_context is not None and h.prompt_tokens + done >= self.max_context)
+
+    def free_again(self, slots: list[int]) -> None:
+        """A step raised: it may have stopped before its frees ran, so the next plan frees ``slots`` again
+        (freeing a slot twice is harmless)."""
+        with self.cond:
+            self._to_free.extend(s for s in slots if s not in self._to_free)
+
+    # ---- delivery and retirement ---------------------------------------------------------------------
+    def deliver(self, reqs: list[Request], tokens: dict[int, int]) -> None:
+        """Route a step's sampled tokens ({slot: token id}) to the requests that still own those slots."""
+        now = time.monotonic()
+        with self.cond:
+            for req in reqs:
+                if req.slot is None or self.running.get(req.slot) is not req:
+                    continue
+                token = int(tokens[req.slot])
+                h = req.handle
+                h.completion_tokens += 1
+                self.totals["generated_tokens"] += 1
+                if h.ttft_s is None:
+                    h.ttft_s = now - h.submitted_at
+                req.last_token = token
+                if token in req.stop_ids:
+                    self.retire(req, "stop")
+                    continue
+                h.push_token(token)
+                if self.at_limit(req):
+                    self.retire(req, "length")
+
+    def retire(self, req: Request, reason: FinishReason, error: str = "") -> None:
+        """Finish a request and release its slot (caller holds ``cond``)."""
+        if req.slot is not None and self.running.get(req.slot) is req:
+            del self.running[req.slot]
+            self._to_free.append(req.slot)
+            self._free_slots.append(req.slot)
+            self._free_slots.sort()
+        req.slot = None
+        h = req.handle
+        self.totals["finished"][reason] += 1
+        h.finish(reason, error)
+        if h.ttft_s is not None:
+            elapsed = time.monotonic() - h.submitted_at
+            decode_s = elapsed - h.ttft_s
+            rate = (h.completion_tokens - 1) / decode_s if decode_s > 0 and h.completion_tokens > 1 else 0.0
+            log.info(
+                "request %d %s: prompt %d tok, completion %d tok, TTFT %.3f s, decode %.1f tok/s",
+                h.request_id, reason, h.prompt_tokens, h.completion_tokens, h.ttft_s, rate,
+            )
+        else:
+            log.info("request %d %s before its first token", h.request_id, reason)
+
+    def fail(self, reqs: list[Request], message: str) -> None:
+        """End those of ``reqs`` that still hold their slot with 'error' and ``message`` (meant for the user)."""
+        with self.cond:
+            for req in reqs:
+                if req.slot is not None and self.running.get(req.slot) is req:
+                    self.retire(req, "error", message)
+
+    def drain(self, reason: FinishReason) -> None:
+        """End every open stream (shutdown or a dead loop) so that no consumer blocks forever."""
+        with self.cond:
+            self.stopping = True
+            for req in list(self.running.values()) + list(self.waiting):
+                self.retire(req, reason)
+            self.waiting.clear()

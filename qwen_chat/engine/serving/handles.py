@@ -1,0 +1,97 @@
+"""``RequestHandle``: the token stream of one request, between the scheduler thread and one consumer.
+
+The scheduler (``qwen_chat.engine.serving.scheduler``) creates a handle in ``Scheduler.submit``, pushes each
+sampled token id and finally the finish reason; the consumer (``ChatEngine``'s update stream) iterates it and
+may ``close()`` it to take the request out of the batch.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from qwen_chat.chat_types import CancelToken, FinishReason
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """Sentinel put on a handle's queue after its last token."""
+
+    reason: FinishReason
+    error: str = ""
+
+
+class RequestHandle:
+    """The token stream of one submitted request (thread-safe; consumed by one reader).
+
+    Iterating yields sampled token ids (int) in order, excluding the stop token itself, and ends when the
+    request finishes; then ``finish_reason`` is 'stop' (a stop id was sampled), 'length' (``max_new_tokens``
+    or the context was reached), 'cancelled' (CancelToken, ``close()``, or shutdown) or 'error' (the executor
+    failed; ``error`` holds a message meant for the user, without internals).  ``close()`` tells the scheduler
+    the consumer went away; the request leaves the batch at the next step.  ``wake``: called (no arguments) by
+    ``close()`` to wake the scheduler thread.
+
+    Attributes (set by the scheduler thread): ``prompt_tokens`` (tokens), ``completion_tokens`` (sampled
+    tokens including a final stop token, as OpenAI counts them), ``ttft_s`` (seconds from submit to the first
+    sampled token, or None), ``submitted_at`` (``time.monotonic()`` seconds).
+    """
+
+    def __init__(self, request_id: int, prompt_tokens: int, cancel: CancelToken, wake) -> None:
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.ttft_s: Optional[float] = None
+        self.submitted_at = time.monotonic()
+        self.finish_reason: Optional[FinishReason] = None
+        self.error = ""
+        self._cancel = cancel
+        self._closed = threading.Event()
+        self._queue: "queue.Queue[int | _Finish]" = queue.Queue()
+        self._wake = wake
+
+    # ---- consumer side -------------------------------------------------------------------------------
+    @property
+    def abandoned(self) -> bool:
+        """True once the consumer closed the handle or cancelled its token."""
+        return self._closed.is_set() or self._cancel.cancelled
+
+    def close(self) -> None:
+        """Stop the request (if still running) at the next step; safe to call many times, from any thread."""
+        if not self._closed.is_set():
+            self._closed.set()
+            self._wake()
+
+    def __iter__(self) -> Iterator[int]:
+        for chunk in self.chunks():
+            yield from chunk
+
+    def chunks(self) -> Iterator[list[int]]:
+        """Yield lists of token ids: everything sampled since the previous list (at least one id).  Blocks
+        until a token or the finish arrives."""
+        while True:
+            item = self._queue.get()
+            batch: list[int] = []
+            while True:
+                if isinstance(item, _Finish):
+                    if batch:
+                        yield batch
+                    return
+                batch.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            yield batch
+
+    # ---- scheduler side (only the scheduler thread calls these) ----------------------------------------
+    def push_token(self, token: int) -> None:
+        """Append one sampled token id to the stream."""
+        self._queue.put(token)
+
+    def finish(self, reason: FinishReason, error: str = "") -> None:
+        """End the stream with ``reason`` (and for 'error' a message meant for the user)."""
+        self.finish_reason = reason
+        self.error = error
+        self._queue.put(_Finish(reason, error))

@@ -1,0 +1,144 @@
+"""Process lifecycle: the one stopping flag, the stop-signal handlers, and the ways a process leaves.
+
+``STOPPING`` is set by the first stop signal this process handles.  Every handler below checks it first, so a
+repeated signal (the DeepSpeed launcher forwards the group's SIGTERM, so each rank gets it twice; an impatient
+operator) cannot interrupt the shutdown already under way, and the launcher watchdog
+(``qwen_chat.engine.parallel.ranks.start_launcher_watchdog``) stands aside once it is set.
+
+Handlers, each installed by one caller (signal handlers can only be installed from the main thread):
+
+- ``install_sigterm_exit()``: app.py, before the engine starts.  SIGTERM raises ``SystemExit(0)`` in the main
+  thread, once, so app.py's ``finally`` ends the open streams and stops the web server gracefully.
+- ``install_rank0_sigterm(close_workers)``: rank 0 of several ranks, once its ``DistributedExecutor`` exists
+  (replaces the handler above).  SIGTERM first sends the exit message to every worker rank
+  (``close_workers() -> bool``), then raises ``SystemExit(0)``; when a worker was already gone it leaves at once
+  with ``FAILURE_EXIT_CODE``.
+- ``install_worker_stop_signals(rank)``: every worker rank, entering its worker loop.  SIGTERM and SIGINT are
+  held off for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit message can arrive; after that the
+  worker leaves with 128 + the signal number.
+
+Leaving: ``die(message, code)`` at once (``os._exit``), ``exit_process_soon(reason)`` with code 1 after
+``FATAL_EXIT_DELAY_S`` seconds.  Supervisor restarts the service after any non-zero exit
+(``deploy/qwen3.5-9b.conf``).  No torch here: app.py uses this module before anything heavy is imported.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+#: Set once this process has begun an orderly shutdown (its first stop signal).
+STOPPING = threading.Event()
+
+#: Exit code of a process that left because of a failure (Supervisor restarts the service on any non-zero code).
+FAILURE_EXIT_CODE = 1
+
+#: Seconds a worker waits, after SIGTERM from the launcher, for rank 0's exit message before it leaves on its
+#: own (below the DeepSpeed launcher's 30 s grace before SIGKILL).
+WORKER_SIGTERM_GRACE_S = 20.0
+
+#: Seconds between an engine failure and the process exit: the failed streams' last updates reach their
+#: clients and the UI saves the interrupted turns first.
+FATAL_EXIT_DELAY_S = 2.0
+
+
+def _first_stop() -> bool:
+    """Set ``STOPPING``; True only for the call that set it (the first stop signal)."""
+    if STOPPING.is_set():
+        return False
+    STOPPING.set()
+    return True
+
+
+def install_sigterm_exit() -> None:
+    """SIGTERM -> ``SystemExit(0)`` in the main thread, once; a repeated SIGTERM is logged and ignored.
+
+    Raises: ValueError when called outside the main thread (``signal.signal``)."""
+
+    def on_sigterm(signum, frame) -> None:
+        if not _first_stop():
+            log.info("SIGTERM again: already shutting down")
+            return
+        log.info("SIGTERM: shutting down")
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def install_rank0_sigterm(close_workers: Callable[[], bool]) -> None:
+    """Rank 0 of several: SIGTERM calls ``close_workers()`` (``DistributedExecutor.close``: the exit message to
+    every rank; True when it reached them all), then leaves with code 0 (``SystemExit``, so that app.py's
+    clean-up still runs), or at once with ``FAILURE_EXIT_CODE`` when a worker was already gone.  A repeated
+    SIGTERM does nothing: a second run inside the first one's ``close_workers()`` would deadlock on the
+    executor's lock.  Does nothing outside the main thread.  uvicorn runs in another thread and installs no
+    handler, so this one stays in charge while serving."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, frame) -> None:
+        if not _first_stop():
+            return
+        log.info("rank 0: SIGTERM; stopping all ranks")
+        if not close_workers():
+            die("rank 0: a worker rank was already gone at shutdown")
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def install_worker_stop_signals(rank: int) -> None:
+    """A worker rank: SIGTERM / SIGINT start one timer of ``WORKER_SIGTERM_GRACE_S`` seconds, after which the
+    process leaves with 128 + the signal number unless rank 0's exit message ended it first (the launcher
+    forwards the group's signal, and Ctrl-C in a terminal reaches every rank at once: rank 0 leads the
+    shutdown).  Does nothing outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_stop_signal(signum, frame) -> None:
+        if not _first_stop():  # one grace timer is enough
+            return
+        name = signal.Signals(signum).name
+        log.info("rank %d: %s; waiting up to %.0f s for rank 0's exit message", rank, name, WORKER_SIGTERM_GRACE_S)
+        timer = threading.Timer(WORKER_SIGTERM_GRACE_S, die,
+                                args=(f"rank {rank}: no exit message after {name}", 128 + signum))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_stop_signal)
+    signal.signal(signal.SIGINT, on_stop_signal)
+
+
+def die(message: str, code: int = FAILURE_EXIT_CODE) -> None:
+    """Log ``message`` (with the current exception, if any) and leave the process at once with ``code``.
+
+    ``os._exit`` skips atexit handlers and thread joins, which could block forever on a broken collective.
+    """
+    if code == 0:
+        log.info(message)
+    elif sys.exc_info()[0] is not None:
+        log.critical(message, exc_info=True)
+    else:
+        log.critical(message)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
+def exit_process_soon(reason: str, delay_s: float = FATAL_EXIT_DELAY_S) -> None:
+    """Log ``reason`` and end the process with exit code 1 after ``delay_s`` seconds (``os._exit``: the web
+    server's threads and a possibly wedged device cannot block it), so that Supervisor restarts the service:
+    an engine failure must make the process exit non-zero."""
+    log.critical("engine failure, exiting with code 1 in %.1f s so that Supervisor restarts the service: %s",
+                 delay_s, reason)
+    timer = threading.Timer(delay_s, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()

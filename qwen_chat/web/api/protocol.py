@@ -1,0 +1,343 @@
+"""The API's request protocol: reading a chat-completions body, refusing what is not supported, OpenAI errors.
+
+* ``check_key``: the ``Authorization: Bearer <key>`` check (401);
+* ``parse_messages``: OpenAI ``messages`` -> ``ChatMessage``s, images from data URLs (or, with
+  ``--allow-remote-images``, http(s) URLs) normalised into the ``history.api_images.ApiImageStore``;
+* ``settings_from_request``: sampling fields -> validated ``GenerationSettings`` (the API's one check; the
+  engine checks again as part of its contract), unsupported OpenAI features refused with 400;
+* ``APIRequestError`` and ``error_response``: every refusal rendered as ``{"error": {...}}``.
+
+What is accepted is listed in the package docstring (``qwen_chat.web.api``).
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import urllib.parse
+from dataclasses import replace
+from typing import Any, Optional
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from qwen_chat.chat_types import (
+    ChatError,
+    ChatMessage,
+    ContextTooLong,
+    GenerationSettings,
+    InvalidImage,
+    InvalidInput,
+    is_blank,
+)
+from qwen_chat.config import ServiceConfig
+from qwen_chat.history.api_images import ApiImageStore
+from qwen_chat.images import TooManyImages, check_image_count
+
+REMOTE_FETCH_TIMEOUT_S = 15.0  # seconds for one remote image download (--allow-remote-images)
+
+
+class APIRequestError(Exception):
+    """A request refused at the API boundary (before the engine), rendered as an OpenAI error.
+
+    ``status`` HTTP status; ``type`` OpenAI ``error.type``; ``param`` the offending request field (JSON path
+    like ``messages[1].content[0].image_url``) or None; ``code`` a stable machine-readable code or None.
+    """
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_input",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+def error_response(exc: BaseException, param: Optional[str] = None) -> JSONResponse:
+    """Render ``APIRequestError``/``ChatError``/anything else as ``{"error": {...}}`` with its HTTP status.
+
+    ``ContextTooLong`` gets code ``context_length_exceeded`` and its token counts in the message; ``Busy``
+    adds ``Retry-After: 1``.  Other exception types become a generic 500 (the caller logs them).
+    """
+    headers = None
+    if isinstance(exc, APIRequestError):
+        status, message, type_, code = exc.status, exc.message, exc.type, exc.code
+        param = exc.param or param
+        if status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+    elif isinstance(exc, ChatError):
+        status, message, type_, code = exc.http_status, str(exc) or exc.kind, exc.kind, exc.kind
+        if isinstance(exc, ContextTooLong):
+            code, param = "context_length_exceeded", param or "messages"
+            counts = f"{exc.prompt_tokens} tokens"
+            if counts not in message:
+                message = (f"{message} (the prompt has {exc.prompt_tokens} tokens; "
+                           f"the context holds {exc.context_length} tokens)")
+        if status == 429:
+            headers = {"Retry-After": "1"}
+    else:
+        status, message, type_, code = 500, "internal server error; see the service log", "internal_error", None
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def check_key(request: Request, cfg: ServiceConfig) -> None:
+    """Raise APIRequestError(401) unless keys are off or ``Authorization: Bearer <key>`` matches one."""
+    if not cfg.api_key_required:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise APIRequestError("missing API key: send 'Authorization: Bearer <key>'", status=401,
+                              type="authentication_error", code="invalid_api_key")
+    given = token.encode("utf-8")
+    # Compare against every key (no early exit) so timing does not tell which prefix matched.
+    matched = False
+    for key in cfg.api_keys:
+        matched |= hmac.compare_digest(given, key.encode("utf-8"))
+    if not matched:
+        raise APIRequestError("invalid API key", status=401, type="authentication_error", code="invalid_api_key")
+
+
+# ----------------------------------------------------------------------------------------- image URLs
+
+
+def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
+    """Bytes of a ``data:image/<type>[;base64],<payload>`` URL (base64 or percent-encoded).
+
+    Raises:
+        InvalidImage: not an image MIME type, payload not valid base64, or larger than ``max_bytes`` (bytes).
+    """
+    header, sep, payload = url[len("data:"):].partition(",")
+    if not sep:
+        raise InvalidImage(f"{param}: malformed data URL (expected data:image/png;base64,...)")
+    fields = [f.strip().lower() for f in header.split(";")]
+    mime = fields[0]
+    if mime and not mime.startswith("image/"):
+        raise InvalidImage(f"{param}: data URL type {mime!r} is not an image (expected image/png, image/jpeg, ...)")
+    if "base64" in fields[1:]:
+        compact = "".join(payload.split())
+        if len(compact) * 3 // 4 > max_bytes + 3:
+            raise InvalidImage(f"{param}: image file is too large; max {max_bytes / 2**20:g} MB")
+        try:
+            data = base64.b64decode(compact, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidImage(f"{param}: image data is not valid base64") from None
+    else:
+        data = urllib.parse.unquote_to_bytes(payload)
+    if len(data) > max_bytes:
+        raise InvalidImage(f"{param}: image file is too large; max {max_bytes / 2**20:g} MB")
+    return data
+
+
+def fetch_remote_image(url: str, max_bytes: int, param: str) -> bytes:
+    """Download an http(s) image of at most ``max_bytes`` bytes (only with ``--allow-remote-images``).
+
+    Raises:
+        InvalidImage: network error, non-200 status, or too large.
+    """
+    try:
+        with httpx.stream("GET", url, timeout=REMOTE_FETCH_TIMEOUT_S, follow_redirects=True) as resp:
+            if resp.status_code != 200:
+                raise InvalidImage(f"{param}: fetching the image failed with HTTP {resp.status_code}")
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise InvalidImage(f"{param}: image file is too large; max {max_bytes / 2**20:g} MB")
+                chunks.append(chunk)
+            return b"".join(chunks)
+    except httpx.HTTPError as exc:
+        raise InvalidImage(f"{param}: could not fetch the image ({type(exc).__name__})") from None
+
+
+# ------------------------------------------------------------------------------------------- requests
+
+
+def _field_error(param: str, message: str) -> APIRequestError:
+    return APIRequestError(f"{param}: {message}", param=param)
+
+
+def _text_of_parts(parts: list, param: str, allow_images: bool) -> tuple[str, list[tuple[str, str]]]:
+    """Split a content-part list into (joined text, [(image url, its param path)])."""
+    texts: list[str] = []
+    images: list[tuple[str, str]] = []
+    for j, part in enumerate(parts):
+        where = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _field_error(where, "each content part must be an object with a 'type'")
+        kind = part.get("type")
+        if kind == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise _field_error(f"{where}.text", "must be a string")
+            texts.append(text)
+        elif kind == "image_url":
+            if not allow_images:
+                raise _field_error(where, "images are only accepted in user messages")
+            spec = part.get("image_url")
+            url = spec.get("url") if isinstance(spec, dict) else spec
+            if not isinstance(url, str) or not url:
+                raise _field_error(f"{where}.image_url", "must be an object with a 'url' string")
+            images.append((url, f"{where}.image_url"))
+        else:
+            raise _field_error(where, f"content part type {kind!r} is not supported (use 'text' or 'image_url')")
+    return "\n".join(texts), images
+
+
+def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[ChatMessage]:
+    """OpenAI ``messages`` -> ``ChatMessage`` list, with every image normalised and written to a file.
+
+    Raises:
+        APIRequestError (400): wrong structure, unsupported role or part, last message not from the user,
+            remote URL while remote images are off, more than ``cfg.max_images_per_turn`` images in a message,
+            a last message that is blank (``chat_types.is_blank``) and has no image.
+        InvalidImage (400): an image that cannot be decoded, is not allowed or is larger than
+            ``images.limits.max_file_bytes``.
+    """
+    if not isinstance(raw, list) or not raw:
+        raise APIRequestError("messages must be a non-empty list", param="messages")
+    max_bytes = images.limits.max_file_bytes
+    out: list[ChatMessage] = []
+    for i, msg in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _field_error(where, "must be an object with 'role' and 'content'")
+        role = msg.get("role")
+        if role == "developer":
+            role = "system"
+        if role not in ("system", "user", "assistant"):
+            raise _field_error(f"{where}.role", f"role {role!r} is not supported (system, user, assistant)")
+        content = msg.get("content")
+        if content is None:
+            content = ""
+        if isinstance(content, str):
+            text, urls = content, []
+        elif isinstance(content, list):
+            text, urls = _text_of_parts(content, f"{where}.content", allow_images=(role == "user"))
+        else:
+            raise _field_error(f"{where}.content", "must be a string or a list of content parts")
+        try:
+            check_image_count(len(urls), cfg.max_images_per_turn)
+        except TooManyImages as exc:
+            raise _field_error(f"{where}.content", f"{exc.count} images in one message; max {exc.max_images}") \
+                from None
+        paths = []
+        for url, param in urls:
+            paths.append(_load_image(url, param, cfg, max_bytes, images))
+        out.append(ChatMessage(role=role, text=text, images=tuple(paths)))
+    # Qwen3.5's chat template accepts one system message, first: merge leading ones, refuse later ones.
+    lead = 0
+    while lead < len(out) and out[lead].role == "system":
+        lead += 1
+    if lead > 1:
+        out[:lead] = [ChatMessage(role="system", text="\n\n".join(m.text for m in out[:lead]))]
+        lead = 1
+    for i, msg in enumerate(out[lead:], start=lead):
+        if msg.role == "system":
+            raise APIRequestError("a system message may only come before the conversation (first)",
+                                  param=f"messages[{i + len(raw) - len(out)}].role")
+    if out[-1].role != "user":
+        raise APIRequestError("the last message must be a user message", param=f"messages[{len(out) - 1}].role")
+    last = out[-1]
+    if not last.images and is_blank(last.text):
+        raise APIRequestError("the last user message is empty (no text and no image)",
+                              param=f"messages[{len(out) - 1}].content")
+    return out
+
+
+def _load_image(url: str, param: str, cfg: ServiceConfig, max_bytes: int, images: ApiImageStore) -> str:
+    """The stored path of the image at ``url`` (data URL, or http(s) with ``--allow-remote-images``)."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        data = decode_data_url(url, max_bytes, param)
+    elif scheme in ("http", "https"):
+        if not cfg.allow_remote_images:
+            raise APIRequestError(
+                f"{param}: remote image URLs are disabled on this server; send the image inline as a data URL "
+                "(data:image/png;base64,...) or start the server with --allow-remote-images",
+                param=param, code="remote_images_disabled",
+            )
+        data = fetch_remote_image(url, max_bytes, param)
+    else:
+        raise APIRequestError(f"{param}: unsupported image URL scheme {scheme!r}; use a data: URL", param=param)
+    try:
+        return images.put(data)
+    except InvalidImage as exc:
+        raise InvalidImage(f"{param}: {exc}") from None
+
+
+def settings_from_request(body: dict) -> GenerationSettings:
+    """Sampling settings of a chat-completions body: the mode's preset overridden by the given fields.
+
+    Raises:
+        APIRequestError (400): a value out of its range (message names the field, value and allowed range,
+            from ``GenerationSettings.validate``), a wrong type, or an unsupported OpenAI feature.
+    """
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise APIRequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    thinking = kwargs.get("enable_thinking", True)
+    if not isinstance(thinking, bool):
+        raise APIRequestError("chat_template_kwargs.enable_thinking must be true or false",
+                              param="chat_template_kwargs.enable_thinking")
+    _refuse_unsupported(body)
+    overrides: dict[str, Any] = {}
+    tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    api_names = {"max_new_tokens": tokens_field}
+    if body.get(tokens_field) is not None:
+        overrides["max_new_tokens"] = body[tokens_field]
+    for name in ("temperature", "top_p", "top_k", "presence_penalty", "seed"):
+        if body.get(name) is not None:
+            overrides[name] = body[name]
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise APIRequestError("stop must be a string or a list of strings", param="stop")
+        overrides["stop"] = tuple(stop)
+    settings = GenerationSettings.preset(thinking, **overrides)
+    try:
+        settings.validate()
+    except InvalidInput as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        api_field = api_names.get(field, field)
+        if api_field != field:
+            message = api_field + message[len(field):]
+        known = field in ("max_new_tokens", "temperature", "top_p", "top_k", "presence_penalty", "seed", "stop")
+        raise APIRequestError(message, param=api_field if known else None, code="out_of_range") from None
+    # JSON numbers like 100.0 passed validate() as whole numbers; the engine gets ints.
+    return replace(settings, max_new_tokens=int(settings.max_new_tokens), top_k=int(settings.top_k),
+                   temperature=float(settings.temperature), top_p=float(settings.top_p),
+                   presence_penalty=float(settings.presence_penalty))
+
+
+def _refuse_unsupported(body: dict) -> None:
+    def refuse(param: str, what: str) -> APIRequestError:
+        return APIRequestError(f"{param}: {what} is not supported by this server", param=param,
+                               code="unsupported_parameter")
+
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise refuse("n", "more than one choice")
+    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none", "auto"):
+        raise refuse("tools", "tool calling")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise refuse("logprobs", "returning log-probabilities")
+    if body.get("frequency_penalty") not in (None, 0, 0.0):
+        raise refuse("frequency_penalty", "frequency_penalty (use presence_penalty)")
+    if body.get("logit_bias"):
+        raise refuse("logit_bias", "logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise refuse("response_format", "a response_format other than text")
+    if body.get("stream") not in (None, True, False):
+        raise APIRequestError("stream must be true or false", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise APIRequestError("stream_options must be an object", param="stream_options")

@@ -1,0 +1,170 @@
+"""The API's routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``.
+
+``create_router(backend, cfg)`` wires ``protocol`` (keys, request parsing, refusals, errors) to the backend
+and answers either one JSON completion or an SSE stream (``streaming``).  The API has its own worker-thread
+pool so that waiting requests never starve the rest of the server.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError
+from qwen_chat.config import ServiceConfig
+from qwen_chat.history.api_images import ApiImageStore
+from qwen_chat.images import ImageLimits
+from qwen_chat.web.api.protocol import (
+    APIRequestError,
+    check_key,
+    error_response,
+    parse_messages,
+    settings_from_request,
+)
+from qwen_chat.web.api.streaming import (
+    ClientGone,
+    Reply,
+    SyncStream,
+    await_watching,
+    event_stream,
+    openai_finish_reason,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+
+API_SPARE_THREADS = 16  # API worker threads beyond max_queue + max_batch (image decoding, requests on their way)
+
+
+def model_id_of(cfg: ServiceConfig) -> str:
+    """The model id the API shows and echoes: ``--model`` as given (hub id, local path or ``tiny``), like vLLM's
+    default served model name; the display name (``ModelInfo.name``) is the card's ``root``."""
+    return str(cfg.model)
+
+
+def create_router(backend: ChatBackend, cfg: ServiceConfig,
+                  image_store: Optional[ApiImageStore] = None) -> APIRouter:
+    """The OpenAI-compatible routes, with paths ``/v1/models``, ``/v1/models/{id}``, ``/v1/chat/completions``.
+
+    ``backend``: the (preferably ``ops.instrument``-ed) chat backend shared with the UI.  ``cfg``: API keys,
+    remote-image switch, image limits, ``history_dir`` (API images go to ``history_dir/api_images``).
+    ``image_store``: override where/how API images are kept (tests).
+
+    Raises:
+        ValueError: from ``ImageLimits.from_config`` for a non-positive upload size or token budget.
+    """
+    store = image_store or ApiImageStore(Path(cfg.history_dir) / "api_images", ImageLimits.from_config(cfg))
+    started = int(time.time())
+    router = APIRouter(prefix="/v1", tags=["openai"])
+    # Worker threads of the API, apart from the shared default pool (40 threads) that Starlette and /healthz
+    # use: a request holds one while it waits for its next update, so up to every queued and running request
+    # can wait here and the engine, not this pool, is what says Busy (429).
+    limiter = anyio.CapacityLimiter(cfg.max_queue + cfg.max_batch + API_SPARE_THREADS)
+    run = functools.partial(anyio.to_thread.run_sync, limiter=limiter)
+
+    def record_rejection(kind: str) -> None:
+        hook = getattr(backend, "record_rejection", None)
+        if callable(hook):
+            hook(kind)
+
+    def model_card() -> dict:
+        info = getattr(backend, "info", None)
+        card = {"id": model_id_of(cfg), "object": "model", "created": started, "owned_by": "qwen_chat"}
+        if info is not None:
+            card["root"] = info.name
+            card["max_model_len"] = info.context_length
+        return card
+
+    @router.get("/models")
+    def list_models(request: Request) -> JSONResponse:
+        try:
+            check_key(request, cfg)
+        except APIRequestError as exc:
+            return error_response(exc)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @router.get("/models/{model_id:path}")
+    def get_model(model_id: str, request: Request) -> JSONResponse:
+        try:
+            check_key(request, cfg)
+        except APIRequestError as exc:
+            return error_response(exc)
+        card = model_card()
+        if model_id != card["id"]:
+            return error_response(APIRequestError(f"model {model_id!r} does not exist; this server has {card['id']!r}",
+                                                  status=404, type="not_found", param="model",
+                                                  code="model_not_found"))
+        return JSONResponse(card)
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            check_key(request, cfg)
+        except APIRequestError as exc:
+            return error_response(exc)
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError):
+                raise APIRequestError("the request body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise APIRequestError("the request body must be a JSON object")
+            settings = settings_from_request(body)
+            messages = await run(parse_messages, body.get("messages"), cfg, store)
+        except (APIRequestError, ChatError) as exc:
+            record_rejection(exc.kind if isinstance(exc, ChatError) else exc.type)
+            return error_response(exc)
+        except Exception as exc:
+            log.exception("chat completion request could not be read")
+            return error_response(exc)
+
+        cancel = CancelToken()
+        stream = SyncStream(lambda: backend.stream_chat(messages, settings, cancel))
+        reply = Reply(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_id_of(cfg))
+        wants_stream = bool(body.get("stream", False))
+        try:
+            if wants_stream:
+                first = await await_watching(request, cancel, stream.next, run)
+            else:
+                last = await await_watching(request, cancel, stream.collect, run)
+        except ClientGone:
+            stream.close()
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        except ChatError as exc:
+            stream.close()
+            return error_response(exc)
+        except Exception as exc:
+            stream.close()
+            log.exception("chat completion failed before the first update")
+            return error_response(exc)
+
+        if wants_stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+            events = event_stream(stream, first, cancel, reply, settings.enable_thinking, include_usage, run)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        stream.close()
+        if last is not None and last.finish_reason == "error":
+            return error_response(APIRequestError(last.notice or "generation failed; see the service log",
+                                                  status=500, type="generation_error"))
+        message = {
+            "role": "assistant",
+            "content": last.answer if last is not None else "",
+            "reasoning_content": (last.reasoning if last is not None else "") if settings.enable_thinking else None,
+        }
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": openai_finish_reason(last)}
+        return JSONResponse({
+            "id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model,
+            "choices": [choice], "usage": usage(last),
+        })
+
+    return router

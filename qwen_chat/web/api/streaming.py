@@ -1,0 +1,186 @@
+"""The API's streaming: the sync-to-async bridge to the backend's generator, and server-sent events.
+
+``SyncStream`` drives a ``ChatBackend.stream_chat`` generator from worker threads (``next``/``close`` never
+at the same time); ``await_watching`` runs one step in a worker thread and cancels the generation when the
+client disconnects meanwhile; ``event_stream`` is the SSE body of a streaming reply: a role chunk, delta
+chunks (``reasoning_content`` / ``content``), the chunk with ``finish_reason``, an optional usage chunk, then
+``data: [DONE]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
+
+from fastapi import Request
+
+from qwen_chat.chat_types import CancelToken, StreamUpdate
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.2  # how often a waiting request checks whether its client is still connected
+
+
+class SyncStream:
+    """A backend generator driven from worker threads: ``next`` and ``close`` never run at the same time.
+
+    ``close`` may be called from the event loop while a worker thread is inside ``next``: it then closes the
+    generator from a helper thread as soon as that ``next`` returns (the cancel token makes that quick).
+    """
+
+    def __init__(self, factory: Callable[[], Iterator[StreamUpdate]]):
+        self._factory = factory
+        self._it: Optional[Iterator[StreamUpdate]] = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def next(self) -> Optional[StreamUpdate]:
+        """The next update, or None when the stream has ended or was closed.  Raises what the backend raises."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._it is None:
+                self._it = iter(self._factory())
+            return next(self._it, None)
+
+    def collect(self) -> Optional[StreamUpdate]:
+        """Run to the end; return the last update (full texts and the finish reason), None if there was none."""
+        last = None
+        while (update := self.next()) is not None:
+            last = update
+        return last
+
+    def _close_now(self) -> None:
+        self._closed = True
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+    def close(self) -> None:
+        """Close the backend generator now, or right after the ``next`` in progress returns."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_now()
+            finally:
+                self._lock.release()
+            return
+
+        def later() -> None:
+            with self._lock:
+                self._close_now()
+
+        threading.Thread(target=later, name="close-stream", daemon=True).start()
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was waiting for the backend."""
+
+
+RunInThread = Callable[..., Any]  # async (fn, *args) -> fn(*args), in a worker thread
+
+
+async def await_watching(request: Request, cancel: CancelToken, fn: Callable[[], Any], run: RunInThread) -> Any:
+    """Run ``fn`` in a worker thread; if the client disconnects meanwhile, cancel and raise ``ClientGone``
+    once ``fn`` has returned (so the backend generator is never left half-driven)."""
+    task = asyncio.ensure_future(run(fn))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            cancel.cancel()
+            try:
+                await task
+            except Exception:  # the client is gone; nothing to report to
+                pass
+            raise ClientGone()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The identity of one chat completion (``chatcmpl-...`` id, Unix ``created`` seconds, model id) and its
+    chunk bodies as SSE events."""
+
+    id: str
+    created: int
+    model: str
+
+    def chunk(self, delta: dict, finish_reason: Optional[str] = None) -> str:
+        """A ``chat.completion.chunk`` event carrying ``delta`` (and the finish reason on the last one)."""
+        body = {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        }
+        return sse(body)
+
+    def usage_chunk(self, last: Optional[StreamUpdate]) -> str:
+        """The usage event (``stream_options.include_usage``): no choices, the token counts of ``last``."""
+        body = {
+            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+            "choices": [], "usage": usage(last),
+        }
+        return sse(body)
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event: ``data: <JSON>`` and a blank line (UTF-8 text, not ``\\u`` escapes)."""
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(last: Optional[StreamUpdate]) -> dict:
+    """OpenAI ``usage`` (prompt, completion and total tokens) of the last update; zeros without one."""
+    prompt = last.prompt_tokens if last else 0
+    completion = last.completion_tokens if last else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def openai_finish_reason(last: Optional[StreamUpdate]) -> str:
+    """OpenAI finish_reason of a finished stream: "length" or "stop" (cancelled/ended early read as stop)."""
+    return "length" if last is not None and last.finish_reason == "length" else "stop"
+
+
+def delta_of(update: StreamUpdate, thinking: bool) -> dict:
+    """The chunk ``delta`` of one update: ``reasoning_content`` (thinking mode only) and ``content``."""
+    delta: dict = {}
+    if update.reasoning_delta and thinking:
+        delta["reasoning_content"] = update.reasoning_delta
+    if update.answer_delta:
+        delta["content"] = update.answer_delta
+    return delta
+
+
+async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel: CancelToken, reply: Reply,
+                       thinking: bool, include_usage: bool, run: RunInThread) -> AsyncIterator[str]:
+    """SSE body.  Closing it (client gone: Starlette cancels the response task) cancels the generation."""
+    try:
+        yield reply.chunk({"role": "assistant", "content": ""})
+        update, last = first, first
+        while update is not None:
+            last = update
+            delta = delta_of(update, thinking)
+            if delta:
+                yield reply.chunk(delta)
+            if update.finish_reason is not None:
+                break
+            # abandon_on_cancel: a client that hangs up cancels at once (finally below), without waiting for
+            # the update in progress; the worker thread finishes that next() on its own.
+            update = await run(stream.next, abandon_on_cancel=True)
+        if last is not None and last.finish_reason == "error":
+            message = last.notice or "generation failed; see the service log"
+            yield sse({"error": {"message": message, "type": "generation_error", "param": None, "code": None}})
+        else:
+            yield reply.chunk({}, finish_reason=openai_finish_reason(last))
+            if include_usage:
+                yield reply.usage_chunk(last)
+        yield "data: [DONE]\n\n"
+    except Exception:
+        log.exception("stream failed mid-way")
+        yield sse({"error": {"message": "internal server error; see the service log", "type": "internal_error",
+                             "param": None, "code": None}})
+        yield "data: [DONE]\n\n"
+    finally:
+        cancel.cancel()  # no-op if the generation already finished
+        stream.close()

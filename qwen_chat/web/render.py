@@ -1,0 +1,154 @@
+"""What the chat page shows: text made inert before the Markdown renderer, stored turns as Chatbot messages.
+
+* ``safe_markdown`` makes user/model text inert: HTML typed into the chat (or echoed by the model) shows as
+  typed and never runs, no remote image loads, no script links;
+* ``chatbot_messages`` turns stored messages (and the reply streaming now, ``LiveReply``) into Gradio
+  Chatbot "messages" dicts, with the reasoning in a collapsible block and the status label of the reply
+  (``history.records.STATUS_LABELS``);
+* ``view_path`` copies a stored image where Gradio may serve it.
+
+No Gradio objects here (plain dicts), no torch.
+"""
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from qwen_chat.chat_types import ChatError
+from qwen_chat.history.files import write_atomic
+from qwen_chat.history.records import STATUS_LABELS, STREAMING
+from qwen_chat.history.turns import shown_status
+
+# Markdown/HTML constructs that must stay literal text (see ``safe_markdown``).
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_UNSAFE_LINK = re.compile(r"\]\(\s*<?\s*(?:javascript|vbscript|data|file):", re.IGNORECASE)
+
+
+def _escape_plain(text: str) -> str:
+    """Escape a non-code Markdown segment: HTML stays literal, images never load, script links stay text."""
+    text = text.replace("&", "&amp;").replace("<", "&lt;")
+    text = text.replace("![", "!\\[")  # no remote image loads from model output
+    return _UNSAFE_LINK.sub(lambda m: "]\\(" + m.group(0)[2:], text)
+
+
+def _escape_inline(line: str) -> str:
+    """Escape one line outside fenced code, leaving inline code spans (which Markdown escapes itself) alone."""
+    out, i = [], 0
+    while i < len(line):
+        start = line.find("`", i)
+        if start < 0:
+            out.append(_escape_plain(line[i:]))
+            break
+        run = len(line[start:]) - len(line[start:].lstrip("`"))
+        closing = re.compile(r"(?<!`)" + "`" * run + r"(?!`)")
+        close = closing.search(line, start + run)
+        if close is None:  # unmatched backticks are literal text
+            out.append(_escape_plain(line[i:start + run]))
+            i = start + run
+            continue
+        out.append(_escape_plain(line[i:start]))
+        out.append(line[start:close.end()])
+        i = close.end()
+    return "".join(out)
+
+
+def safe_markdown(text: str) -> str:
+    """Return Markdown that displays ``text`` literally where it is HTML, and never runs or loads anything.
+
+    Outside code spans and fenced code blocks, ``&`` and ``<`` become entities (so ``<img onerror=...>`` and
+    ``<script>`` show as typed), Markdown images are disabled (no network request) and links to
+    ``javascript:``/``vbscript:``/``data:``/``file:`` are shown as text.  Code keeps its content, because the
+    Markdown renderer escapes code itself.  ``$`` needs no escaping: the Chatbot is built with LaTeX off.
+    The Chatbot's own ``sanitize_html`` stays on as a second layer.  Known cosmetic limit: inside an
+    *indented* (not fenced) code block the entities show as ``&lt;``.
+    """
+    lines = text.split("\n")
+    out: list[str] = []
+    fence: Optional[str] = None
+    for line in lines:
+        m = _FENCE.match(line)
+        if fence is None:
+            if m:
+                fence = m.group(1)
+                out.append(line)
+            else:
+                out.append(_escape_inline(line))
+        else:
+            out.append(line)
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip(" `~"):
+                fence = None
+    return "\n".join(out)
+
+
+def view_path(path: Path) -> str:
+    """A copy of a stored image under the system temp folder, which Gradio may serve; returns its path.
+
+    History folders are never exposed to Gradio's file route (no ``allowed_paths``): Gradio copies files from
+    the temp folder into its own cache under unguessable content-hash names.  Raises ``OSError`` when the
+    stored image cannot be read.
+    """
+    target_dir = Path(tempfile.gettempdir()) / "qwen_chat_view"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / Path(path).name
+    if not target.exists():
+        write_atomic(target, Path(path).read_bytes())
+    return str(target)
+
+
+@dataclass(frozen=True)
+class LiveReply:
+    """The in-memory view of the reply streaming right now (the fields ``chatbot_messages`` reads)."""
+
+    text: str
+    reasoning: str
+    role: str = "assistant"
+    images: tuple = ()
+    status: str = STREAMING
+    notice: str = ""
+
+
+def chatbot_messages(messages: Sequence[Any], image_path, live_index: Optional[int] = None) -> list[dict]:
+    """Stored messages -> Gradio Chatbot "messages" dicts (text made safe, images as file dicts).
+
+    ``image_path(ref) -> Path`` resolves a stored image reference.  A message whose status is still
+    ``streaming`` is shown as interrupted unless it is ``live_index`` (the reply streaming right now).
+    Reasoning goes into a collapsible thought message (``metadata.title``), marked unfinished when the reply
+    ended inside it.
+    """
+    out: list[dict] = []
+    for index, msg in enumerate(messages):
+        if msg.role == "system":
+            continue
+        if msg.role == "user":
+            content: list[dict] = []
+            for ref in msg.images:
+                try:
+                    content.append({"path": view_path(image_path(ref))})
+                except (ChatError, OSError):  # deleted or unreadable file: the rest still opens
+                    content.append({"type": "text", "text": "*[image no longer available]*"})
+            if msg.text:
+                content.append({"type": "text", "text": safe_markdown(msg.text)})
+            if content:
+                out.append({"role": "user", "content": content})
+            continue
+        live = index == live_index
+        status = shown_status(msg, live)
+        if msg.reasoning:
+            unfinished = not msg.text and status != "complete"
+            title = "Thinking (unfinished)" if unfinished and not live else "Thinking"
+            out.append({
+                "role": "assistant",
+                "content": [{"type": "text", "text": safe_markdown(msg.reasoning)}],
+                "metadata": {"title": title, "status": "pending" if live and not msg.text else "done"},
+            })
+        text = safe_markdown(msg.text) if msg.text else ""
+        if status in STATUS_LABELS:
+            note = getattr(msg, "notice", "") or ""
+            label = STATUS_LABELS[status] + (f" ({safe_markdown(note)})" if note and status == "error" else "")
+            text = (text + "\n\n" if text else "") + f"*[{label}]*"
+        if text:
+            out.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+    return out
