@@ -201,6 +201,13 @@ class Conversation:
         if not self.updated:
             self.updated = self.created
 
+    def matches(self, query: str) -> bool:
+        """True when ``query`` (whitespace collapsed; case-insensitive, ``str.casefold``) occurs in the title or
+        in the text of any message; an empty query matches every conversation."""
+        needle = " ".join(query.split()).casefold()
+        return not needle or any(needle in " ".join(text.split()).casefold()
+                                 for text in [self.title, *(m.text for m in self.messages)])
+
     def index_of(self, message_id: str) -> Optional[int]:
         """Position of the message with ``message_id``, or None."""
         for index, message in enumerate(self.messages):

@@ -124,8 +124,9 @@ class UserHistory:
             raise HistoryUnavailable(f"cannot create the history folder: {e.strerror or e}") from None
 
     # ------------------------------------------------------------------ reading
-    def list(self) -> list[ConversationSummary]:
-        """Summaries of every readable conversation, most recently updated first.
+    def list(self, query: str = "") -> list[ConversationSummary]:
+        """Summaries of every readable conversation, most recently updated first; with a ``query`` only those
+        whose title or message text contains it (``Conversation.matches``: case-insensitive).
 
         Unreadable files are set aside into ``corrupt/`` with a warning; never raises for them.
         """
@@ -138,6 +139,8 @@ class UserHistory:
                 continue
             except OSError as e:
                 log.warning("cannot read history file %s: %s", self._files.path(conv_id), e)
+                continue
+            if not conv.matches(query):
                 continue
             summaries.append(ConversationSummary(conv.id, conv.title, conv.created, conv.updated,
                                                  len(conv.messages)))
@@ -192,11 +195,7 @@ class UserHistory:
                                         notice=notice)
         elif role is not None:
             raise InvalidInput("pass either a StoredMessage or message fields, not both")
-        if not isinstance(message, StoredMessage):
-            raise InvalidInput("message must be a StoredMessage")
-        for name in message.images:
-            if not self._images.has(name):
-                raise InvalidInput(f"image {name} is not stored for this user")
+        self._check_images(message)
 
         def change(conv: Conversation) -> Any:
             existing = conv.index_of(message.id)
@@ -236,15 +235,30 @@ class UserHistory:
 
         return self._files.mutate(conv_id, change)[0]
 
-    def truncate_from(self, conv_id: str, message: MessageKey) -> Conversation:
-        """Drop ``message`` and every later message (for Regenerate); returns the saved conversation.
+    def truncate_from(self, conv_id: str, message: MessageKey,
+                      replacement: Optional[StoredMessage] = None) -> Conversation:
+        """Drop ``message`` and every later message (Regenerate); with a ``replacement``, append it in the
+        same saved change (an edited user message: the turns after it are replaced).  A title that was made
+        from the dropped first user message (``make_title``) is made again from the replacement; a title the
+        user chose stays.  Returns the saved conversation.
 
         Raises:
-            ConversationNotFound, MessageNotFound.
+            ConversationNotFound, MessageNotFound; InvalidInput when ``replacement`` is not a
+            ``StoredMessage`` or names an image not stored for this user.
         """
+        if replacement is not None:
+            self._check_images(replacement)
 
         def change(conv: Conversation) -> None:
-            del conv.messages[_resolve(conv, message):]
+            index = _resolve(conv, message)
+            dropped = conv.messages[index]
+            if (replacement is not None and dropped.role == "user"
+                    and not any(m.role == "user" for m in conv.messages[:index])
+                    and conv.title == make_title(dropped.text, len(dropped.images))):
+                conv.title = make_title(replacement.text, len(replacement.images))
+            del conv.messages[index:]
+            if replacement is not None:
+                conv.messages.append(replacement)
 
         return self._files.mutate(conv_id, change)[0]
 
@@ -331,6 +345,14 @@ class UserHistory:
             InvalidInput: malformed name (not ``<64 hex>.png``) or no such image for this user.
         """
         return self._images.path(name)
+
+    def _check_images(self, message: Any) -> None:
+        """Raise ``InvalidInput`` unless ``message`` is a ``StoredMessage`` whose images are all stored here."""
+        if not isinstance(message, StoredMessage):
+            raise InvalidInput("message must be a StoredMessage")
+        for name in message.images:
+            if not self._images.has(name):
+                raise InvalidInput(f"image {name} is not stored for this user")
 
 
 def _resolve(conv: Conversation, key: MessageKey) -> int:

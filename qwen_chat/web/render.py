@@ -15,7 +15,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from qwen_chat.chat_types import ChatError
 from qwen_chat.history.files import write_atomic
@@ -25,6 +25,8 @@ from qwen_chat.history.turns import shown_status
 # Markdown/HTML constructs that must stay literal text (see ``safe_markdown``).
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 _UNSAFE_LINK = re.compile(r"\]\(\s*<?\s*(?:javascript|vbscript|data|file):", re.IGNORECASE)
+_ESCAPED_LINK = re.compile(r"\]\\\(\s*<?\s*(?:javascript|vbscript|data|file):", re.IGNORECASE)
+_ENTITY = re.compile(r"&(lt|amp);")
 
 
 def _escape_plain(text: str) -> str:
@@ -34,25 +36,51 @@ def _escape_plain(text: str) -> str:
     return _UNSAFE_LINK.sub(lambda m: "]\\(" + m.group(0)[2:], text)
 
 
-def _escape_inline(line: str) -> str:
-    """Escape one line outside fenced code, leaving inline code spans (which Markdown escapes itself) alone."""
+def _unescape_plain(text: str) -> str:
+    """Undo ``_escape_plain`` on a non-code segment."""
+    text = _ESCAPED_LINK.sub(lambda m: "](" + m.group(0)[3:], text).replace("!\\[", "![")
+    return _ENTITY.sub(lambda m: "<" if m.group(1) == "lt" else "&", text)
+
+
+def _escape_inline(line: str, plain: Callable[[str], str]) -> str:
+    """Apply ``plain`` to one line outside fenced code, leaving inline code spans (which Markdown escapes
+    itself) alone."""
     out, i = [], 0
     while i < len(line):
         start = line.find("`", i)
         if start < 0:
-            out.append(_escape_plain(line[i:]))
+            out.append(plain(line[i:]))
             break
         run = len(line[start:]) - len(line[start:].lstrip("`"))
         closing = re.compile(r"(?<!`)" + "`" * run + r"(?!`)")
         close = closing.search(line, start + run)
         if close is None:  # unmatched backticks are literal text
-            out.append(_escape_plain(line[i:start + run]))
+            out.append(plain(line[i:start + run]))
             i = start + run
             continue
-        out.append(_escape_plain(line[i:start]))
+        out.append(plain(line[i:start]))
         out.append(line[start:close.end()])
         i = close.end()
     return "".join(out)
+
+
+def _outside_code(text: str, plain: Callable[[str], str]) -> str:
+    """``text`` with ``plain`` applied to every part outside fenced code blocks and inline code spans."""
+    out: list[str] = []
+    fence: Optional[str] = None
+    for line in text.split("\n"):
+        m = _FENCE.match(line)
+        if fence is None:
+            if m:
+                fence = m.group(1)
+                out.append(line)
+            else:
+                out.append(_escape_inline(line, plain))
+        else:
+            out.append(line)
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip(" `~"):
+                fence = None
+    return "\n".join(out)
 
 
 def safe_markdown(text: str) -> str:
@@ -65,22 +93,16 @@ def safe_markdown(text: str) -> str:
     The Chatbot's own ``sanitize_html`` stays on as a second layer.  Known cosmetic limit: inside an
     *indented* (not fenced) code block the entities show as ``&lt;``.
     """
-    lines = text.split("\n")
-    out: list[str] = []
-    fence: Optional[str] = None
-    for line in lines:
-        m = _FENCE.match(line)
-        if fence is None:
-            if m:
-                fence = m.group(1)
-                out.append(line)
-            else:
-                out.append(_escape_inline(line))
-        else:
-            out.append(line)
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence) and not line.strip(" `~"):
-                fence = None
-    return "\n".join(out)
+    return _outside_code(text, _escape_plain)
+
+
+def plain_text(shown: str) -> str:
+    """The text a user typed, back from its ``safe_markdown`` form (what the Chatbot's edit box holds).
+
+    ``plain_text(safe_markdown(t)) == t`` for every ``t`` that does not itself contain ``!\\[``, ``]\\(`` before a
+    script scheme, or the entities ``&lt;``/``&amp;`` outside code (those read back as ``![``, ``](``, ``<``, ``&``).
+    """
+    return _outside_code(shown, _unescape_plain)
 
 
 def view_path(path: Path) -> str:
