@@ -18,12 +18,18 @@ Role = Literal["system", "user", "assistant"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 # (low, high) inclusive ranges that the UI sliders show and every entry point enforces.
-MAX_NEW_TOKENS_RANGE = (64, 8192)
+MAX_NEW_TOKENS_RANGE = (64, 8192)  # the UI slider; the engine and the API accept MAX_NEW_TOKENS_ACCEPTED
 TEMPERATURE_RANGE = (0.0, 1.5)
 TOP_P_RANGE = (0.1, 1.0)
 TOP_K_RANGE = (1, 100)
 PRESENCE_PENALTY_RANGE = (0.0, 2.0)
 SEED_RANGE = (0, 2**63 - 1)
+# Ranges without a UI slider (API fields); OpenAI's ranges where OpenAI defines one.
+MAX_NEW_TOKENS_ACCEPTED = (1, MAX_NEW_TOKENS_RANGE[1])  # OpenAI accepts any max_tokens >= 1
+FREQUENCY_PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range
+CHOICES_RANGE = (1, 8)  # n: replies sampled from one prefill
+TOP_LOGPROBS_RANGE = (0, 20)  # OpenAI's range
+THINKING_TOKEN_BUDGET_RANGE = (0, MAX_NEW_TOKENS_RANGE[1])
 
 
 def is_blank(text: Optional[str]) -> bool:
@@ -96,6 +102,13 @@ class GenerationSettings:
     in (0, 1]; ``top_k`` the number of candidates kept; ``presence_penalty`` is subtracted once from the logit
     of every token already generated in this reply (OpenAI/vLLM definition); ``seed`` makes sampling
     reproducible (None: fresh random seed per request).  ``stop`` are extra stop strings (API only).
+
+    API fields (the UI leaves their defaults): ``frequency_penalty`` is subtracted ``count`` times from the
+    logit of a token generated ``count`` times in this reply (OpenAI's definition; like ``presence_penalty``
+    not applied at temperature 0); ``n`` replies are sampled from one prefill (choice i uses ``seed + i``);
+    ``top_logprobs``: None = no log-probabilities, k = each answer token's log-probability and its k most
+    likely alternatives; ``thinking_token_budget``: with thinking on, after that many reasoning tokens the
+    engine emits ``</think>`` and the answer follows (None: no budget).
     """
 
     max_new_tokens: int = 2048
@@ -106,6 +119,10 @@ class GenerationSettings:
     seed: Optional[int] = None
     enable_thinking: bool = True
     stop: tuple[str, ...] = ()
+    frequency_penalty: float = 0.0
+    n: int = 1
+    top_logprobs: Optional[int] = None
+    thinking_token_budget: Optional[int] = None
 
     @classmethod
     def preset(cls, enable_thinking: bool, **overrides) -> "GenerationSettings":
@@ -123,12 +140,18 @@ class GenerationSettings:
             InvalidInput: naming the parameter, the value and the allowed range (never clamps silently).
         """
         checks = [
-            ("max_new_tokens", self.max_new_tokens, MAX_NEW_TOKENS_RANGE, int),
+            ("max_new_tokens", self.max_new_tokens, MAX_NEW_TOKENS_ACCEPTED, int),
             ("temperature", self.temperature, TEMPERATURE_RANGE, float),
             ("top_p", self.top_p, TOP_P_RANGE, float),
             ("top_k", self.top_k, TOP_K_RANGE, int),
             ("presence_penalty", self.presence_penalty, PRESENCE_PENALTY_RANGE, float),
+            ("frequency_penalty", self.frequency_penalty, FREQUENCY_PENALTY_RANGE, float),
+            ("n", self.n, CHOICES_RANGE, int),
         ]
+        if self.top_logprobs is not None:
+            checks.append(("top_logprobs", self.top_logprobs, TOP_LOGPROBS_RANGE, int))
+        if self.thinking_token_budget is not None:
+            checks.append(("thinking_token_budget", self.thinking_token_budget, THINKING_TOKEN_BUDGET_RANGE, int))
         for name, value, (low, high), kind in checks:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidInput(f"{name} must be a number in [{low}, {high}], got {value!r}")
@@ -167,6 +190,12 @@ class StreamUpdate:
     added (never ending in a split UTF-8 character).  ``thinking`` is True while the model is still inside its
     reasoning.  ``finish_reason`` is set on the last update only.  ``notice`` is a user-facing remark (context
     turns dropped, token limit reached while thinking...).  Token counts in tokens, ``ttft_s`` in seconds.
+
+    ``index``: the choice (0 .. ``settings.n`` - 1) this update belongs to; with n > 1 the updates of the
+    choices interleave and each choice has its own last update.  ``reasoning_tokens``: completion tokens
+    sampled before ``</think>`` (all of them when the reply ended inside its reasoning).  ``logprobs``: the
+    answer tokens this update added, with their log-probabilities (only when ``settings.top_logprobs`` is set).
+    ``dropped_messages``: messages the context policy left out of the prompt (oldest turns first).
     """
 
     reasoning: str = ""
@@ -179,10 +208,29 @@ class StreamUpdate:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     ttft_s: Optional[float] = None
+    index: int = 0
+    reasoning_tokens: int = 0
+    logprobs: tuple["TokenLogprob", ...] = ()
+    dropped_messages: int = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token and its log-probability (natural log) under the model's distribution at that step.
+
+    ``token``: its text (``bytes`` decoded as UTF-8; a token that is not whole UTF-8 reads ``bytes:\\xNN...``);
+    ``bytes``: its raw UTF-8 bytes (ints 0-255); ``top``: the k most likely tokens of that step as
+    ``(token, logprob, bytes)``, most likely first (empty when k = 0).
+    """
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[tuple[str, float, tuple[int, ...]], ...] = ()
 
 
 class CancelToken:

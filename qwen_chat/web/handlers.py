@@ -3,13 +3,13 @@
 ``ui.py`` lays the page out and wires its events to ``ChatController``; everything that decides something
 lives here or in the modules it uses, so it can be tested without a browser:
 
-* ``build_settings`` turns the page's controls into validated ``GenerationSettings`` (the UI's one check;
-  the engine checks again as part of its contract);
+* ``controls.py`` turns the page's controls into validated ``GenerationSettings`` and holds their defaults;
 * ``ChatController.send`` refuses a blank message (``chat_types.is_blank``), normalises images before
   anything is saved (a bad or unsupported image leaves history untouched), saves the user turn and streams
   the backend's reply, saved through ``history.turns.ReplyRecorder`` (``streaming``, re-saved about once a
   second, finished as ``complete``/``stopped``/``interrupted``/``length``/``error``).  It always appends to
   the conversation as it is *on disk*, so a page left open across a restart never overwrites newer history;
+  ``regenerate`` and ``edit`` (an edited user message resent) replace the turns after the message;
 * rendering (safe Markdown, Chatbot messages) is in ``render.py``.
 
 Errors meant for the user are ``qwen_chat.chat_types.ChatError`` subclasses; ``ui.py`` shows their message.
@@ -46,55 +46,20 @@ from qwen_chat.history.turns import (
     wait_settled,
 )
 from qwen_chat.images import ImageLimits, check_image_count, normalize_image
-from qwen_chat.web.render import LiveReply, chatbot_messages
+from qwen_chat.web.render import LiveReply, chatbot_messages, conversation_label, stored_index
 
-__all__ = ["LOCAL_USER", "ChatController", "Session", "TurnView", "build_settings", "parse_seed", "preset_values"]
+__all__ = ["LOCAL_USER", "ChatController", "Session", "TurnView"]
 
 log = logging.getLogger(__name__)
-
-def preset_values(thinking: bool) -> tuple[float, float, int, float]:
-    """(temperature, top_p, top_k, presence_penalty) of the Qwen3.5 preset for the mode (``chat_types``)."""
-    p = GenerationSettings.preset(bool(thinking))
-    return p.temperature, p.top_p, p.top_k, p.presence_penalty
-
-
-def parse_seed(value: Any) -> Optional[int]:
-    """Seed box value -> None (empty: fresh random seed) or an int.  Raises ``InvalidInput`` otherwise."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise InvalidInput(f"seed must be a whole number in [0, 2**63-1], got {value!r}") from None
-    if number != number or number != int(number):
-        raise InvalidInput(f"seed must be a whole number in [0, 2**63-1], got {value!r}")
-    return int(number)
-
-
-def build_settings(thinking: bool, max_new_tokens: Any, temperature: Any, top_p: Any, top_k: Any,
-                   presence_penalty: Any, seed: Any) -> GenerationSettings:
-    """Validated ``GenerationSettings`` from the UI controls.  Raises ``InvalidInput`` naming the bad value."""
-    try:
-        settings = GenerationSettings(
-            max_new_tokens=int(max_new_tokens) if float(max_new_tokens) == int(float(max_new_tokens))
-            else float(max_new_tokens),
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=int(top_k) if float(top_k) == int(float(top_k)) else float(top_k),
-            presence_penalty=float(presence_penalty),
-            seed=parse_seed(seed),
-            enable_thinking=bool(thinking),
-        )
-    except (TypeError, ValueError, OverflowError):
-        raise InvalidInput("every sampling control needs a number") from None
-    return settings.validate()
 
 
 @dataclass
 class Session:
-    """Per-browser-tab state (kept in ``gr.State``): the cancel token of the reply now streaming, if any."""
+    """Per-browser-tab state (kept in ``gr.State``): the cancel token of the reply now streaming, if any, and
+    the sidebar's search text (every refresh of the list applies it)."""
 
     cancel: Optional[CancelToken] = None
+    query: str = ""
 
 
 @dataclass
@@ -133,23 +98,24 @@ class ChatController:
         self.ui_interval_s = ui_interval_s
 
     # ----------------------------------------------------------------- conversations (sidebar)
-    def conversation_choices(self, user_id: str) -> list[tuple[str, str]]:
-        """(label, conversation id) pairs, newest first, for the sidebar list."""
-        return [(self._label(c), c.id) for c in self.store.user(user_id).list()]
+    def conversation_choices(self, user_id: str, query: str = "") -> list[tuple[str, str]]:
+        """(label, conversation id) pairs, newest first, for the sidebar list: every conversation, or those whose
+        title or text contains ``query`` (case-insensitive).  Labels: ``render.conversation_label``."""
+        return [(conversation_label(c), c.id) for c in self.store.user(user_id).list(query)]
 
-    @staticmethod
-    def _label(summary: Any) -> str:
-        title = (summary.title or "New chat").replace("\n", " ").strip()
-        return title if len(title) <= 60 else title[:57] + "..."
-
-    def open(self, user_id: str, conv_id: str) -> tuple[list[dict], str, str]:
-        """Reopen a saved conversation: (chatbot messages, conversation id, system prompt).
+    def open(self, user_id: str, conv_id: str) -> tuple[list[dict], str, str, str]:
+        """Reopen a saved conversation: (chatbot messages, conversation id, system prompt, title).
 
         Raises ``InvalidInput`` (from the store) when it does not exist or is not this user's.
         """
         history = self.store.user(user_id)
         conv = history.load(conv_id)
-        return chatbot_messages(conv.messages, history.image_path), conv.id, self._system_prompt(conv)
+        return (chatbot_messages(conv.messages, history.image_path), conv.id, self._system_prompt(conv),
+                conv.title)
+
+    def title(self, user_id: str, conv_id: str) -> str:
+        """The saved title of the conversation.  Raises ``InvalidInput`` for an unknown or foreign id."""
+        return self.store.user(user_id).load(conv_id).title
 
     @staticmethod
     def _system_prompt(conv: Any) -> str:
@@ -260,6 +226,38 @@ class ChatController:
 
         yield from self._generate(history, conv_id, conv.messages[: last_user + 1], system_prompt, settings,
                                   session, "", save_turn)
+
+    def edit(self, user_id: str, conv_id: Optional[str], shown_index: int, text: Optional[str],
+             system_prompt: str, settings: GenerationSettings, session: Session) -> Iterator[TurnView]:
+        """Resend the user message the Chatbot shows at ``shown_index`` with ``text`` (its images stay) and
+        stream a new reply; the messages after it are replaced, on disk once the backend accepted the turn.
+
+        Raises ``InvalidInput`` when no conversation is open, the position is not a user message of the saved
+        conversation, or the new text is blank and the message has no images; backend refusals as ``send``
+        does (then nothing changes on disk).
+        """
+        if not conv_id:
+            raise InvalidInput("open a conversation first")
+        self._check_idle(session)
+        history = self.store.user(user_id)
+        conv = history.load(conv_id)
+        index = stored_index(conv.messages, shown_index)
+        if index is None or conv.messages[index].role != "user":
+            raise InvalidInput("only your own messages can be edited")
+        old = conv.messages[index]
+        text = "" if is_blank(text) else (text or "").strip()
+        if not text and not old.images:
+            raise InvalidInput("the edited message is empty")
+        edited = StoredMessage.new("user", text, images=old.images)
+        replaced = index + 1 < len(conv.messages)
+        notes = "edited message resent: the turns after it were replaced" if replaced else ""
+
+        def save_turn() -> str:
+            history.truncate_from(conv_id, old.id, replacement=edited)
+            return conv_id
+
+        yield from self._generate(history, conv_id, conv.messages[:index] + [edited], system_prompt, settings,
+                                  session, notes, save_turn)
 
     @staticmethod
     def _check_idle(session: Session) -> None:

@@ -5,6 +5,9 @@
 * ``chatbot_messages`` turns stored messages (and the reply streaming now, ``LiveReply``) into Gradio
   Chatbot "messages" dicts, with the reasoning in a collapsible block and the status label of the reply
   (``history.records.STATUS_LABELS``);
+  ``stored_index`` maps a shown position back to the stored message (for the Chatbot's edit event) and
+  ``plain_text`` turns a shown text back into what was typed;
+* ``conversation_label``: a sidebar entry (title and date);
 * ``view_path`` copies a stored image where Gradio may serve it.
 
 No Gradio objects here (plain dicts), no torch.
@@ -14,12 +17,13 @@ from __future__ import annotations
 import re
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from qwen_chat.chat_types import ChatError
 from qwen_chat.history.files import write_atomic
-from qwen_chat.history.records import STATUS_LABELS, STREAMING
+from qwen_chat.history.records import DEFAULT_TITLE, STATUS_LABELS, STREAMING
 from qwen_chat.history.turns import shown_status
 
 # Markdown/HTML constructs that must stay literal text (see ``safe_markdown``).
@@ -140,37 +144,75 @@ def chatbot_messages(messages: Sequence[Any], image_path, live_index: Optional[i
     Reasoning goes into a collapsible thought message (``metadata.title``), marked unfinished when the reply
     ended inside it.
     """
-    out: list[dict] = []
+    return [shown for _, shown in _shown_messages(messages, image_path, live_index)]
+
+
+def stored_index(messages: Sequence[Any], shown_index: int) -> Optional[int]:
+    """The index in ``messages`` of the message the Chatbot shows at position ``shown_index`` (as laid out by
+    ``chatbot_messages``), or None when there is no such position."""
+    sources = [index for index, _ in _shown_messages(messages, None, None)]
+    return sources[shown_index] if 0 <= shown_index < len(sources) else None
+
+
+def _shown_messages(messages: Sequence[Any], image_path, live_index: Optional[int]):
+    """(index in ``messages``, Chatbot dict) for every message shown; ``image_path`` None: images as a note."""
     for index, msg in enumerate(messages):
         if msg.role == "system":
             continue
         if msg.role == "user":
-            content: list[dict] = []
-            for ref in msg.images:
-                try:
-                    content.append({"path": view_path(image_path(ref))})
-                except (ChatError, OSError):  # deleted or unreadable file: the rest still opens
-                    content.append({"type": "text", "text": "*[image no longer available]*"})
+            content = [_image_part(image_path, ref) for ref in msg.images]
             if msg.text:
                 content.append({"type": "text", "text": safe_markdown(msg.text)})
             if content:
-                out.append({"role": "user", "content": content})
+                yield index, {"role": "user", "content": content}
             continue
         live = index == live_index
         status = shown_status(msg, live)
         if msg.reasoning:
             unfinished = not msg.text and status != "complete"
             title = "Thinking (unfinished)" if unfinished and not live else "Thinking"
-            out.append({
+            yield index, {
                 "role": "assistant",
                 "content": [{"type": "text", "text": safe_markdown(msg.reasoning)}],
                 "metadata": {"title": title, "status": "pending" if live and not msg.text else "done"},
-            })
+            }
         text = safe_markdown(msg.text) if msg.text else ""
         if status in STATUS_LABELS:
             note = getattr(msg, "notice", "") or ""
             label = STATUS_LABELS[status] + (f" ({safe_markdown(note)})" if note and status == "error" else "")
             text = (text + "\n\n" if text else "") + f"*[{label}]*"
         if text:
-            out.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
-    return out
+            yield index, {"role": "assistant", "content": [{"type": "text", "text": text}]}
+
+
+def _image_part(image_path, ref: str) -> dict:
+    """The Chatbot part showing stored image ``ref`` (a note when it is gone or ``image_path`` is None)."""
+    if image_path is not None:
+        try:
+            return {"path": view_path(image_path(ref))}
+        except (ChatError, OSError):  # deleted or unreadable file: the rest still opens
+            pass
+    return {"type": "text", "text": "*[image no longer available]*"}
+
+
+def conversation_label(summary: Any, now: Optional[datetime] = None) -> str:
+    """The sidebar entry of a conversation: its title (one line, at most 60 characters) and when it was last
+    updated, in the server's local time: "today 14:05", "yesterday 09:30", "3 Mar 14:05", or "3 Mar 2024" for
+    another year.  ``summary`` has ``title`` and ``updated`` (ISO 8601 with a UTC offset, ``records.now_iso``);
+    an unreadable time leaves the title alone."""
+    title = " ".join((summary.title or DEFAULT_TITLE).split())
+    title = title if len(title) <= 60 else title[:57] + "..."
+    try:
+        when = datetime.fromisoformat(summary.updated).astimezone()
+    except (TypeError, ValueError):
+        return title
+    today = (now or datetime.now().astimezone()).date()
+    if when.date() == today:
+        day = "today"
+    elif when.date() == today - timedelta(days=1):
+        day = "yesterday"
+    elif when.year == today.year:
+        day = f"{when.day} {when:%b}"
+    else:
+        return f"{title} · {when.day} {when:%b} {when.year}"
+    return f"{title} · {day} {when:%H:%M}"

@@ -40,5 +40,5 @@ def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
         login = users.verify
     return gr.mount_gradio_app(
         app, page, path="/", auth=login, auth_message="Qwen3.5 chat: please log in",
-        max_file_size=limits.max_file_bytes, footer_links=["api"], css=CSS, ssr_mode=False,
+        max_file_size=limits.max_file_bytes, footer_links=["settings"], css=CSS, ssr_mode=False,
     )

@@ -53,6 +53,9 @@ def test_comm_rejects_an_unknown_backend(monkeypatch):
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     with pytest.raises(ValueError, match="auto, symm_mem or nccl"):
         TensorParallelComm(object(), "cpu", torch.float32, backend="mpi")
+    # the kind is an argument (ServiceConfig.tp_allreduce), never read from the environment here
+    monkeypatch.setenv("QWEN_CHAT_TP_ALLREDUCE", "mpi")
+    assert TensorParallelComm(object(), "cpu", torch.float32).kind == "torch.distributed"
 
 
 def test_sampler_records_the_shared_tokens_not_its_own_draw():

@@ -14,7 +14,9 @@ from qwen_chat.chat_types import ContextTooLong, InvalidInput
 from qwen_chat.engine.model.glue import attn_core
 from qwen_chat.engine.serving.requests import PreparedPrompt
 from qwen_chat.engine.model.fusion import fuse_linears
+from qwen_chat.engine.model.options import RunnerOptions
 from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.parallel.tp_decode import LocalDecode
 from tests.support.small_model import (IMAGE, TOL, VOCAB, LiveBatch, Seq, image_seq, rel_err, small_config,
                                        small_model, text_ids)
 
@@ -187,6 +189,18 @@ def test_service_tiny_model_with_processed_photo_matches_reference(tiny_loaded):
         seq.append(tok)
         errs.append(rel_err(runner.decode([0], torch.tensor([tok]))[0], reference()))
     assert max(errs) <= TOL, errs
+
+
+def test_options_default_to_production_and_refuse_what_cannot_work(model):
+    """``RunnerOptions()`` resolves to what the service runs on this device (on CPU: no graphs, eager glue, no
+    Triton), with the identity tensor-parallel path at world size 1; asking for CUDA-only paths on CPU fails."""
+    runner = ModelRunner(model, num_slots=1, max_context=32, device="cpu")
+    assert runner.options == RunnerOptions(cuda_graphs=False, compile_glue=False, fast_gemv=False, gdn_kernel=False)
+    assert runner.graphs is None and runner.prefill_bucket(10) is None
+    assert isinstance(runner.tp, LocalDecode) and runner.impl["tp_all_reduce"] is None
+    for bad in (RunnerOptions(cuda_graphs=True), RunnerOptions(fast_gemv=True)):
+        with pytest.raises(ValueError, match="CUDA"):
+            ModelRunner(model, num_slots=1, max_context=32, device="cpu", options=bad)
 
 
 def test_graph_ladder_and_context_buckets(model):

@@ -1,4 +1,4 @@
-"""Failure drills under a real ``supervisord`` (issue 5): the deploy configs adapted to the tiny model on a test port.
+"""Failure drills under a real ``supervisord``: the deploy configs adapted to the tiny model on a test port.
 
 One supervisord runs the service for the module (start-up ~25-50 s on 2 CPU cores).  Drills, in order:
 
@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.timeout(600)]
 #: reason: starts the real service (tiny model) under supervisord; ~30-90 s per drill on 2 CPU cores
 drill = pytest.mark.slow
 
-#: Issue 5: back to RUNNING with /healthz 200 within this many seconds of the crash.
+#: Back to RUNNING with /healthz 200 within this many seconds of the crash (the deployment target).
 RECOVERY_LIMIT_S = 60.0
 #: How long the drills wait for a recovery before giving up (longer than the limit, to measure slow ones).
 WAIT_LIMIT_S = 180.0
@@ -163,7 +163,8 @@ def crash_drill(sup: Supervisor, url: str, history: Path, crash, min_chars: int 
     kept = len(reply.text) + len(reply.reasoning)
     assert kept >= saved_chars >= min_chars
 
-    # The restarted UI shows it as interrupted, and the same conversation goes on (a page left open, C22).
+    # The restarted UI shows it as interrupted, and the same conversation goes on (a page left open across
+    # the restart keeps its history).
     fresh = Client(url + "/", verbose=False)
     listed = fresh.predict("", api_name="/conversations")["choices"]  # what the page does when it loads
     assert conv_id in [c[1] for c in listed]
@@ -289,7 +290,7 @@ def assert_startup_ends_fatal(tmp_path, tiny_cache, bad_args, reason, port, port
 
 def test_deploy_program_file_as_the_system_supervisor_reads_it(tmp_path):
     """deploy/qwen3.5-9b.conf included from another folder (as /etc/supervisor/supervisord.conf does) resolves
-    its paths to the repository and carries the settings issue 5 asks for."""
+    its paths to the repository and carries the restart, stop and log settings of the deployment."""
     from supervisor.datatypes import RestartWhenExitUnexpected
     from supervisor.options import ServerOptions
 

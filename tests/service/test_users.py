@@ -1,4 +1,4 @@
-"""Login and per-user isolation on the real service (``start.sh``, tiny model, ``--login --users-file``), issue 5.
+"""Login and per-user isolation on the real service (``start.sh``, tiny model, ``--login --users-file``).
 
 One service for the module, started with a users file made by the CLI (alice) and by ``auth.UserDB`` (bob),
 upload limits of 1 MB per file and 2 images per message.  Driven like a browser would be: ``gradio_client``

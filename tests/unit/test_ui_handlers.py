@@ -11,7 +11,8 @@ import pytest
 
 from qwen_chat.chat_types import GenerationSettings, InvalidImage, InvalidInput, StreamUpdate, is_blank
 from qwen_chat.history.store import HistoryStore
-from qwen_chat.web.handlers import ChatController, Session, build_settings, parse_seed, preset_values
+from qwen_chat.web.controls import DEMO_MAX_NEW_TOKENS, build_settings, page_defaults, parse_seed, preset_values
+from qwen_chat.web.handlers import ChatController, Session
 from qwen_chat.web.render import chatbot_messages, safe_markdown
 from tests.support.fake_backend import FakeBackend
 

@@ -63,7 +63,7 @@ class ModelForward:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_t: torch.Tensor,
-                         n_t: torch.Tensor) -> torch.Tensor:
+                n_t: torch.Tensor) -> torch.Tensor:
         """The prefill forward of one prompt, padded or not, with tensor ops only (capturable in a CUDA graph).
 
         emb: [1, P, hidden] input embeddings (model dtype); cos/sin: [1, P, rotary_dim]; slot_t: int64 [1], the

@@ -3,7 +3,8 @@
 A batch-1 decode step is bound by reading the weights once (~15.9 GB per step for the 9B text model and LM
 head: docs/facts.md, "Per-token cost (batch 1 decode, bf16)").  cuBLAS picks split-K kernels plus a separate
 reduction kernel for several of the decode shapes and reads some of them well below the copy bandwidth
-(measured: docs/performance.md).  These kernels stream each weight row block once, without split-K, with fp32 accumulation:
+(measured: docs/performance.md).  These kernels stream each weight row block once, without split-K, with fp32
+accumulation:
 
 - ``B == 1``: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` tiles, multiplying the
   tile by the broadcast input row and reducing across K on the CUDA cores;

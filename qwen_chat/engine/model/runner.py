@@ -152,6 +152,27 @@ class ModelRunner:
         self.lengths[slot] = 0
         self.rope_deltas[slot] = 0
 
+    @torch.no_grad()
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make ``dst`` continue from ``src``'s state (its first ``lengths[src]`` KV positions, conv and recurrent
+        state, length, M-RoPE delta), queued on the device; used to share one prefill among the n choices of a
+        request.  Local tensors only (no collective): under tensor parallelism every rank copies its shard.
+        Raises ValueError for a slot out of range, ``src == dst`` or an unprefilled ``src``."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        if src == dst or not self._active[src]:
+            raise ValueError(f"copy_slot needs a prefilled source other than the target (got {src} -> {dst})")
+        n = self.lengths[src]
+        for cache in (self.k_cache, self.v_cache):
+            for t in cache.values():
+                t[dst, :, :n].copy_(t[src, :, :n])
+        for state in (self.conv_state, self.rec_state):
+            for t in state.values():
+                t[dst].copy_(t[src])
+        self.lengths[dst] = n
+        self.rope_deltas[dst] = self.rope_deltas[src]
+        self._active[dst] = True
+
     def graph_batch_sizes(self) -> list[int]:
         """Padded batch sizes a decode can run at: ``graphs.BATCH_LADDER`` up to the first size >= num_slots."""
         return graphs.graph_batch_sizes(self.num_slots)

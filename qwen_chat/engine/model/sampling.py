@@ -10,6 +10,10 @@ Randomness: each slot owns a ``torch.Generator`` on the sampler's device, seeded
 of uniforms for that slot alone, and every ``sample`` call consumes exactly one uniform per row (inverse-CDF
 draw), so a slot's tokens depend only on its seed and its logits, never on which other slots share the batch.
 Every rank of a tensor-parallel group therefore samples identical tokens.
+
+The frequency penalty (before the presence penalty; not at temperature 0, like it), the thinking budget (after
+the draw) and log-probabilities are the per-slot rules of ``sampling_rules``; they cost nothing in batches
+that do not use them.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from qwen_chat.engine.model.sampling_rules import FrequencyCounts, LogprobRows, ThinkingBudget, logprobs_of
 from qwen_chat.engine.serving.requests import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -93,7 +98,8 @@ class Sampler:
     Args: num_slots (int); vocab_size (int, logits width V); device (where logits live); fused_top_k (int,
     default ``FUSED_TOPK``): batches whose rows all have 0 < top_k <= fused_top_k are drawn by ``draw_top_k``
     (0: never; tests compare the two paths).
-    Memory: a bool [num_slots, V] presence table and a float32 [num_slots, UNIFORM_BLOCK] uniform table.
+    Memory: a bool [num_slots, V] presence table, a float32 [num_slots, V] frequency table
+    (``sampling_rules.FrequencyCounts``) and a float32 [num_slots, UNIFORM_BLOCK] uniform table.
     """
 
     def __init__(self, num_slots: int, vocab_size: int, device, fused_top_k: int = FUSED_TOPK):
@@ -111,6 +117,8 @@ class Sampler:
         self._top_k = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
         self._penalty = torch.zeros(self.num_slots, dtype=torch.float32, device=dev)
         self._fused_k = min(int(fused_top_k), self.vocab_size)
+        self.frequency = FrequencyCounts(self.num_slots, self.vocab_size, dev)
+        self.budget = ThinkingBudget(self.num_slots, dev)
         #: The last token sampled for each slot (int64 [num_slots], on the device): the runner reads a decode
         #: step's inputs from here (``ModelRunner.decode(..., token_table=)``) without a trip through the host.
         self.last_tokens = torch.zeros(self.num_slots, dtype=torch.long, device=dev)
@@ -163,6 +171,8 @@ class Sampler:
         self._top_p[slot] = float(params.top_p)
         self._top_k[slot] = int(params.top_k) if 0 < params.top_k < self.vocab_size else 0
         self._penalty[slot] = float(params.presence_penalty)
+        self.frequency.start(slot, params.frequency_penalty)
+        self.budget.start(slot, params.reasoning_budget, params.think_end_id)
 
     def _to_device(self, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """int64 [len(rows), B] on the device from host ints, without waiting for the stream (CUDA: pinned
@@ -231,18 +241,42 @@ class Sampler:
         slots = [int(s) for s in slots]
         self._check(slots, logits)
         idx, u = self._rows(slots)
+        counted = self.frequency.active(slots)
+        drawn = self.frequency.apply(logits, idx) if counted else logits  # greedy rows keep the raw logits
         if all(self.params[s].temperature == 0 for s in slots):
             tokens = logits.float().argmax(dim=-1)
         else:
             if all(0 < self.params[s].top_k <= self._fused_k for s in slots):
-                tokens = self._draw_top_k(logits, self.presence, self._penalty, self._temperature, self._top_k,
+                tokens = self._draw_top_k(drawn, self.presence, self._penalty, self._temperature, self._top_k,
                                           self._top_p, idx, u, self._fused_k)
             else:
-                tokens = inverse_cdf(*self._nucleus(slots, logits, idx), u)
+                tokens = inverse_cdf(*self._nucleus(slots, drawn, idx), u)
             if any(self.params[s].temperature == 0 for s in slots):
                 tokens = torch.where(self._temperature[idx] == 0, logits.float().argmax(dim=-1), tokens)
+        budgeted = self.budget.active(slots)
+        if budgeted:
+            tokens = self.budget.force(idx, tokens)
         if self.token_sync is not None:
             tokens = self.token_sync(tokens)
         self.presence.index_put_((idx, tokens), self._true)  # (a Python True here would synchronise)
+        if counted:
+            self.frequency.record(idx, tokens)
+        if budgeted:
+            self.budget.record(idx, tokens)
         self.last_tokens[idx] = tokens
         return tokens
+
+    @torch.no_grad()
+    def logprobs_async(self, slots: Sequence[int], logits: torch.Tensor,
+                       tokens: torch.Tensor) -> Optional[LogprobRows]:
+        """Log-probabilities of a draw (``sample_async``'s ``slots``, ``logits`` [B, V] and returned ``tokens``
+        int64 [B]) for the rows whose ``SamplingParams.logprobs`` is set, on the device; None (and no work)
+        when no row asks.  Under the model's raw logits (``sampling_rules.logprobs_of``)."""
+        rows = [(i, int(s)) for i, s in enumerate(slots) if self.params[int(s)].logprobs is not None]
+        if not rows:
+            return None
+        ks = [int(self.params[s].logprobs) for _, s in rows]
+        pick = None if len(rows) == len(slots) else self._to_device([[i for i, _ in rows]])[0]
+        lg, tk = (logits, tokens) if pick is None else (logits.index_select(0, pick), tokens.index_select(0, pick))
+        chosen, values, ids = logprobs_of(lg, tk, max(ks))
+        return LogprobRows([s for _, s in rows], ks, chosen, values, ids)

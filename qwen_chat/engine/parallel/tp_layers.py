@@ -63,10 +63,10 @@ class VocabParallelEmbedding(torch.nn.Module):
 class GatheredColumnLinear(torch.nn.Module):
     """One rank's output rows of a bias-free ``nn.Linear``; the local outputs are all-gathered into the full width.
 
-    Rank r of N holds rows ``[r * O / N, (r + 1) * O / N)`` of the ``[O, I]`` weight (O divisible by N) as ``weight_rows``
-    and computes those O / N outputs; an all-gather over the default process group (the TP group) concatenates
-    them in rank order, so the result has the unsharded shape [..., O] and the same values (each output is the
-    same dot product as before).  This is the ``colwise_gather_output`` style of transformers' tp_plan, applied
+    Rank r of N holds rows ``[r * O / N, (r + 1) * O / N)`` of the ``[O, I]`` weight (O divisible by N) as
+    ``weight_rows`` and computes those O / N outputs; an all-gather over the default process group (the TP group)
+    concatenates them in rank order, so the result has the unsharded shape [..., O] and the same values (each
+    output is the same dot product as before).  This is the ``colwise_gather_output`` style of transformers' tp_plan, applied
     to the lm_head here so that it is split whatever the installed transformers/DeepSpeed pair does with the
     model-level plan entry (seen whole with transformers 5.17, split with 5.23).
 

@@ -21,6 +21,7 @@ class PreparedPrompt:
     ``mm_token_type_ids``: int64 [L] (1 at image-pad positions) or None.
     ``max_new_tokens``: tokens the reply may take after the context policy (may be clamped).
     ``notice``: user-facing description of what the context policy did ('' if nothing).
+    ``dropped_messages``: messages the context policy left out (whole oldest turns), 0 if none.
     """
 
     input_ids: torch.Tensor
@@ -29,6 +30,7 @@ class PreparedPrompt:
     mm_token_type_ids: Optional[torch.Tensor] = None
     max_new_tokens: int = 2048
     notice: str = ""
+    dropped_messages: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -40,7 +42,12 @@ class SamplingParams:
     """Per-sequence sampling parameters (see ``qwen_chat.chat_types.GenerationSettings`` for units).
 
     ``temperature == 0`` means greedy.  ``seed`` is always set here (rank 0 draws one when the user gave none)
-    so that every rank's generator starts from the same state.
+    so that every rank's generator starts from the same state.  ``frequency_penalty``: subtracted per earlier
+    occurrence of a token in this reply.  ``logprobs``: None, or k: report each sampled token's log-probability
+    and the k (0-20) most likely tokens (``SampledTokens.logprobs``).  ``reasoning_budget``: None, or the
+    reasoning tokens allowed before the sampler emits ``think_end_id`` (``</think>``, 248069 in Qwen3.5:
+    docs/facts.md, "Tokens") in place of the drawn token; a ``think_end_id`` the model samples itself ends
+    the budget.
     """
 
     temperature: float
@@ -50,15 +57,45 @@ class SamplingParams:
     seed: int
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
+    frequency_penalty: float = 0.0
+    logprobs: Optional[int] = None
+    reasoning_budget: Optional[int] = None
+    think_end_id: int = 248069
 
 
 @dataclass
 class PrefillItem:
-    """One new sequence of a step: the slot it takes (0 .. num_slots-1), its prompt and its sampling settings."""
+    """One new sequence of a step: the slot it takes (0 .. num_slots-1), its prompt and its sampling settings.
+
+    ``copies``: ``(slot, sampling)`` of sibling sequences (the other choices of a request with n > 1) that
+    start from this prefill: the slot's state is copied into theirs (``ModelRunner.copy_slot``) and each draws
+    its own first token from the same logits.
+    """
 
     slot: int
     prompt: PreparedPrompt
     sampling: SamplingParams
+    copies: list[tuple[int, SamplingParams]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SampledLogprob:
+    """The log-probabilities (natural log, fp32, under the model's raw logits) of one sampled token:
+    ``logprob`` of the sampled id; ``top_ids``/``top_logprobs`` the k most likely ids of that step, most
+    likely first."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+class SampledTokens(dict):
+    """What an executor's ``collect`` returns: ``{slot: sampled token id}``, plus ``logprobs``
+    ({slot: ``SampledLogprob``}) for the slots whose ``SamplingParams.logprobs`` is set."""
+
+    def __init__(self, tokens=(), logprobs: Optional[dict] = None) -> None:
+        super().__init__(tokens)
+        self.logprobs: dict[int, SampledLogprob] = logprobs or {}
 
 
 @dataclass
