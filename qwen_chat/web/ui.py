@@ -88,7 +88,7 @@ def _render_chat(c: Page, demo: bool, model_name: str) -> None:
 
 def _render_settings(c: Page, demo: bool) -> None:
     start = page_defaults(demo)
-    with gr.Accordion("Settings", open=False):
+    with gr.Accordion("Settings", open=False, elem_id="settings"):
         c.system_prompt = gr.Textbox(label="System prompt", lines=2, elem_id="system-prompt")
         c.thinking = gr.Checkbox(label="Thinking (reasoning shown in a collapsible block)",
                                  value=start.enable_thinking, elem_id="thinking")

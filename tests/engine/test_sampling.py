@@ -33,6 +33,23 @@ def test_temperature_zero_is_argmax_and_ignores_penalty():
         assert draw(s, 0, row, 3) == [int(row.argmax())] * 3
 
 
+@pytest.mark.parametrize("fused_top_k", [64, 0], ids=["fused", "general"])
+def test_tiny_temperatures_are_greedy(fused_top_k):
+    """Temperatures down to float32's smallest subnormal are argmax, alone and next to a sampled row (in
+    float32, x / 1e-40 overflows to inf and 1e-45 may be flushed to 0 on a GPU: either used to sample at
+    temperature 1 or from NaN probabilities)."""
+    lg = logits_batch(6, seed=4) * 0.2  # flat: sampling at temperature 1 would rarely hit the argmax
+    temps = [1e-45, 1e-40, 1e-38, 0.0]
+    s = Sampler(len(temps) + 1, V, "cpu", fused_top_k=fused_top_k)
+    for slot, t in enumerate(temps):
+        s.start(slot, params(temperature=t, top_k=20, presence_penalty=1.0, seed=slot))
+    s.start(len(temps), params(temperature=1.0, top_k=20, seed=9))
+    for row in lg:
+        assert s.sample(list(range(len(temps))), row.expand(len(temps), V).clone()) == [int(row.argmax())] * 4
+        mixed = s.sample(list(range(len(temps) + 1)), row.expand(len(temps) + 1, V).clone())
+        assert mixed[:4] == [int(row.argmax())] * 4
+
+
 def test_top_k_one_equals_greedy():
     s = Sampler(1, V, "cpu")
     s.start(0, params(temperature=1.3, top_k=1, seed=11))

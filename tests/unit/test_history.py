@@ -81,6 +81,21 @@ def test_list_is_newest_first_and_titles(store):
     assert history.load(image_only.id).title == "Image"
 
 
+def test_list_search_matches_titles_and_message_text(store):
+    history = store.user("local")
+    cat = history.create()
+    history.append_message(cat.id, role="user", text="Tell me about  CATS")
+    history.append_message(cat.id, role="assistant", text="They purr; Ünïcode Straße too.")
+    dog = history.create(title="Dogs and their owners")
+    history.append_message(dog.id, role="user", text="walks")
+    assert {s.id for s in history.list("")} == {cat.id, dog.id}
+    assert [s.id for s in history.list("about cats")] == [cat.id]  # case-insensitive, whitespace collapsed
+    assert [s.id for s in history.list("PURR")] == [cat.id]  # the reply's text counts too
+    assert [s.id for s in history.list("strasse")] == [cat.id]  # casefold: ß matches ss
+    assert [s.id for s in history.list("owners")] == [dog.id]  # the title counts
+    assert history.list("giraffe") == []
+
+
 def test_rename_and_settings_validation(store):
     history = store.user("local")
     conv = history.create()
@@ -325,6 +340,29 @@ def test_truncate_from(store):
     assert [m.text for m in saved.messages] == ["q1", "a1", "q2"]
     saved = history.truncate_from(conv.id, refs[1].message_id)
     assert [m.text for m in saved.messages] == ["q1"]
+
+
+def test_truncate_with_a_replacement_is_one_change_and_the_made_title_follows(store):
+    history = store.user("local")
+    conv = history.create()
+    image = history.put_image((IMAGES / "coffee.png").read_bytes())
+    refs = [history.append_message(conv.id, role=r, text=t, images=[image] if r == "user" else [])
+            for r, t in [("user", "first question"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2")]]
+    before = history.load(conv.id).revision
+    edited = StoredMessage.new("user", "first question, edited", images=[image])
+    saved = history.truncate_from(conv.id, refs[0], replacement=edited)
+    assert [(m.text, m.images) for m in saved.messages] == [("first question, edited", [image])]
+    assert saved.title == "first question, edited" and saved.revision == before + 1
+    history.append_message(conv.id, role="assistant", text="a1")
+    again = history.truncate_from(conv.id, saved.messages[0].id, replacement=StoredMessage.new("user", "x"))
+    assert again.title == "x"
+    history.rename(conv.id, "My own title")
+    history.append_message(conv.id, role="assistant", text="a")
+    kept = history.truncate_from(conv.id, 0, replacement=StoredMessage.new("user", "y"))
+    assert kept.title == "My own title"  # a title the user chose stays
+    with pytest.raises(InvalidInput, match="not stored"):
+        history.truncate_from(conv.id, 0, replacement=StoredMessage.new("user", "z", images=["0" * 64 + ".png"]))
+    assert [m.text for m in history.load(conv.id).messages] == ["y"]
 
 
 def test_retried_append_of_the_same_message_is_not_duplicated(store):

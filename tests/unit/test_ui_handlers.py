@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from qwen_chat.chat_types import GenerationSettings, InvalidImage, InvalidInput,
 from qwen_chat.history.store import HistoryStore
 from qwen_chat.web.controls import DEMO_MAX_NEW_TOKENS, build_settings, page_defaults, parse_seed, preset_values
 from qwen_chat.web.handlers import ChatController, Session
-from qwen_chat.web.render import chatbot_messages, safe_markdown
+from qwen_chat.web.render import chatbot_messages, conversation_label, plain_text, safe_markdown, stored_index
 from tests.support.fake_backend import FakeBackend
 
 CHELSEA = Path(__file__).parents[1] / "fixtures" / "images" / "chelsea.png"
@@ -41,6 +42,7 @@ CHELSEA = Path(__file__).parents[1] / "fixtures" / "images" / "chelsea.png"
 )
 def test_safe_markdown(text, expected):
     assert safe_markdown(text) == expected
+    assert plain_text(expected) == text  # what the Chatbot's edit box holds reads back as typed
 
 
 @pytest.mark.parametrize("text,blank", [(None, True), ("", True), ("  \n\t", True), ("\u200b", True),
@@ -48,6 +50,32 @@ def test_safe_markdown(text, expected):
                                         ("\u200bx", False)])
 def test_is_blank(text, blank):
     assert is_blank(text) is blank
+
+
+def test_demo_model_starts_without_thinking_and_with_short_replies():
+    demo, real = page_defaults(True), page_defaults(False)
+    assert (demo.enable_thinking, demo.max_new_tokens, demo.temperature) == (False, DEMO_MAX_NEW_TOKENS, 0.7)
+    assert DEMO_MAX_NEW_TOKENS == 256
+    assert (real.enable_thinking, real.max_new_tokens) == (True, GenerationSettings().max_new_tokens)
+    assert real.temperature == 1.0
+
+
+def test_sidebar_label_has_the_local_date():
+    from types import SimpleNamespace
+
+    now = datetime(2025, 3, 12, 18, 0).astimezone()
+
+    def label(when: datetime) -> str:
+        return conversation_label(SimpleNamespace(title="Same  title\n", updated=when.isoformat()), now=now)
+
+    assert label(datetime(2025, 3, 12, 9, 5).astimezone()) == "Same title · today 09:05"
+    assert label(datetime(2025, 3, 11, 23, 59).astimezone()) == "Same title · yesterday 23:59"
+    assert label(datetime(2025, 1, 3, 7, 0).astimezone()) == "Same title · 3 Jan 07:00"
+    assert label(datetime(2024, 12, 30, 7, 0).astimezone()) == "Same title · 30 Dec 2024"
+    utc = datetime(2025, 3, 12, 9, 5, tzinfo=timezone.utc)  # stored times are UTC; shown in local time
+    assert label(utc).endswith(utc.astimezone().strftime("%H:%M"))
+    long = conversation_label(SimpleNamespace(title="x" * 80, updated="not a time"))
+    assert long == "x" * 57 + "..."
 
 
 def test_presets_follow_the_thinking_switch():
@@ -256,6 +284,62 @@ def test_second_send_while_streaming_is_refused_until_stopped(ctl):
     running.close()
     assert session.cancel is None
     assert first.conv_id == ""  # a new conversation gets its id once the backend accepted the turn
+
+
+def test_stored_index_maps_shown_positions_past_thoughts_and_system_messages():
+    from qwen_chat.history.records import StoredMessage
+
+    msgs = [StoredMessage.new("system", "be brief"), StoredMessage.new("user", "q1"),
+            StoredMessage.new("assistant", "a1", reasoning="hmm"), StoredMessage.new("user", "q2"),
+            StoredMessage.new("assistant", "", status="stopped")]
+    shown = chatbot_messages(msgs, image_path=None)
+    assert [m["role"] for m in shown] == ["user", "assistant", "assistant", "user", "assistant"]
+    assert [stored_index(msgs, i) for i in range(len(shown))] == [1, 2, 2, 3, 4]
+    assert stored_index(msgs, 5) is None and stored_index(msgs, -1) is None
+
+
+def test_edit_resends_the_message_and_replaces_the_later_turns(ctl):
+    first = run_turn(ctl, "what is in this photo?", files=[CHELSEA])[-1]
+    conv_id = first.conv_id
+    run_turn(ctl, "and the second question", conv_id=conv_id)
+    history = ctl.store.user("local")
+    image = history.load(conv_id).messages[0].images
+    views = list(ctl.edit("local", conv_id, 0, "  what colour is the cat? ", "", GenerationSettings.preset(False),
+                          Session()))
+    saved = history.load(conv_id)
+    assert [(m.role, m.text) for m in saved.messages] == [
+        ("user", "what colour is the cat?"), ("assistant", "You said: what colour is the cat? (1 image(s))")]
+    assert saved.messages[0].images == image  # the image stays with the edited message
+    assert saved.title == "what colour is the cat?"
+    assert "the turns after it were replaced" in views[-1].notice
+    sent = ctl.backend.calls[-1].messages
+    assert [m.text for m in sent] == ["what colour is the cat?"] and len(sent[0].images) == 1
+
+
+def test_edit_refusals_change_nothing(ctl):
+    conv_id = run_turn(ctl, "question")[-1].conv_id
+    history = ctl.store.user("local")
+    before = history.load(conv_id).to_dict()
+    settings = GenerationSettings.preset(False)
+    for index, text, error in [(1, "x", "only your own"), (7, "x", "only your own"), (0, " \u200b ", "empty")]:
+        with pytest.raises(InvalidInput, match=error):
+            list(ctl.edit("local", conv_id, index, text, "", settings, Session()))
+    with pytest.raises(InvalidInput, match="open a conversation"):
+        list(ctl.edit("local", "", 0, "x", "", settings, Session()))
+    from qwen_chat.chat_types import NotReady
+
+    ctl.backend.ready = False
+    with pytest.raises(NotReady):
+        list(ctl.edit("local", conv_id, 0, "edited", "", settings, Session()))
+    assert history.load(conv_id).to_dict() == before  # refused before the backend accepted: disk untouched
+
+
+def test_conversation_choices_apply_the_search(ctl):
+    a = run_turn(ctl, "about cats")[-1].conv_id
+    b = run_turn(ctl, "about dogs")[-1].conv_id
+    assert [cid for _, cid in ctl.conversation_choices("local")] == [b, a]
+    assert [cid for _, cid in ctl.conversation_choices("local", "CATS")] == [a]
+    assert ctl.conversation_choices("local", "zebra") == []
 
 
 def test_conversation_with_a_missing_image_still_opens(ctl):

@@ -11,7 +11,6 @@ Needs /usr/bin/chromium (``bash deploy/install.sh --test`` installs Debian's pac
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -23,12 +22,10 @@ from qwen_chat.web.server import build_app
 from tests.support.fake_backend import FakeBackend
 from tests.support.servers import RunningServer
 from tests.support.waiting import wait_until
+from tests.web.browsing import bot_text, browser, field, open_app, page, send  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 REPO = Path(__file__).resolve().parents[2]
 CHELSEA = REPO / "tests" / "fixtures" / "images" / "chelsea.png"
 #: Where the screenshots go: a temporary folder, so that running the tests leaves the checkout as it was; set
@@ -46,49 +43,14 @@ def server(tmp_path_factory):
         yield running, backend
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if shutil.which(CHROMIUM) is None:
-        pytest.skip("Debian chromium is not installed (run: bash deploy/install.sh --test)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 900})
-    pg = context.new_page()
-    pg.dialogs = []
-    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
-    yield pg
-    context.close()
-
-
-def bot_text(pg) -> str:
-    return "\n".join(pg.locator("#chatbot [data-testid=bot]").all_inner_texts())
-
-
-def open_app(pg, url: str) -> None:
-    pg.goto(url)
-    pg.wait_for_selector("#msg textarea", timeout=60_000)
-
-
-def send(pg, text: str, image: Path | None = None) -> None:
-    if image is not None:
-        pg.locator("#msg input[type=file]").set_input_files(str(image))
-        pg.wait_for_selector("#msg img", timeout=30_000)  # the upload's thumbnail
-    pg.locator("#msg textarea").fill(text)
-    pg.locator("#msg textarea").press("Enter")
-
-
-def reopen_from_sidebar(pg, url: str, title: str) -> None:
+def reopen_from_sidebar(pg, title: str) -> None:
+    """New chat, reload (a page with no open conversation shows no chat), then the sidebar entry."""
+    pg.locator("#new-chat").click()
+    wait_until(lambda: pg.locator("#chatbot [data-testid=bot]").count() == 0)
     pg.reload()
     pg.wait_for_selector("#msg textarea", timeout=60_000)
-    assert pg.locator("#chatbot [data-testid=bot]").count() == 0  # a fresh page shows no chat
+    pg.wait_for_selector("#conv-list label")
+    assert pg.locator("#chatbot [data-testid=bot]").count() == 0
     pg.locator("#conv-list label", has_text=title).first.click()
 
 
@@ -114,7 +76,10 @@ def test_image_question_streams_and_reopens_after_reload(server, page, tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(shots / "screenshot.png"))
 
-    reopen_from_sidebar(page, running.url, "What animal is in this photo?")
+    page.reload()  # the tab reopens the conversation it had open
+    wait_until(lambda: ANSWER in bot_text(page))
+    assert page.locator("#chatbot [data-testid=user] img").count() == 1
+    reopen_from_sidebar(page, "What animal is in this photo?")
     wait_until(lambda: ANSWER in bot_text(page))
     img = page.locator("#chatbot [data-testid=user] img").first
     wait_until(lambda: img.evaluate("el => el.complete && el.naturalWidth") > 0)
@@ -152,19 +117,25 @@ def test_html_and_script_text_never_runs_and_stays_visible(server, page):
     check()
     time.sleep(0.5)  # give an injected handler a chance to fire before checking dialogs again
     check()
-    reopen_from_sidebar(page, running.url, "<img src=x onerror=alert(document.domain)>")
+    reopen_from_sidebar(page, "<img src=x onerror=alert(document.domain)>")
     wait_until(lambda: "costs $5 and $10" in bot_text(page))
     check()
 
 
 def test_stop_button_and_thinking_presets(server, page):
+    """Stop is enabled only while a reply streams; the message box is visibly locked meanwhile; the demo model
+    starts with thinking off and short replies; switching Thinking loads Qwen's preset for the mode."""
     running, backend = server
     backend.answer = " ".join(f"word{i}" for i in range(300))
     open_app(page, running.url)
-    page.locator("#msg textarea").fill("Write a 5000-word story")
+    stop, box = page.locator("#stop"), page.locator("#msg textarea")
+    assert not stop.is_enabled()
+    box.fill("Write a 5000-word story")
     page.locator("#send").click()
     wait_until(lambda: "word3" in bot_text(page))
-    page.locator("#stop").click()
+    assert stop.is_enabled() and not page.locator("#send").is_enabled()
+    assert box.is_disabled() and box.get_attribute("placeholder") == "Wait for the reply or press Stop"
+    stop.click()
     wait_until(lambda: "[stopped by the user]" in bot_text(page), timeout_s=30)
     call = backend.calls[-1]
     wait_until(lambda: call.finish_reason is not None, timeout_s=30)
@@ -173,14 +144,18 @@ def test_stop_button_and_thinking_presets(server, page):
     backend.answer, backend.step_delay_s = "done", 0.0
     send(page, "next")
     wait_until(lambda: bot_text(page).rstrip().endswith("done"))
+    wait_until(lambda: not stop.is_enabled() and box.is_enabled())
     backend.step_delay_s = 0.12
+    assert "Thinking is off and replies stop after 256 tokens" in page.locator("#demo-badge").inner_text()
+    assert (call.settings.enable_thinking, call.settings.max_new_tokens) == (False, 256)
 
-    # switching Thinking off loads Qwen's non-thinking preset into the sliders
-    page.locator("text=Settings").first.click()
+    # switching Thinking on loads Qwen's thinking preset into the sliders
+    page.locator("#settings").get_by_text("Settings").first.click()
     temperature = page.locator("input[type=number][aria-label*='Temperature' i]").first
-    wait_until(lambda: temperature.input_value() == "1")
-    page.locator("#thinking input[type=checkbox]").click()
     wait_until(lambda: temperature.input_value() == "0.7")
+    assert not page.locator("#thinking input[type=checkbox]").is_checked()
+    page.locator("#thinking input[type=checkbox]").click()
+    wait_until(lambda: temperature.input_value() == "1")
     # the seed starts empty (a fresh random seed per reply), not 0; and the backend got no seed
     assert page.locator("#seed input, #seed textarea").first.input_value() == ""
     assert call.settings.seed is None

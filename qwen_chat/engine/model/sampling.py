@@ -1,7 +1,7 @@
 """Batched next-token sampling on the logits' device, with one seeded generator per slot.
 
-Order of operations per row (the OpenAI / vLLM definitions): temperature 0 -> argmax of the raw logits
-(greedy); otherwise presence penalty (subtract ``presence_penalty`` once from the logit of every token already
+Order of operations per row (the OpenAI / vLLM definitions): temperature 0 (any temperature below
+``GREEDY_TEMPERATURE_BELOW``, ``is_greedy``) -> argmax of the raw logits (greedy); otherwise presence penalty (subtract ``presence_penalty`` once from the logit of every token already
 generated in this reply) -> divide by temperature -> keep the ``top_k`` largest (0 = all) -> keep the smallest
 set of most likely tokens whose probability mass is >= ``top_p`` (always at least one) -> draw from the
 renormalised distribution.
@@ -34,6 +34,15 @@ TOPK_FAST_LIMIT = 1024
 #: Batches whose rows all have 0 < top_k <= FUSED_TOPK (Qwen's presets use 20) are sampled by
 #: ``draw_top_k``, one fused function (compiled on CUDA) instead of ~40 separate small kernels per step.
 FUSED_TOPK = 64
+#: Temperatures below this are greedy (argmax), like vLLM's ``_SAMPLING_EPS``: dividing logits by a tinier
+#: float32 overflows them to inf (NaN probabilities), and a subnormal one may be flushed to 0 on the device.
+GREEDY_TEMPERATURE_BELOW = 1e-5
+
+
+def is_greedy(temperature: float) -> bool:
+    """True when ``temperature`` (>= 0) means argmax decoding: below ``GREEDY_TEMPERATURE_BELOW``.  The one
+    rule: ``Sampler.start`` stores 0 for such slots, so the host check and the logits' scaling agree."""
+    return temperature < GREEDY_TEMPERATURE_BELOW
 
 
 def scaled_logits(logits: torch.Tensor, presence: torch.Tensor, penalty: torch.Tensor,
@@ -167,7 +176,7 @@ class Sampler:
         self.generators[slot].manual_seed(int(params.seed))
         self._next[slot] = UNIFORM_BLOCK  # refill from the fresh seed on first use
         self.presence[slot] = False
-        self._temperature[slot] = float(params.temperature)
+        self._temperature[slot] = 0.0 if is_greedy(params.temperature) else float(params.temperature)
         self._top_p[slot] = float(params.top_p)
         self._top_k[slot] = int(params.top_k) if 0 < params.top_k < self.vocab_size else 0
         self._penalty[slot] = float(params.presence_penalty)
@@ -243,7 +252,7 @@ class Sampler:
         idx, u = self._rows(slots)
         counted = self.frequency.active(slots)
         drawn = self.frequency.apply(logits, idx) if counted else logits  # greedy rows keep the raw logits
-        if all(self.params[s].temperature == 0 for s in slots):
+        if all(is_greedy(self.params[s].temperature) for s in slots):
             tokens = logits.float().argmax(dim=-1)
         else:
             if all(0 < self.params[s].top_k <= self._fused_k for s in slots):
@@ -251,7 +260,7 @@ class Sampler:
                                           self._top_p, idx, u, self._fused_k)
             else:
                 tokens = inverse_cdf(*self._nucleus(slots, drawn, idx), u)
-            if any(self.params[s].temperature == 0 for s in slots):
+            if any(is_greedy(self.params[s].temperature) for s in slots):
                 tokens = torch.where(self._temperature[idx] == 0, logits.float().argmax(dim=-1), tokens)
         budgeted = self.budget.active(slots)
         if budgeted:

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from qwen_chat.engine.serving.requests import SampledLogprob
+
 
 class FrequencyCounts:
     """Occurrence counts of each token in each slot's reply and the slot's ``frequency_penalty``.
@@ -101,6 +103,12 @@ class LogprobRows:
         waits for an event recorded after this before reading them."""
         move = (lambda t: t.to("cpu", non_blocking=True)) if self.chosen.device.type == "cuda" else (lambda t: t)
         return LogprobRows(self.slots, self.ks, move(self.chosen), move(self.top_values), move(self.top_ids))
+
+    def by_slot(self) -> dict[int, SampledLogprob]:
+        """{slot: ``SampledLogprob``} with each row's own k alternatives (reads the tensors: host or waited for)."""
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        return {slot: SampledLogprob(chosen[r], tuple(ids[r][:k]), tuple(values[r][:k]))
+                for r, (slot, k) in enumerate(zip(self.slots, self.ks))}
 
 
 def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

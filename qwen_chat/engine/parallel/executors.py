@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from qwen_chat.chat_types import ChatError, NotReady
-from qwen_chat.engine.serving.requests import StepPlan
+from qwen_chat.engine.serving.requests import SampledTokens, StepPlan
 from qwen_chat.lifecycle import die, install_worker_stop_signals
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class LocalExecutor:
         Op ``"exit"`` does nothing here (``worker_loop`` acts on it).
 
         Returns:
-            {slot: sampled token id (int)} for every prefilled and decoded slot.
+            ``SampledTokens``: {slot: sampled token id (int)} for every prefilled and decoded slot.
         Raises:
             ValueError: unknown ``plan.op``, mismatched decode lists, or a slot both prefilled and decoded.
             Whatever the runner or sampler raise (the scheduler fails the affected requests).
@@ -108,7 +108,8 @@ class LocalExecutor:
 
     def launch(self, plan: StepPlan) -> "Launched":
         """Queue one plan on the device and return without waiting for its result: free ``plan.free_slots``;
-        prefill each ``plan.prefills`` item and sample its first token; then one batched decode over
+        prefill each ``plan.prefills`` item, copy its state into the slots of its ``copies`` (the other choices of
+        the request, ``ModelRunner.copy_slot``) and sample each one's first token; then one batched decode over
         ``plan.decode_slots`` and sample.  The decode feeds ``plan.decode_tokens``, or with
         ``plan.tokens_on_device`` the last token sampled for each slot (``Sampler.last_tokens``), so a plan can
         be launched before the previous one's tokens reached the host.  At most two launched plans may await
@@ -125,7 +126,7 @@ class LocalExecutor:
                 f"decode_slots ({len(plan.decode_slots)}) and decode_tokens ({len(plan.decode_tokens)}) differ in "
                 "length"
             )
-        prefill_slots = [item.slot for item in plan.prefills]
+        prefill_slots = [slot for item in plan.prefills for slot in [item.slot] + [s for s, _ in item.copies]]
         overlap = set(prefill_slots) & set(plan.decode_slots)
         if overlap:
             raise ValueError(f"slots {sorted(overlap)} are both prefilled and decoded in one step")
@@ -135,25 +136,30 @@ class LocalExecutor:
 
         slots: list[int] = []
         parts: list[torch.Tensor] = []
+        logprobs: list = []  # sampling_rules.LogprobRows of the draws that asked for them
         with torch.no_grad():
             for item in plan.prefills:
                 self.sampler.start(item.slot, item.sampling)
                 logits = self.runner.prefill(item.slot, item.prompt)  # fp32 [V]
-                parts.append(self.sampler.sample_async([item.slot], logits.view(1, -1)))
-                slots.append(item.slot)
+                for slot, sampling in item.copies:
+                    self.runner.copy_slot(item.slot, slot)
+                    self.sampler.start(slot, sampling)
+                group = [item.slot] + [slot for slot, _ in item.copies]
+                parts.append(self._sample(group, logits.view(1, -1).expand(len(group), -1), logprobs))
+                slots.extend(group)
             if plan.decode_slots:
                 decode_slots = list(plan.decode_slots)
                 if plan.tokens_on_device:
                     logits = self.runner.decode(decode_slots, None, token_table=self.sampler.last_tokens)
                 else:
                     logits = self.runner.decode(decode_slots, torch.tensor(plan.decode_tokens, dtype=torch.int64))
-                parts.append(self.sampler.sample_async(decode_slots, logits))  # fp32 [B, V] -> int64 [B]
+                parts.append(self._sample(decode_slots, logits, logprobs))  # fp32 [B, V] -> int64 [B]
                 slots.extend(decode_slots)
         if not slots:
             return Launched([], None, None)
         tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
         if tokens.device.type != "cuda":
-            return Launched(slots, tokens, None)
+            return Launched(slots, tokens, None, logprobs)
         if self._host is None:
             n = self.runner.num_slots
             self._host = [torch.zeros(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -161,28 +167,43 @@ class LocalExecutor:
         self._turn ^= 1
         host = self._host[turn][:len(slots)]
         host.copy_(tokens, non_blocking=True)
+        logprobs = [rows.to_host() for rows in logprobs]
         done = torch.cuda.Event()
         done.record()
-        return Launched(slots, host, done)
+        return Launched(slots, host, done, logprobs)
 
-    def collect(self, launched: "Launched") -> dict[int, int]:
-        """Wait for a launched plan's tokens.  Returns {slot: sampled token id} for every prefilled and decoded
-        slot of that plan."""
+    def _sample(self, slots: list[int], logits: torch.Tensor, logprobs: list) -> torch.Tensor:
+        """``sampler.sample_async``, and the draw's log-probabilities appended to ``logprobs`` when a row asks
+        (``Sampler.logprobs_async``: no work otherwise)."""
+        tokens = self.sampler.sample_async(slots, logits)
+        rows_of = getattr(self.sampler, "logprobs_async", None)
+        rows = rows_of(slots, logits, tokens) if rows_of is not None else None
+        if rows is not None:
+            logprobs.append(rows)
+        return tokens
+
+    def collect(self, launched: "Launched") -> SampledTokens:
+        """Wait for a launched plan's tokens.  Returns ``SampledTokens``: {slot: sampled token id} for every
+        prefilled and decoded slot of that plan, with the log-probabilities of the slots that asked."""
         if launched.done is not None:
             launched.done.synchronize()
         if launched.tokens is None:
-            return {}
-        return dict(zip(launched.slots, launched.tokens.tolist()))
+            return SampledTokens()
+        by_slot = {}
+        for rows in launched.logprobs:
+            by_slot.update(rows.by_slot())
+        return SampledTokens(zip(launched.slots, launched.tokens.tolist()), by_slot)
 
 
 class Launched:
     """A plan queued by ``LocalExecutor.launch``: its sampled slots, the tensor their tokens arrive in (int64
-    [n], pinned host memory on CUDA), and the CUDA event after which that tensor holds them (None on CPU)."""
+    [n], pinned host memory on CUDA), the CUDA event after which that tensor holds them (None on CPU), and the
+    ``sampling_rules.LogprobRows`` of the draws that asked for log-probabilities."""
 
-    __slots__ = ("slots", "tokens", "done")
+    __slots__ = ("slots", "tokens", "done", "logprobs")
 
-    def __init__(self, slots: list[int], tokens, done) -> None:
-        self.slots, self.tokens, self.done = slots, tokens, done
+    def __init__(self, slots: list[int], tokens, done, logprobs: Optional[list] = None) -> None:
+        self.slots, self.tokens, self.done, self.logprobs = slots, tokens, done, logprobs or []
 
 
 def broadcast_plan(plan: Optional[StepPlan], group: dist.ProcessGroup) -> StepPlan:

@@ -4,9 +4,11 @@
 (``qwen_chat.engine.serving.scheduler``) owns the model thread and the executor and calls it.  All state lives
 under one condition variable, ``Batch.cond``:
 
-- admission (``submit``): the context check, the queue bound (``Busy``), one ``RequestHandle`` per request;
+- admission (``submit``): the context check, the queue bound (``Busy``), one ``RequestHandle`` per request, one
+  per choice for a request with n > 1 (the n choices queue as n requests, one after the other);
 - planning (``next_plan``): requests whose consumer went away leave, running sequences decode one token, waiting
-  ones are prefilled into free slots within the prefill token budget;
+  ones are prefilled into free slots within the prefill token budget; the later choices of a request that get
+  a free slot in the same step share its prefill (``PrefillItem.copies``), the others get their own later;
 - delivery (``deliver``): each sampled token goes to the request that owns the slot; a stop id or a limit ends it;
 - retirement (``retire``, ``fail``, ``drain``): a finished request gives its slot back; the runner state of that
   slot is released by the next plan (``StepPlan.free_slots``).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -33,9 +36,10 @@ log = logging.getLogger(__name__)
 
 class Request:
     """One submitted request as the scheduler tracks it: its handle, prompt, sampling, stop ids (int), the slot it
-    holds (None while waiting or after it finished) and the last token sampled for it."""
+    holds (None while waiting or after it finished), the last token sampled for it, and ``siblings``: the later
+    choices of the same request (n > 1), which may share its prefill."""
 
-    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token")
+    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings")
 
     def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids):
         self.handle = handle
@@ -44,6 +48,7 @@ class Request:
         self.stop_ids = stop_ids
         self.slot: Optional[int] = None
         self.last_token: Optional[int] = None
+        self.siblings: list["Request"] = []
 
 
 class Batch:
@@ -93,27 +98,39 @@ class Batch:
     # ---- admission -----------------------------------------------------------------------------------
     def submit(self, prompt: PreparedPrompt, sampling: SamplingParams, cancel: CancelToken) -> RequestHandle:
         """Queue a request (see ``Scheduler.submit``).  Raises Busy, ContextTooLong or NotReady."""
+        return self.submit_choices(prompt, [sampling], cancel)[0]
+
+    def submit_choices(self, prompt: PreparedPrompt, samplings: list[SamplingParams],
+                       cancel: CancelToken) -> list[RequestHandle]:
+        """Queue the ``len(samplings)`` choices of one request (see ``Scheduler.submit_choices``): handles with
+        indexes 0.. that share one queue.  Raises Busy, ContextTooLong or NotReady."""
         n = prompt.num_tokens
         if self.max_context is not None and n >= self.max_context:
             raise ContextTooLong(
                 f"prompt is {n} tokens but the context holds {self.max_context}; shorten the conversation",
                 prompt_tokens=n, context_length=self.max_context,
             )
-        stop_ids = self.eos_ids | frozenset(int(t) for t in sampling.stop_token_ids)
         with self.cond:
             if self.stopping:
                 raise NotReady("the engine is shutting down")
             # Waiting requests that a free slot will take at the next step do not count as queued.
             queued = len(self.waiting) - len(self._free_slots)
-            if queued >= self.max_queue:
+            if queued + len(samplings) - 1 >= self.max_queue:
                 self.totals["rejected_busy"] += 1
-                raise Busy(f"busy, {queued} requests queued, try again in a moment")
-            handle = RequestHandle(next(self._ids), n, cancel, self.notify)
-            self.waiting.append(Request(handle, prompt, sampling, stop_ids))
+                raise Busy(f"busy, {max(queued, 0)} requests queued, try again in a moment")
+            sink = queue.Queue() if len(samplings) > 1 else None
+            group = []
+            for index, sampling in enumerate(samplings):
+                handle = RequestHandle(next(self._ids), n, cancel, self.notify, index=index, sink=sink)
+                stop_ids = self.eos_ids | frozenset(int(t) for t in sampling.stop_token_ids)
+                group.append(Request(handle, prompt, sampling, stop_ids))
+            for i, req in enumerate(group):
+                req.siblings = group[i + 1:]
+            self.waiting.extend(group)
             self.totals["requests"] += 1
             self.totals["prompt_tokens"] += n
             self.cond.notify()
-        return handle
+        return [req.handle for req in group]
 
     # ---- planning ------------------------------------------------------------------------------------
     def next_plan(self, ahead: Optional[list[Request]], overlap: bool
@@ -158,7 +175,16 @@ class Batch:
                 req.slot = self._free_slots.pop(0)
                 self.running[req.slot] = req
                 prefilled.append(req)
-                plan.prefills.append(PrefillItem(req.slot, req.prompt, req.sampling))
+                item = PrefillItem(req.slot, req.prompt, req.sampling)
+                for sib in req.siblings:  # later choices of the request start from this prefill, as slots allow
+                    if not self._free_slots or sib not in self.waiting:
+                        break
+                    self.waiting.remove(sib)
+                    sib.slot = self._free_slots.pop(0)
+                    self.running[sib.slot] = sib
+                    prefilled.append(sib)
+                    item.copies.append((sib.slot, sib.sampling))
+                plan.prefills.append(item)
             self.totals["steps"] += 1
             if decoded:
                 self.totals["decode_steps"] += 1
@@ -196,7 +222,7 @@ class Batch:
                 if token in req.stop_ids:
                     self.retire(req, "stop")
                     continue
-                h.push_token(token)
+                h.push_token(token, getattr(tokens, "logprobs", {}).get(req.slot))
                 if self.at_limit(req):
                     self.retire(req, "length")
 

@@ -1,8 +1,9 @@
 """``ChatEngine``: the ``ChatBackend`` that the web UI and the OpenAI-compatible API stream from.
 
 Request path: validate the settings -> build the prompt (chat template, images, context policy) -> queue it on
-the continuous-batching ``Scheduler`` -> turn the sampled ids into ``StreamUpdate``s with ``ReplyDecoder``
-(UTF-8-safe deltas, reasoning split at ``</think>``) and the API's stop strings.  Every user error is raised by
+the continuous-batching ``Scheduler`` (its n choices, sharing one prefill) -> turn the sampled ids into
+``StreamUpdate``s (``replies.stream_replies``: UTF-8-safe deltas, reasoning split at ``</think>``, the API's
+stop strings, log-probabilities).  Every user error is raised by
 ``stream_chat`` itself, before it returns the update iterator; a failure after the stream started ends it with
 ``finish_reason == "error"`` and a notice, never with an exception in the middle of a reply.
 
@@ -32,11 +33,10 @@ from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings, M
 from qwen_chat.config import ServiceConfig
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.text.prompt import build_prompt
-from qwen_chat.engine.serving.handles import RequestHandle
+from qwen_chat.engine.serving.replies import stream_replies
 from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
 from qwen_chat.engine.serving.scheduler import Scheduler
 from qwen_chat.engine.serving.selfcheck import run_self_check
-from qwen_chat.engine.text.textstream import ReplyDecoder, StopStringFilter
 from qwen_chat.lifecycle import exit_process_soon
 
 log = logging.getLogger(__name__)
@@ -45,10 +45,6 @@ log = logging.getLogger(__name__)
 #: capped here, because the KV cache is preallocated for every slot (32 KiB per token per slot on the 9B in
 #: bf16, docs/facts.md, "Per-token cost (batch 1 decode, bf16)": 8 slots x 32768 tokens = 8 GiB).
 ENGINE_MAX_CONTEXT = 32768
-
-#: Notice on a reply that hit the token limit before ``</think>`` (a reply cut off while thinking: all of it
-#: is reasoning, the answer is empty).
-THINKING_CUT_NOTICE = "stopped: token limit reached while thinking"
 
 #: A step (one prefill batch + one decode) running longer than this makes ``health()`` report the engine stuck.
 #: Generous: ZeRO-3 decodes at 2.7 tok/s on two H200s (docs/facts.md, "Sharding with DeepSpeed: ZeRO-3"), and
@@ -149,10 +145,13 @@ class ChatEngine:
             raise NotReady("the engine failed its start-up self-check; see the server log")
         settings.validate()
         prompt = self.prepare(messages, settings)
-        handle = self.scheduler.submit(prompt, self.sampling_params(settings, prompt), cancel)
-        updates = self._stream(handle, prompt, settings)
+        samplings = [self.sampling_params(settings, prompt, index) for index in range(settings.n)]
+        handles = self.scheduler.submit_choices(prompt, samplings, cancel)
+        updates = stream_replies(handles, prompt, settings, tokenizer=self.loaded.tokenizer,
+                                 think_ids=self.think_ids, eos_ids=self.eos_ids)
         # A returned iterator that is dropped without ever being started would not run its finally block.
-        weakref.finalize(updates, handle.close)
+        for handle in handles:
+            weakref.finalize(updates, handle.close)
         return updates
 
     def health(self) -> dict:
@@ -223,14 +222,19 @@ class ChatEngine:
             max_new_tokens=settings.max_new_tokens,
         )
 
-    def sampling_params(self, settings: GenerationSettings, prompt: PreparedPrompt) -> SamplingParams:
-        """Per-sequence sampling parameters; draws a fresh 63-bit seed when ``settings.seed`` is None, so that
-        every rank samples from the same generator state."""
-        seed = settings.seed if settings.seed is not None else secrets.randbits(63)
+    def sampling_params(self, settings: GenerationSettings, prompt: PreparedPrompt,
+                        index: int = 0) -> SamplingParams:
+        """Sampling parameters of choice ``index`` (0 .. n-1): seed ``settings.seed + index`` (mod 2**63), or a
+        fresh 63-bit seed when ``settings.seed`` is None, so that every rank samples from the same generator
+        state; the thinking budget only with thinking on."""
+        seed = (settings.seed + index) % 2**63 if settings.seed is not None else secrets.randbits(63)
+        budget = settings.thinking_token_budget if settings.enable_thinking else None
         return SamplingParams(
             temperature=float(settings.temperature), top_p=float(settings.top_p), top_k=int(settings.top_k),
             presence_penalty=float(settings.presence_penalty), seed=int(seed),
             max_new_tokens=int(prompt.max_new_tokens), stop_token_ids=self.eos_ids,
+            frequency_penalty=float(settings.frequency_penalty), logprobs=settings.top_logprobs,
+            reasoning_budget=budget, think_end_id=self.think_ids[1],
         )
 
     def self_check(self, result: Optional[dict] = None) -> bool:
@@ -267,57 +271,6 @@ class ChatEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- the stream --------------------------------------------------------------------------------------
-    def _stream(self, handle: RequestHandle, prompt: PreparedPrompt,
-                settings: GenerationSettings) -> Iterator[StreamUpdate]:
-        decoder = ReplyDecoder(
-            self.loaded.tokenizer, starts_in_reasoning=settings.enable_thinking,
-            think_start_id=self.think_ids[0], think_end_id=self.think_ids[1], stop_ids=self.eos_ids,
-        )
-        stops = StopStringFilter(settings.stop) if settings.stop else None
-        notice = prompt.notice
-        n_prompt = prompt.num_tokens
-
-        def update(r_delta: str, a_delta: str, **final) -> StreamUpdate:
-            return StreamUpdate(
-                reasoning=decoder.reasoning, answer=stops.text if stops else decoder.answer,
-                reasoning_delta=r_delta, answer_delta=a_delta, thinking=decoder.in_reasoning,
-                prompt_tokens=n_prompt, completion_tokens=handle.completion_tokens, ttft_s=handle.ttft_s,
-                **{"notice": notice, **final},
-            )
-
-        finish = None
-        try:
-            was_thinking = decoder.in_reasoning
-            for ids in handle.chunks():
-                r_delta, a_delta = decoder.push(ids)
-                if stops is not None:
-                    a_delta = stops.push(a_delta)
-                    if stops.stopped:
-                        finish = "stop"
-                        handle.close()  # leaves the batch at the next step
-                if r_delta or a_delta or decoder.in_reasoning != was_thinking:
-                    was_thinking = decoder.in_reasoning
-                    yield update(r_delta, a_delta)
-                if finish is not None:
-                    break
-            finish = finish or handle.finish_reason or "error"
-            r_tail, a_tail = decoder.finish()
-            if stops is not None:
-                a_tail = stops.push(a_tail) + stops.finish()
-            final_notice = [notice] if notice else []
-            if finish == "length" and decoder.in_reasoning:
-                final_notice.append(THINKING_CUT_NOTICE)
-            elif finish == "error":
-                final_notice.append(f"generation failed: {handle.error or 'engine error'}")
-            yield update(r_tail, a_tail, finish_reason=finish, notice="; ".join(final_notice))
-            log.debug(  # the scheduler logs TTFT and tokens/s of every request at INFO
-                "reply %d: %s, prompt %d tok, completion %d tok, TTFT %s s", handle.request_id, finish, n_prompt,
-                handle.completion_tokens, f"{handle.ttft_s:.3f}" if handle.ttft_s is not None else "-",
-            )
-        finally:
-            handle.close()
 
 
 def build_runner(loaded, config: ServiceConfig):

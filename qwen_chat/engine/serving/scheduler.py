@@ -117,6 +117,13 @@ class Scheduler:
         """
         return self._batch.submit(prompt, sampling, cancel)
 
+    def submit_choices(self, prompt: PreparedPrompt, samplings: list[SamplingParams],
+                       cancel: CancelToken) -> list[RequestHandle]:
+        """Queue the n = ``len(samplings)`` choices of one request: n handles (``index`` 0..n-1) on one shared
+        queue (``handles.group_chunks``); the choices that find free slots together share one prefill.
+        Raises like ``submit`` (``Busy`` unless all n fit the queue)."""
+        return self._batch.submit_choices(prompt, samplings, cancel)
+
     def stats(self) -> dict:
         """Counters for metrics: active/queued now, slots, totals since start, health.
 

@@ -30,9 +30,11 @@ Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
    it) until they fit.  Turns are never cut in the middle, so an image's tokens are never split; the system
    prompt and the latest user turn are never dropped.
 2. If the prompt alone still leaves less than ``max_new_tokens``, clamp ``max_new_tokens`` to what is left,
-   but not below 64 (the lower end of ``chat_types.MAX_NEW_TOKENS_RANGE``).
-3. If even 64 new tokens do not fit, raise ``ContextTooLong`` with the token counts.
-``PreparedPrompt.notice`` tells the user what was dropped (how many turns, how many tokens) or clamped.
+   but not below 64 (the lower end of ``chat_types.MAX_NEW_TOKENS_RANGE``) or the ``max_new_tokens`` asked
+   for, whichever is smaller.
+3. If even that does not fit, raise ``ContextTooLong`` with the token counts.
+``PreparedPrompt.notice`` tells the user what was dropped (how many turns, how many tokens) or clamped;
+``PreparedPrompt.dropped_messages`` counts the messages left out.
 """
 from __future__ import annotations
 
@@ -283,7 +285,8 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
     Raises:
         InvalidInput: empty last message, misplaced system prompt, last message not from the user.
         InvalidImage: an image file cannot be read or has an unusable shape.
-        ContextTooLong: the system prompt and the latest turn alone leave no room for 64 new tokens.
+        ContextTooLong: the system prompt and the latest turn alone leave no room for 64 new tokens
+            (or ``max_new_tokens`` when it is smaller).
     """
     _validate(messages)
     processor = _processor_of(loaded_or_processor)
@@ -322,11 +325,12 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
     new_tokens = max_new_tokens
     if prompt_tokens + new_tokens > context_length:
         room = context_length - prompt_tokens
-        if room < MIN_NEW_TOKENS:
+        least = min(MIN_NEW_TOKENS, max_new_tokens)
+        if room < least:
             raise ContextTooLong(
                 f"The message is too long for the model's context: the prompt needs {prompt_tokens} tokens"
                 f"{' even after leaving out all earlier turns' if dropped else ''}, plus at least "
-                f"{MIN_NEW_TOKENS} for the reply, but the context holds {context_length} tokens. "
+                f"{least} for the reply, but the context holds {context_length} tokens. "
                 "Shorten the message or system prompt, attach fewer or smaller images, or start a new chat.",
                 prompt_tokens=prompt_tokens, context_length=context_length)
         new_tokens = room
@@ -334,7 +338,8 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
                        f"the context of {context_length} tokens.")
 
     input_ids = torch.tensor(encoded.ids, dtype=torch.int64)
-    prepared = PreparedPrompt(input_ids=input_ids, max_new_tokens=new_tokens, notice=" ".join(notices))
+    prepared = PreparedPrompt(input_ids=input_ids, max_new_tokens=new_tokens, notice=" ".join(notices),
+                              dropped_messages=sum(len(turn.messages) for turn in turns[:dropped]))
     if encoded.image_paths:
         vision = _vision_inputs(processor, encoded, kwargs)
         image_pad_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)

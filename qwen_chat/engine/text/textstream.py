@@ -220,6 +220,23 @@ class ReplyDecoder:
         self._bytes_cache[token_id] = data
         return data
 
+    def token_piece(self, token_id: int) -> tuple[str, bytes]:
+        """``(text, raw bytes)`` of one id as log-probability reports show it: a special id as its name
+        (``<|im_end|>``, UTF-8), a regular one as its bytes decoded, or ``bytes:\\xNN...`` when they are not
+        whole UTF-8 (part of a character split across tokens, as vLLM writes it); a padding id is ``("", b"")``.
+
+        Raises: ValueError as ``push`` (a tokenizer that is not byte-level).
+        """
+        token_id = int(token_id)
+        if token_id in self._control:
+            name = self._tokenizer.convert_ids_to_tokens(token_id) or ""
+            return name, name.encode("utf-8")
+        data = self._token_bytes(token_id)
+        try:
+            return data.decode("utf-8"), data
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data), data
+
 
 def find_stop_string(text: str, stops: Sequence[str]) -> int:
     """Index in ``text`` where the earliest of ``stops`` begins, or -1 if none occurs.

@@ -1,0 +1,146 @@
+"""The update stream of one request: the sampled ids of its n choices turned into ``StreamUpdate``s.
+
+``stream_replies`` reads the choices' handles together (``handles.group_chunks``) and keeps, per choice, a
+``ReplyDecoder`` (UTF-8-safe deltas, reasoning split at ``</think>``), the API's stop strings
+(``StopStringFilter``), the count of reasoning tokens and, when asked, the log-probabilities of the answer's
+tokens.  Each choice ends with its own last update (``finish_reason`` set); the stream ends after the last
+choice has ended.  With n = 1 this is the reply stream ``ChatEngine.stream_chat`` always had.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterator, Optional, Sequence
+
+from qwen_chat.chat_types import GenerationSettings, StreamUpdate, TokenLogprob
+from qwen_chat.engine.serving.handles import RequestHandle, group_chunks
+from qwen_chat.engine.serving.requests import PreparedPrompt, SampledLogprob
+from qwen_chat.engine.text.textstream import ReplyDecoder, StopStringFilter
+
+log = logging.getLogger(__name__)
+
+#: Notice on a reply that hit the token limit before ``</think>`` (a reply cut off while thinking: all of it
+#: is reasoning, the answer is empty).
+THINKING_CUT_NOTICE = "stopped: token limit reached while thinking"
+
+
+class _Choice:
+    """The text state of one choice: its handle, decoder, stop filter, reasoning-token count, finish."""
+
+    def __init__(self, handle: RequestHandle, tokenizer, settings: GenerationSettings,
+                 think_ids: tuple[int, int], eos_ids: Sequence[int]) -> None:
+        self.handle = handle
+        self.think_end = think_ids[1]
+        self.decoder = ReplyDecoder(tokenizer, starts_in_reasoning=settings.enable_thinking,
+                                    think_start_id=think_ids[0], think_end_id=think_ids[1], stop_ids=eos_ids)
+        self.stops = StopStringFilter(settings.stop) if settings.stop else None
+        self.reasoning_tokens = 0
+        self.finish: Optional[str] = None  # set once its last update was made
+        self._pieces: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def push(self, ids: list[int], logprobs: list) -> tuple[str, str, list[TokenLogprob]]:
+        """Decode newly sampled ids: ``(reasoning_delta, answer_delta, log-probabilities of the answer's ids)``.
+        Stops at a completed stop string (``self.stops.stopped``); the ids after it are dropped."""
+        r_out, a_out, entries = [], [], []
+        for token, logprob in zip(ids, logprobs):
+            in_reasoning = self.decoder.in_reasoning
+            if in_reasoning and token != self.think_end:
+                self.reasoning_tokens += 1
+            r_delta, a_delta = self.decoder.push([token])
+            if self.stops is not None:
+                a_delta = self.stops.push(a_delta)
+            r_out.append(r_delta)
+            a_out.append(a_delta)
+            if logprob is not None and not in_reasoning:
+                entries.append(self._entry(token, logprob))
+            if self.stops is not None and self.stops.stopped:
+                break
+        return "".join(r_out), "".join(a_out), entries
+
+    def tails(self) -> tuple[str, str]:
+        """The decoder's and the stop filter's last text at the end of the choice."""
+        r_tail, a_tail = self.decoder.finish()
+        if self.stops is not None:
+            a_tail = self.stops.push(a_tail) + self.stops.finish()
+        return r_tail, a_tail
+
+    def answer(self) -> str:
+        return self.stops.text if self.stops else self.decoder.answer
+
+    def _piece(self, token: int) -> tuple[str, tuple[int, ...]]:
+        piece = self._pieces.get(token)
+        if piece is None:
+            text, data = self.decoder.token_piece(token)
+            piece = self._pieces[token] = (text, tuple(data))
+        return piece
+
+    def _entry(self, token: int, logprob: SampledLogprob) -> TokenLogprob:
+        text, data = self._piece(token)
+        top = []
+        for alt, lp in zip(logprob.top_ids, logprob.top_logprobs):
+            alt_text, alt_data = self._piece(alt)
+            top.append((alt_text, lp, alt_data))
+        return TokenLogprob(token=text, logprob=logprob.logprob, bytes=data, top=tuple(top))
+
+
+def stream_replies(handles: Sequence[RequestHandle], prompt: PreparedPrompt, settings: GenerationSettings, *,
+                   tokenizer, think_ids: tuple[int, int], eos_ids: Sequence[int]) -> Iterator[StreamUpdate]:
+    """The updates of a request's choices (``handles``: index 0..n-1, one shared queue when n > 1).
+
+    An update is yielded when a choice's text grew, its reasoning ended, or it got log-probabilities; each
+    choice's last update has its ``finish_reason`` ('stop' also for a stop string, 'length', 'cancelled',
+    'error') and ``notice`` (the context policy's remark, token limit while thinking, engine error).  Closing
+    the iterator closes every handle (the choices leave the batch at the next step).
+    """
+    choices = [_Choice(h, tokenizer, settings, think_ids, eos_ids) for h in handles]
+    notice = prompt.notice
+
+    def update(c: _Choice, r_delta: str, a_delta: str, entries=(), **final) -> StreamUpdate:
+        return StreamUpdate(
+            reasoning=c.decoder.reasoning, answer=c.answer(), reasoning_delta=r_delta, answer_delta=a_delta,
+            thinking=c.decoder.in_reasoning, prompt_tokens=prompt.num_tokens,
+            completion_tokens=c.handle.completion_tokens, ttft_s=c.handle.ttft_s, index=c.handle.index,
+            reasoning_tokens=c.reasoning_tokens, logprobs=tuple(entries),
+            dropped_messages=prompt.dropped_messages, **{"notice": notice, **final},
+        )
+
+    def last(c: _Choice, finish: str) -> StreamUpdate:
+        c.finish = finish
+        r_tail, a_tail = c.tails()
+        notes = [notice] if notice else []
+        if finish == "length" and c.decoder.in_reasoning:
+            notes.append(THINKING_CUT_NOTICE)
+        elif finish == "error":
+            notes.append(f"generation failed: {c.handle.error or 'engine error'}")
+        h = c.handle
+        log.debug(  # the scheduler logs TTFT and tokens/s of every request at INFO
+            "reply %d: %s, prompt %d tok, completion %d tok, TTFT %s s", h.request_id, finish, prompt.num_tokens,
+            h.completion_tokens, f"{h.ttft_s:.3f}" if h.ttft_s is not None else "-",
+        )
+        return update(c, r_tail, a_tail, finish_reason=finish, notice="; ".join(notes))
+
+    open_choices = len(choices)
+    try:
+        for chunk in group_chunks(handles):
+            c = choices[chunk.index]
+            if c.finish is not None:  # ended by a stop string; its handle's own finish comes later
+                continue
+            if chunk.ids:
+                was_thinking = c.decoder.in_reasoning
+                r_delta, a_delta, entries = c.push(chunk.ids, chunk.logprobs)
+                if r_delta or a_delta or entries or c.decoder.in_reasoning != was_thinking:
+                    yield update(c, r_delta, a_delta, entries)
+                if c.stops is not None and c.stops.stopped:
+                    c.handle.close()  # leaves the batch at the next step
+                    yield last(c, "stop")
+            if chunk.finished and c.finish is None:
+                yield last(c, c.handle.finish_reason or "error")
+            if c.finish is not None:
+                open_choices -= 1
+                if not open_choices:
+                    return
+        for c in choices:  # the queue ended without a finish (not expected): end what is open
+            if c.finish is None:
+                yield last(c, c.handle.finish_reason or "error")
+    finally:
+        for h in handles:
+            h.close()

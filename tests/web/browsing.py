@@ -1,0 +1,85 @@
+"""What the real-browser tests share: headless Debian chromium through playwright, and what a user does and
+sees on the chat page.
+
+Fixtures (import them into a test module): ``browser`` (one chromium per module; skips when
+/usr/bin/chromium is missing: ``bash deploy/install.sh --test`` installs Debian's package) and ``page`` (a
+fresh 1280x900 tab per test; dialogs are recorded in ``page.dialogs`` and dismissed).
+
+Helpers: ``open_app``, ``send`` (type and press Enter, optionally with an image), ``bot_text`` / ``user_texts``
+(what the chat shows), ``notice_text``, ``sidebar_labels``, ``field`` (the input of a labelled box by
+``elem_id``).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+PAGE_LOAD_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if shutil.which(CHROMIUM) is None:
+        pytest.skip("Debian chromium is not installed (run: bash deploy/install.sh --test)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    pg.dialogs = []
+    pg.on("dialog", lambda d: (pg.dialogs.append(d.message), d.dismiss()))
+    yield pg
+    context.close()
+
+
+def open_app(pg, url: str) -> None:
+    """Load the chat page and wait until its message box is there."""
+    pg.goto(url)
+    pg.wait_for_selector("#msg textarea", timeout=PAGE_LOAD_MS)
+
+
+def send(pg, text: str, image: Optional[Path] = None) -> None:
+    """Type ``text`` into the message box (after attaching ``image``) and press Enter."""
+    if image is not None:
+        pg.locator("#msg input[type=file]").set_input_files(str(image))
+        pg.wait_for_selector("#msg img", timeout=30_000)  # the upload's thumbnail
+    pg.locator("#msg textarea").fill(text)
+    pg.locator("#msg textarea").press("Enter")
+
+
+def bot_text(pg) -> str:
+    """Everything the chat shows on the model's side (thoughts, answers, status labels)."""
+    return "\n".join(pg.locator("#chatbot [data-testid=bot]").all_inner_texts())
+
+
+def user_texts(pg) -> list[str]:
+    """The user's messages as the chat shows them (image-only parts are empty strings)."""
+    return [t.strip() for t in pg.locator("#chatbot [data-testid=user]").all_inner_texts()]
+
+
+def notice_text(pg) -> str:
+    """The notice line under the chat."""
+    return pg.locator("#notice").inner_text().strip()
+
+
+def sidebar_labels(pg) -> list[str]:
+    """The entries of the sidebar's conversation list, top first."""
+    return [t.strip() for t in pg.locator("#conv-list label").all_inner_texts()]
+
+
+def field(pg, elem_id: str):
+    """The text input (or textarea) of the box with ``elem_id``."""
+    return pg.locator(f"#{elem_id} input, #{elem_id} textarea").first
