@@ -4,18 +4,23 @@
     python app.py --model Qwen/Qwen3.5-9B --host 0.0.0.0 --users-file users.txt --api-key KEY
     bash start.sh ...                               # the same through the (DeepSpeed) launcher
 
-Rank 0 binds the port and starts serving *before* the model loads: until the engine has passed its self-check,
-``/healthz`` answers 503 ``{"reason": "loading"}``, the API 503 and the UI a "still loading" message.  A busy
-port or a missing checkpoint folder therefore fails in about a second, well inside Supervisor's ``startsecs``
-(it then gives up with FATAL instead of restarting forever).
+Rank 0 binds the port and serves it before anything heavy is imported (``qwen_chat.web.front``): ``/healthz``
+answers 503 ``{"reason": "loading"}`` from then on, without waiting on the loading (the main thread); the UI
+and the API follow once Gradio is imported and the application is built (a few seconds), and answer "still
+loading" until the engine has passed its self-check.  A busy port or a missing checkpoint folder therefore
+fails in about a second, well inside Supervisor's ``startsecs`` (it then gives up with FATAL instead of
+restarting forever).
 
 Exit codes: 0 after a clean shutdown; 2 for a bad command line, environment variable or users file (argparse's
 usage error, or one ``app.py: configuration error: ...`` line from ``ServiceConfig.validate``, before anything
 is loaded); 1 for a fast start-up failure (port busy, no checkpoint folder) and for a crash while serving
 (Supervisor restarts it); 78 (EX_CONFIG, ``EXIT_STARTUP_FAILED``) when ``bootstrap.start_engine`` raises
-``StartupError`` after loading began (out of memory, broken checkpoint, bad sharding config): the Supervisor
-program treats 78 as final, so a start-up that cannot succeed is not retried forever.  Nothing heavy happens at
-import time; worker ranks never return from ``start_engine``.
+``StartupError`` after loading began (out of memory, broken checkpoint, bad sharding config).  Under
+Supervisor (``$QWEN_CHAT_STARTSECS``, set by deploy/qwen3.5-9b.conf to its ``startsecs``) that exit waits until
+the process has run ``startsecs`` + 1 s: Supervisor then counts the start as done and, 78 being listed in
+``exitcodes``, leaves the program EXITED instead of retrying a start-up that cannot succeed (an exit inside
+``startsecs`` is retried whatever its code).  Meanwhile ``/healthz`` reports the failure.  Nothing heavy happens
+at import time; worker ranks never return from ``start_engine``.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from typing import Optional, Sequence
 
 from qwen_chat import lifecycle
@@ -31,6 +37,9 @@ from qwen_chat import lifecycle
 log = logging.getLogger("qwen_chat")
 
 EXIT_STARTUP_FAILED = 78  # sysexits.h EX_CONFIG; listed in deploy/qwen3.5-9b.conf `exitcodes`
+#: Environment variable carrying Supervisor's ``startsecs`` (deploy/qwen3.5-9b.conf); unset: exit at once.
+STARTSECS_ENV = "QWEN_CHAT_STARTSECS"
+_STARTED_AT = time.monotonic()  # this process's start (imports come first)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -71,13 +80,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import uvicorn
 
-    from qwen_chat.history.store import HistoryStore
     from qwen_chat.pending import PendingBackend, provisional_info
-    from qwen_chat.web.server import build_app
+    from qwen_chat.web.front import GRACEFUL_SHUTDOWN_S, Front, WebServer
 
     backend = PendingBackend(provisional_info(cfg.model))
-    app = build_app(cfg, backend, HistoryStore(cfg.history_dir))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    front = Front(backend)
+    server = WebServer(front, uvicorn.Config(front, log_level="info",
+                                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     # Not the main thread: uvicorn installs no signal handlers there; the engine's SIGTERM handler (rank 0
     # broadcasts the exit message to the workers) stays in charge, and the finally below stops the server.
     # The main thread waits on an Event, not on web.join(): a signal handler that raises inside Thread.join()
@@ -99,6 +108,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # message to every rank.
     lifecycle.install_sigterm_exit()  # once; a repeated SIGTERM cannot interrupt the clean-up
     try:
+        from qwen_chat.history.store import HistoryStore
+        from qwen_chat.web import server as web_app  # Gradio: seconds of imports, while /healthz answers
+
+        app = web_app.build_app(cfg, backend, HistoryStore(cfg.history_dir))
+        front.attach(app, end_streams=lambda: web_app.end_streams(app))
         code = _start_engine_or_exit(cfg, backend)
         if code:
             return code
@@ -111,7 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     finally:
         # The engine first: its open streams end ("cancelled", saved by the UI as interrupted), so each HTTP
-        # response still sends its last chunk (finish_reason, [DONE]) before the server stops.
+        # response still sends its last chunk (finish_reason, [DONE]) before the server stops; the server then
+        # ends the tabs' heartbeat streams itself (WebServer.shutdown).
         backend.close()
         server.should_exit = True
         web_done.wait(timeout=15)
@@ -127,9 +142,27 @@ def _start_engine_or_exit(cfg, backend) -> int:
         if backend is not None:
             backend.fail(str(e))
         print(f"app.py: cannot start the engine: {e}", file=sys.stderr)
+        _hold_until_started_for_supervisor()
         return EXIT_STARTUP_FAILED
     backend.attach(engine)
     return 0
+
+
+
+def _hold_until_started_for_supervisor() -> None:
+    """Sleep until this process has run ``$QWEN_CHAT_STARTSECS`` + 1 s (nothing when unset or not a number), so
+    that Supervisor sees exit code 78 after its start window and treats it as final (module docstring)."""
+    try:
+        startsecs = float(os.environ.get(STARTSECS_ENV) or 0)
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds; exiting at once", STARTSECS_ENV, os.environ[STARTSECS_ENV])
+        return
+    left = startsecs + 1.0 - (time.monotonic() - _STARTED_AT)
+    if startsecs > 0 and left > 0:
+        log.info("exiting with code %d in %.0f s, after Supervisor's startsecs (%.0f s): a start-up that cannot "
+                 "succeed is not retried", EXIT_STARTUP_FAILED, left, startsecs)
+        sys.stdout.flush()
+        time.sleep(left)
 
 
 if __name__ == "__main__":

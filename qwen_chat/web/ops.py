@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError, ChatMessage, GenerationSettings, StreamUpdate
+from qwen_chat.web.front import health_report
 
 log = logging.getLogger(__name__)
 
@@ -195,31 +196,11 @@ def instrument(backend: ChatBackend, registry: Optional[CollectorRegistry] = Non
 
 
 def health_response(backend: ChatBackend) -> JSONResponse:
-    """200 ``{"status": "ok", ...}`` when ``backend.health()["ok"]``, else 503 ``{"status": "unavailable",
-    "reason": ...}``.  Extra keys of ``health()`` (ranks, mode...) are passed through; a ``health()`` that
-    raises is reported as 503 with the exception's class name (no traceback)."""
-    try:
-        report = dict(backend.health())
-    except Exception as exc:
-        log.exception("backend.health() failed")
-        return JSONResponse({"status": "unavailable", "reason": f"health check failed: {type(exc).__name__}"}, 503)
-    ok = bool(report.pop("ok", False))
-    reason = str(report.pop("reason", "") or ("" if ok else "engine not ready"))
-    body = {"status": "ok" if ok else "unavailable"}
-    if reason:
-        body["reason"] = reason
-    body.update({k: v for k, v in report.items() if k not in body and _json_simple(v)})
-    return JSONResponse(body, status_code=200 if ok else 503)
-
-
-def _json_simple(value: Any) -> bool:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_json_simple(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, str) and _json_simple(v) for k, v in value.items())
-    return False
+    """``/healthz`` for ``backend`` as a response: status and body from ``front.health_report`` (200
+    ``{"status": "ok", ...}`` when ``backend.health()["ok"]``, else 503 ``{"status": "unavailable", "reason":
+    ...}``)."""
+    status, body = health_report(backend)
+    return JSONResponse(body, status_code=status)
 
 
 def create_router(backend: ChatBackend) -> APIRouter:

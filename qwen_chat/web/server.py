@@ -4,6 +4,10 @@
 serve).  The backend is wrapped once by ``ops.instrument`` and that one object is shared by the UI and the API,
 so metrics count both.  Login (``cfg.login_enabled``) protects the UI through Gradio's ``auth=`` with
 ``auth.UserDB.verify``; the API has its own keys (``cfg.api_keys``).
+
+``end_streams(app)`` ends the Gradio heartbeat stream that every open browser tab holds; ``front.WebServer``
+calls it when the server begins to shut down, so a stop does not wait for those streams (they never end by
+themselves).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import gradio as gr
+from gradio.routes import App as GradioApp
 
 from qwen_chat.chat_types import ChatBackend
 from qwen_chat.config import ServiceConfig
@@ -42,3 +47,13 @@ def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
         app, page, path="/", auth=login, auth_message="Qwen3.5 chat: please log in",
         max_file_size=limits.max_file_bytes, footer_links=["settings"], css=CSS, ssr_mode=False,
     )
+
+
+def end_streams(app: FastAPI) -> None:
+    """Make the heartbeat stream of every open tab of ``app``'s Gradio UI end now (Gradio's own stop event,
+    which its heartbeat loop waits on; the tab reconnects to the next server).  Call it in the server's event
+    loop: the event is an ``asyncio.Event``."""
+    for route in app.routes:
+        mounted = getattr(route, "app", None)
+        if isinstance(mounted, GradioApp):
+            mounted.stop_event.set()

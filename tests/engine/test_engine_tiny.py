@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -228,11 +229,28 @@ def test_seeded_sampling_is_reproducible(engine):
     assert c.answer != a.answer
 
 
+def test_n_choices_share_one_prefill_and_equal_their_solo_replies(make_engine):
+    """n = 3 on 2 slots: choices 0 and 1 share a prefill (the runner copies the slot), choice 2 gets its own;
+    choice i is the reply a request with seed + i alone gets, so copying the slot state changes nothing."""
+    engine, ex = make_engine()
+    settings = GenerationSettings.preset(False, seed=21, max_new_tokens=12, temperature=1.0)
+    lasts = {}
+    for u in engine.stream_chat(user("Say something"), replace(settings, n=3), CancelToken()):
+        if u.finish_reason is not None:
+            lasts[u.index] = u
+    assert sorted(lasts) == [0, 1, 2]
+    assert [len(item.copies) for plan in ex.plans for item in plan.prefills] == [1, 0]
+    for i in range(3):
+        alone = run(engine, user("Say something"), replace(settings, seed=21 + i))[-1]
+        assert (lasts[i].answer, lasts[i].completion_tokens) == (alone.answer, alone.completion_tokens)
+    assert lasts[0].answer != lasts[1].answer
+
+
 def test_invalid_settings_raise_before_streaming(engine):
     with pytest.raises(InvalidInput, match="top_p"):
         engine.stream_chat(user("hi"), GenerationSettings(top_p=0.0), CancelToken())
     with pytest.raises(InvalidInput, match="max_new_tokens"):
-        engine.stream_chat(user("hi"), GenerationSettings(max_new_tokens=10), CancelToken())
+        engine.stream_chat(user("hi"), GenerationSettings(max_new_tokens=0), CancelToken())
     assert engine.stats()["requests_total"] == 0
 
 

@@ -1,4 +1,5 @@
-"""Sampler semantics: greedy, seeds, top-k, top-p, presence penalty, independence from batch composition."""
+"""Sampler semantics: greedy, seeds, top-k, top-p, presence and frequency penalties, independence from batch
+composition, the thinking budget, log-probabilities."""
 from __future__ import annotations
 
 import math
@@ -12,9 +13,9 @@ from qwen_chat.engine.model.sampling import Sampler, nucleus_probs, scaled_logit
 V = 50
 
 
-def params(temperature=1.0, top_p=1.0, top_k=0, presence_penalty=0.0, seed=0) -> SamplingParams:
+def params(temperature=1.0, top_p=1.0, top_k=0, presence_penalty=0.0, seed=0, **extra) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence_penalty,
-                          seed=seed, max_new_tokens=100, stop_token_ids=())
+                          seed=seed, max_new_tokens=100, stop_token_ids=(), **extra)
 
 
 def logits_batch(n: int, seed: int = 0) -> torch.Tensor:
@@ -223,3 +224,88 @@ def test_a_failing_compiled_sampler_falls_back_to_the_same_maths(caplog):
     assert "runs uncompiled" in caplog.text
     s.start(0, params(temperature=0.7, top_k=20, seed=1))
     assert 0 <= s.sample([0], logits_batch(1))[0] < V
+
+
+def greedy_with_counts(lg: torch.Tensor, steps: int, frequency: float, presence: float) -> list[int]:
+    """Reference: argmax of ``logit - frequency * count - presence * (count > 0)`` step by step."""
+    counts = torch.zeros(V)
+    out = []
+    for _ in range(steps):
+        tok = int((lg - frequency * counts - presence * (counts > 0).float()).argmax())
+        counts[tok] += 1
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("top_k", [0, 20])  # the general path and the fused top-k path
+def test_frequency_penalty_subtracts_per_occurrence(top_k):
+    """Token 4 leads token 9 by 0.5 and token 13 by 0.95: with frequency_penalty 0.3 it is drawn until two
+    occurrences cost 0.6, then the others take turns as their counts grow (at a temperature so low that each
+    draw is the argmax); a presence penalty of 0.3 costs token 4 only once, so it keeps winning."""
+    lg = torch.full((V,), -20.0)
+    lg[4], lg[9], lg[13] = 3.0, 2.5, 2.05
+    s = Sampler(1, V, "cpu")
+    s.start(0, params(temperature=0.001, top_k=top_k, frequency_penalty=0.3, seed=1))
+    got = draw(s, 0, lg, 12)
+    assert got == greedy_with_counts(lg, 12, frequency=0.3, presence=0.0)
+    assert got[:3] == [4, 4, 9] and {4, 9, 13} <= set(got)
+    s.start(0, params(temperature=0.001, top_k=top_k, presence_penalty=0.3, seed=1))
+    assert set(draw(s, 0, lg, 12)) == {4}
+    s.start(0, params(temperature=0.001, top_k=top_k, frequency_penalty=-0.5, seed=1))  # negative: repeat more
+    assert set(draw(s, 0, lg, 12)) == {4}
+    s.start(0, params(temperature=0.0, frequency_penalty=2.0, seed=1))  # greedy ignores penalties
+    assert set(draw(s, 0, lg, 6)) == {4}
+
+
+def test_frequency_counts_start_fresh_and_stay_in_their_slot():
+    lg = torch.full((V,), -20.0)
+    lg[4], lg[9] = 3.0, 2.5
+    s = Sampler(2, V, "cpu")
+    s.start(0, params(temperature=0.001, frequency_penalty=0.3, seed=1))
+    s.start(1, params(temperature=0.001, seed=2))
+    for _ in range(4):
+        s.sample([0, 1], torch.stack([lg, lg]))
+    assert float(s.frequency.counts[0].sum()) == 4
+    s.start(0, params(temperature=0.001, frequency_penalty=0.3, seed=1))  # a new reply: counts cleared
+    assert float(s.frequency.counts[0].sum()) == 0
+    assert draw(s, 0, lg, 3) == [4, 4, 9]
+
+
+def test_thinking_budget_forces_the_end_of_thinking():
+    END = 7
+    lg = torch.full((V,), -20.0)
+    lg[4] = 3.0
+    s = Sampler(2, V, "cpu")
+    s.start(0, params(temperature=0.0, reasoning_budget=3, think_end_id=END))
+    assert draw(s, 0, lg, 6) == [4, 4, 4, END, 4, 4]  # once closed, never forced again
+    s.start(0, params(temperature=0.0, reasoning_budget=0, think_end_id=END))
+    assert draw(s, 0, lg, 2) == [END, 4]
+    own = lg.clone()
+    own[END] = 5.0  # the model closes its thinking itself, within the budget
+    s.start(0, params(temperature=0.0, reasoning_budget=3, think_end_id=END))
+    s.start(1, params(temperature=0.7, seed=3))  # no budget: never forced, in the same batch
+    first = s.sample([0, 1], torch.stack([own, lg]))
+    assert first[0] == END and first[1] != END
+    for _ in range(5):
+        assert s.sample([0, 1], torch.stack([lg, lg])) == [4, 4]
+
+
+def test_logprobs_are_the_raw_log_softmax_sorted_and_only_where_asked():
+    lg = logits_batch(3, seed=9)
+    s = Sampler(3, V, "cpu")
+    s.start(0, params(temperature=0.0, logprobs=5))
+    s.start(1, params(temperature=1.0, presence_penalty=2.0, seed=4, logprobs=0))
+    s.start(2, params(temperature=1.0, seed=5))
+    tokens = s.sample_async([0, 1, 2], lg)
+    rows = s.logprobs_async([0, 1, 2], lg, tokens).by_slot()
+    assert set(rows) == {0, 1}
+    reference = torch.log_softmax(lg, -1)
+    for slot in (0, 1):
+        assert math.isclose(rows[slot].logprob, float(reference[slot, int(tokens[slot])]), rel_tol=1e-5)
+    greedy = rows[0]
+    assert len(greedy.top_ids) == 5 and list(greedy.top_logprobs) == sorted(greedy.top_logprobs, reverse=True)
+    assert greedy.top_ids[0] == int(tokens[0]) and greedy.top_logprobs[0] == greedy.logprob
+    assert rows[1].top_ids == ()
+    s.start(0, params(temperature=0.0))
+    s.start(1, params(temperature=0.0))
+    assert s.logprobs_async([0, 1], lg[:2], s.sample_async([0, 1], lg[:2])) is None

@@ -14,6 +14,7 @@ import torch
 
 from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, InvalidInput, NotReady
 from qwen_chat.engine.parallel.executors import LocalExecutor
+from qwen_chat.engine.serving.handles import group_chunks
 from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 from qwen_chat.engine.serving.scheduler import Scheduler
 from tests.support.spy_executor import SpyExecutor
@@ -64,6 +65,11 @@ class FakeRunner:
     def free(self, slot: int) -> None:
         self.freed.append(slot)
         self.seqs.pop(slot, None)
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        assert dst not in self.seqs, f"slot {dst} copied into without free"
+        self.seqs[dst] = list(self.seqs[src])
+        self.prompt_lens[dst] = self.prompt_lens[src]
 
 
 class FakeSampler:
@@ -160,6 +166,25 @@ def test_executor_rejects_inconsistent_plans():
     with pytest.raises(ValueError, match="unknown step op"):
         ex.execute(StepPlan(op="bogus"))
     assert ex.execute(StepPlan(op="exit")) == {}
+
+
+def test_choices_share_the_prefill_that_free_slots_allow(cleanup):
+    """n = 3 choices on 2 slots: the first two share one prefill (the second starts from a copy of the slot), the
+    third gets its own once a slot frees; each choice streams what a request with its seed alone would."""
+    p = prompt(3, 1, 4)
+    samplings = [params(max_new=6, temperature=1.0, seed=40 + i) for i in range(3)]
+    refs = [solo(p, sp)[0] for sp in samplings]
+    sched, ex, _ = make(num_slots=2)
+    cleanup(sched)
+    handles = sched.submit_choices(p, samplings, CancelToken())
+    got = {i: [] for i in range(3)}
+    for chunk in group_chunks(handles):
+        got[chunk.index] += chunk.ids
+    assert [got[i] for i in range(3)] == refs
+    assert [h.finish_reason for h in handles] == ["length"] * 3
+    prefills = [item for plan in ex.plans for item in plan.prefills]
+    assert len(prefills) == 2 and len(prefills[0].copies) == 1 and not prefills[1].copies
+    assert sched.stats()["totals"]["requests"] == 1
 
 
 def test_length_and_stop_reasons(cleanup):

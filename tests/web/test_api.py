@@ -3,6 +3,7 @@ server in a background thread, with the scripted ``FakeBackend`` (tests/support/
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import threading
@@ -28,8 +29,12 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+MODEL = "fake"  # the model id every test server serves (a request naming another id gets 404)
+
+
 class Server:
-    def __init__(self, backend: FakeBackend, cfg: ServiceConfig):
+    def __init__(self, backend: FakeBackend, cfg: ServiceConfig, model: str = MODEL):
+        cfg = dataclasses.replace(cfg, model=model)
         self.backend = backend
         self.cfg = cfg
         self.app, self.instrumented = api_app(backend, cfg)
@@ -73,7 +78,7 @@ def test_models_list(client):
 
 
 def test_text_chat_reasoning_separate_and_usage(server, client):
-    reply = client.chat.completions.create(model="anything", messages=USER, seed=7)
+    reply = client.chat.completions.create(model=MODEL, messages=USER, seed=7)
     choice = reply.choices[0]
     assert reply.model == "fake"
     assert choice.finish_reason == "stop"
@@ -91,7 +96,7 @@ def test_text_chat_reasoning_separate_and_usage(server, client):
 
 
 def test_streamed_chat_chunks_then_finish(server, client):
-    chunks = list(client.chat.completions.create(model="m", messages=USER, seed=11, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, seed=11, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c.choices[0].delta.content for c in chunks[1:-1] if c.choices[0].delta.content]
     reasoning = [c.choices[0].delta.reasoning_content for c in chunks[1:-1]
@@ -100,14 +105,14 @@ def test_streamed_chat_chunks_then_finish(server, client):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert len({c.id for c in chunks}) == 1
-    whole = client.chat.completions.create(model="m", messages=USER, seed=11)
+    whole = client.chat.completions.create(model=MODEL, messages=USER, seed=11)
     assert "".join(content) == whole.choices[0].message.content
     assert "".join(reasoning) == whole.choices[0].message.reasoning_content
 
 
 def test_stream_usage_chunk_when_asked(client):
     chunks = list(client.chat.completions.create(
-        model="m", messages=USER, stream=True, stream_options={"include_usage": True},
+        model=MODEL, messages=USER, stream=True, stream_options={"include_usage": True},
         extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
     assert chunks[-1].choices == []
     assert chunks[-1].usage.prompt_tokens == 2
@@ -117,7 +122,7 @@ def test_stream_usage_chunk_when_asked(client):
 
 def test_raw_sse_ends_with_done(server):
     with httpx.stream("POST", server.url + "/v1/chat/completions",
-                      json={"model": "m", "messages": USER, "stream": True}, timeout=30) as resp:
+                      json={"model": MODEL, "messages": USER, "stream": True}, timeout=30) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in resp.iter_lines() if line]
@@ -128,7 +133,7 @@ def test_raw_sse_ends_with_done(server):
 
 
 def test_thinking_off_has_no_reasoning_and_uses_non_thinking_preset(server, client):
-    reply = client.chat.completions.create(model="m", messages=USER,
+    reply = client.chat.completions.create(model=MODEL, messages=USER,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     message = reply.choices[0].message
     assert message.content.startswith("You said: hello there")
@@ -136,19 +141,19 @@ def test_thinking_off_has_no_reasoning_and_uses_non_thinking_preset(server, clie
     s = server.backend.calls[-1].settings
     assert (s.enable_thinking, s.temperature, s.top_p, s.top_k, s.presence_penalty) == (False, 0.7, 0.8, 20, 1.5)
     streamed = list(client.chat.completions.create(
-        model="m", messages=USER, stream=True, extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+        model=MODEL, messages=USER, stream=True, extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
     assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in streamed if c.choices)
 
 
 def test_parameters_reach_the_backend(server, client):
     client.chat.completions.create(
-        model="m", messages=USER, max_tokens=100, temperature=0.3, top_p=0.5, presence_penalty=0.0,
+        model=MODEL, messages=USER, max_tokens=100, temperature=0.3, top_p=0.5, presence_penalty=0.0,
         seed=42, stop=["END", "###"], extra_body={"top_k": 5},
     )
     s = server.backend.calls[-1].settings
     assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.presence_penalty, s.seed, s.stop) == (
         100, 0.3, 0.5, 5, 0.0, 42, ("END", "###"))
-    client.chat.completions.create(model="m", messages=USER, max_completion_tokens=200, stop="STOP")
+    client.chat.completions.create(model=MODEL, messages=USER, max_completion_tokens=200, stop="STOP")
     s = server.backend.calls[-1].settings
     assert (s.max_new_tokens, s.stop) == (200, ("STOP",))
 
@@ -156,10 +161,10 @@ def test_parameters_reach_the_backend(server, client):
 def test_length_finish_reason(tmp_path):
     with Server(FakeBackend(answer_words=200), ServiceConfig(history_dir=tmp_path)) as srv:
         client = srv.client()
-        reply = client.chat.completions.create(model="m", messages=USER, max_tokens=64)
+        reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=64)
         assert reply.choices[0].finish_reason == "length"
         assert reply.usage.completion_tokens == 64
-        chunks = list(client.chat.completions.create(model="m", messages=USER, max_tokens=64, stream=True))
+        chunks = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=64, stream=True))
         assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -170,7 +175,7 @@ def test_system_and_multi_turn_messages(server, client):
         {"role": "assistant", "content": "answer one", "reasoning_content": "secret thoughts"},
         {"role": "user", "content": "second question"},
     ]
-    reply = client.chat.completions.create(model="m", messages=messages)
+    reply = client.chat.completions.create(model=MODEL, messages=messages)
     assert "You said: second question" in reply.choices[0].message.content
     assert "[4 messages]" in reply.choices[0].message.content
     sent = server.backend.calls[-1].messages
@@ -181,7 +186,7 @@ def test_system_and_multi_turn_messages(server, client):
 
 def test_leading_system_messages_are_merged_and_numbers_normalised(server):
     resp = httpx.post(server.url + "/v1/chat/completions", json={
-        "model": "m", "stream": None, "max_tokens": 100.0, "top_k": 5.0,
+        "model": MODEL, "stream": None, "max_tokens": 100.0, "top_k": 5.0,
         "messages": [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Be kind."},
                      {"role": "user", "content": "hi"}]})
     assert resp.status_code == 200, resp.text
@@ -195,7 +200,7 @@ def test_image_question_with_data_url(server, client, tmp_path):
     png = (FIXTURES / "coffee.png").read_bytes()
     content = [{"type": "text", "text": "What is in this picture?"},
                {"type": "image_url", "image_url": {"url": data_url(png)}}]
-    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
     with Image.open(io.BytesIO(png)) as original:
         size = original.size
     # coffee.png is small enough for the default 1024-token budget: the model sees it at its own size
@@ -205,7 +210,7 @@ def test_image_question_with_data_url(server, client, tmp_path):
     with Image.open(path) as im:
         assert (im.format, im.mode, im.size) == ("PNG", "RGB", size)
     # the same image sent again (clients resend history) maps to the same file
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
     assert server.backend.calls[-1].messages[-1].images[0] == str(path)
     assert len(list(path.parent.glob("*.png"))) == 1
 
@@ -215,14 +220,14 @@ def test_big_jpeg_is_downscaled_to_the_token_budget(tmp_path):
     with Server(FakeBackend(), cfg) as srv:
         jpg = (FIXTURES / "rocket.jpg").read_bytes()
         content = [{"type": "image_url", "image_url": {"url": data_url(jpg, "image/jpeg")}}]
-        srv.client().chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+        srv.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
         with Image.open(srv.backend.calls[-1].messages[-1].images[0]) as im:
             assert im.size[0] * im.size[1] <= 64 * 32 * 32
 
 
 def test_seed_reproducible_at_temperature_above_zero(client):
     def ask(seed):
-        r = client.chat.completions.create(model="m", messages=USER, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(model=MODEL, messages=USER, temperature=1.0, seed=seed)
         return r.choices[0].message.content, r.choices[0].message.reasoning_content
 
     assert ask(1234) == ask(1234)
@@ -233,7 +238,7 @@ def test_seed_reproducible_at_temperature_above_zero(client):
 
 
 def bad_request(client, **kwargs) -> openai.BadRequestError:
-    kwargs.setdefault("model", "m")
+    kwargs.setdefault("model", MODEL)
     kwargs.setdefault("messages", USER)
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**kwargs)
@@ -248,8 +253,12 @@ def bad_request(client, **kwargs) -> openai.BadRequestError:
     ({"temperature": 2.5}, "temperature", "[0.0, 1.5]"),
     ({"temperature": -0.1}, "temperature", "[0.0, 1.5]"),
     ({"presence_penalty": 3}, "presence_penalty", "[0.0, 2.0]"),
-    ({"max_tokens": 5}, "max_tokens", "[64, 8192]"),
-    ({"max_completion_tokens": 100000}, "max_completion_tokens", "[64, 8192]"),
+    ({"max_tokens": 0}, "max_tokens", "[1, 8192]"),
+    ({"max_completion_tokens": 100000}, "max_completion_tokens", "[1, 8192]"),
+    ({"n": 9}, "n", "[1, 8]"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty", "[-2.0, 2.0]"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ({"extra_body": {"thinking_token_budget": -1}}, "thinking_token_budget", "[0, 8192]"),
     ({"seed": -1}, "seed", "[0, 2**63-1]"),
 ])
 def test_out_of_range_parameters_are_400_with_the_range(server, client, params, param, range_text):
@@ -295,8 +304,9 @@ def test_bad_images_are_400(server, client, url, needle):
     err = bad_request(client, messages=[{"role": "user", "content": content}])
     assert needle in err.message
     assert "messages[0].content[1].image_url" in err.message
+    assert err.param == "messages[0].content[1].image_url"
     # the server stays usable
-    assert server.client().chat.completions.create(model="m", messages=USER).choices[0].finish_reason == "stop"
+    assert server.client().chat.completions.create(model=MODEL, messages=USER).choices[0].finish_reason == "stop"
 
 
 def test_remote_images_when_allowed(tmp_path):
@@ -312,7 +322,7 @@ def test_remote_images_when_allowed(tmp_path):
         with Server(FakeBackend(), ServiceConfig(history_dir=tmp_path, allow_remote_images=True)) as srv:
             client = srv.client()
             part = {"type": "image_url", "image_url": {"url": base + "/coffee.png"}}
-            reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": [part]}])
+            reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [part]}])
             with Image.open(FIXTURES / "coffee.png") as im:
                 assert f"[1 image(s) {im.size[0]}x{im.size[1]}]" in reply.choices[0].message.content
             missing = {"type": "image_url", "image_url": {"url": base + "/missing.png"}}
@@ -336,14 +346,59 @@ def test_prompt_too_long_is_400_with_token_counts(server, client):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ({"n": 2}, "more than one choice"),
-    ({"logprobs": True}, "log-probabilities"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unsupported_features_are_refused(client, extra, needle):
     err = bad_request(client, **extra)
     assert needle in err.message
+
+
+def test_small_max_tokens_and_the_new_fields_reach_the_backend(server, client):
+    client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, n=2, frequency_penalty=-0.5,
+                                   logprobs=True, top_logprobs=3, extra_body={"thinking_token_budget": 16})
+    s = server.backend.calls[-1].settings
+    assert (s.max_new_tokens, s.n, s.frequency_penalty, s.top_logprobs, s.thinking_token_budget) == (1, 2, -0.5, 3, 16)
+    client.chat.completions.create(model=MODEL, messages=USER, logprobs=True)
+    assert server.backend.calls[-1].settings.top_logprobs == 0
+    client.chat.completions.create(model=MODEL, messages=USER, logprobs=False)
+    assert server.backend.calls[-1].settings.top_logprobs is None
+
+
+def test_conflicting_token_limits_and_top_logprobs_alone_are_400(server, client):
+    err = bad_request(client, max_tokens=100, max_completion_tokens=200)
+    assert err.param == "max_tokens" and "differ" in err.message and err.code == "conflicting_parameters"
+    client.chat.completions.create(model=MODEL, messages=USER, max_tokens=100, max_completion_tokens=100)
+    assert server.backend.calls[-1].settings.max_new_tokens == 100
+    err = bad_request(client, top_logprobs=2)
+    assert err.param == "top_logprobs" and "logprobs" in err.message
+
+
+def test_unknown_model_is_404_and_the_documented_aliases_are_served(tmp_path):
+    with Server(FakeBackend(), ServiceConfig(history_dir=tmp_path), model="/models/Qwen3.5-9B") as srv:
+        client = srv.client()
+        for alias in ("/models/Qwen3.5-9B", "Qwen3.5-9B", "Qwen/Qwen3.5-9B", "fake-qwen"):
+            assert client.chat.completions.create(model=alias, messages=USER).model == "/models/Qwen3.5-9B"
+        assert client.models.retrieve("Qwen/Qwen3.5-9B").id == "/models/Qwen3.5-9B"
+        calls = len(srv.backend.calls)
+        with pytest.raises(openai.NotFoundError) as info:
+            client.chat.completions.create(model="gpt-4", messages=USER)
+        assert info.value.code == "model_not_found" and info.value.param == "model"
+        assert "gpt-4" in info.value.message and len(srv.backend.calls) == calls
+
+
+@pytest.mark.parametrize("content, param", [
+    ("\\ud800x", "messages[0].content"),
+    ('[{"type": "text", "text": "ok"}, {"type": "text", "text": "a\\udfffb"}]', "messages[0].content[1].text"),
+])
+def test_lone_surrogate_is_400_naming_the_field(server, content, param):
+    text = content if content.startswith("[") else f'"{content}"'
+    body = '{"model": "fake", "messages": [{"role": "user", "content": ' + text + '}]}'
+    resp = httpx.post(server.url + "/v1/chat/completions", content=body.encode(),
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == param and "surrogate" in error["message"]
+    assert server.backend.calls == []
 
 
 def test_invalid_json_body_is_400_in_openai_shape(server):
@@ -361,30 +416,30 @@ def test_api_keys_401(tmp_path):
     cfg = ServiceConfig(history_dir=tmp_path, api_keys=("sk-right",))
     with Server(FakeBackend(), cfg) as srv:
         with pytest.raises(openai.AuthenticationError) as info:
-            srv.client("sk-wrong").chat.completions.create(model="m", messages=USER)
+            srv.client("sk-wrong").chat.completions.create(model=MODEL, messages=USER)
         assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
         with pytest.raises(openai.AuthenticationError):
             srv.client("sk-wrong").models.list()
-        resp = httpx.post(srv.url + "/v1/chat/completions", json={"model": "m", "messages": USER})
+        resp = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER})
         assert resp.status_code == 401 and "missing API key" in resp.json()["error"]["message"]
         assert srv.backend.calls == []
-        reply = srv.client("sk-right").chat.completions.create(model="m", messages=USER)
+        reply = srv.client("sk-right").chat.completions.create(model=MODEL, messages=USER)
         assert reply.choices[0].finish_reason == "stop"
         assert httpx.get(srv.url + "/healthz").status_code == 200  # ops endpoints need no key
 
 
 def test_no_key_needed_on_loopback_without_keys(client):
-    assert client.chat.completions.create(model="m", messages=USER).choices[0].finish_reason == "stop"
+    assert client.chat.completions.create(model=MODEL, messages=USER).choices[0].finish_reason == "stop"
 
 
 def test_queue_full_is_429(tmp_path):
     backend = FakeBackend(capacity=1, answer_words=500, step_delay_s=0.01)
     with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
         client = srv.client()
-        stream = client.chat.completions.create(model="m", messages=USER, stream=True)
+        stream = client.chat.completions.create(model=MODEL, messages=USER, stream=True)
         next(iter(stream))
         with pytest.raises(openai.RateLimitError) as info:
-            client.chat.completions.create(model="m", messages=USER)
+            client.chat.completions.create(model=MODEL, messages=USER)
         assert info.value.status_code == 429
         assert info.value.response.headers["retry-after"] == "1"
         stream.close()
@@ -394,14 +449,15 @@ def test_not_ready_is_503_then_ok(tmp_path):
     backend = FakeBackend(ready=False)
     with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
         with pytest.raises(openai.InternalServerError) as info:
-            srv.client().chat.completions.create(model="m", messages=USER)
+            srv.client().chat.completions.create(model=MODEL, messages=USER)
         assert info.value.status_code == 503
         assert info.value.body["type"] == "not_ready"
+        assert info.value.response.headers["retry-after"] == "10"
         health = httpx.get(srv.url + "/healthz")
         assert health.status_code == 503 and health.json() == {"status": "unavailable", "reason": "loading model"}
         backend.ready = True
         assert httpx.get(srv.url + "/healthz").json() == {"status": "ok"}
-        assert srv.client().chat.completions.create(model="m", messages=USER).choices[0].finish_reason == "stop"
+        assert srv.client().chat.completions.create(model=MODEL, messages=USER).choices[0].finish_reason == "stop"
 
 
 # ------------------------------------------------------------------------------------------ cancellation
@@ -411,7 +467,7 @@ def test_stream_cancelled_midway_frees_the_queue(tmp_path):
     backend = FakeBackend(capacity=1, reasoning_words=0, answer_words=2000, step_delay_s=0.01)
     with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
         client = srv.client()
-        stream = client.chat.completions.create(model="m", messages=USER, stream=True, max_tokens=8192)
+        stream = client.chat.completions.create(model=MODEL, messages=USER, stream=True, max_tokens=8192)
         hang_up_after(stream, 5)
         assert wait_until(lambda: backend.active == 0), "generation kept running after the client left"
         first = backend.calls[0]
@@ -419,7 +475,7 @@ def test_stream_cancelled_midway_frees_the_queue(tmp_path):
         assert first.steps < 2000
         # the single slot is free again: the next request is served, not refused with 429
         backend.answer_words = 3
-        reply = client.chat.completions.create(model="m", messages=USER)
+        reply = client.chat.completions.create(model=MODEL, messages=USER)
         assert reply.choices[0].finish_reason == "stop"
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'qwen_chat_finished_total{finish_reason="cancelled"} 1.0' in metrics
@@ -430,7 +486,7 @@ def test_non_streaming_client_disconnect_cancels(tmp_path):
     with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/chat/completions", timeout=0.5,
-                       json={"model": "m", "messages": USER, "max_tokens": 8192})
+                       json={"model": MODEL, "messages": USER, "max_tokens": 8192})
         assert wait_until(lambda: backend.active == 0), "generation kept running after the client left"
         assert backend.calls[0].finish_reason == "cancelled" and backend.calls[0].steps < 2000
 
@@ -442,7 +498,7 @@ def test_concurrent_streams_do_not_mix(tmp_path):
 
         def ask(name: str) -> None:
             chunks = srv.client().chat.completions.create(
-                model="m", messages=[{"role": "user", "content": name}], stream=True, temperature=0)
+                model=MODEL, messages=[{"role": "user", "content": name}], stream=True, temperature=0)
             results[name] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
         threads = [threading.Thread(target=ask, args=(f"user{i}",)) for i in range(4)]
@@ -459,9 +515,9 @@ def test_concurrent_streams_do_not_mix(tmp_path):
 
 
 def test_metrics_count_the_requests_made(server, client):
-    client.chat.completions.create(model="m", messages=USER)
-    list(client.chat.completions.create(model="m", messages=USER, stream=True))
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+    client.chat.completions.create(model=MODEL, messages=USER)
+    list(client.chat.completions.create(model=MODEL, messages=USER, stream=True))
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     bad_request(client, top_p=0)
     bad_request(client, messages=[{"role": "user", "content": "word " * 300}])

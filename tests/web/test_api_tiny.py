@@ -139,3 +139,78 @@ def test_metrics_count_requests(served, client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=USER, extra_body={"top_k": 0})
     assert requests_total() == before + 3
+
+
+def test_logprobs_greedy_chosen_is_top1_and_streamed_equals_non_streamed(client):
+    ask = dict(model="tiny", messages=USER, temperature=0, max_tokens=8, logprobs=True, top_logprobs=5,
+               extra_body=NO_THINK)
+    reply = client.chat.completions.create(**ask)
+    entries = reply.choices[0].logprobs.content
+    answered = reply.usage.completion_tokens - (reply.choices[0].finish_reason == "stop")  # the stop token has none
+    assert len(entries) == answered >= 1
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True) and all(lp <= 0 for lp in tops)
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)  # greedy: the top-1
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token or e.token.startswith("bytes:")
+    assert "".join(e.token for e in entries).lstrip() == reply.choices[0].message.content  # (answer: no lead space)
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in entries]
+    plain = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=8,
+                                           extra_body=NO_THINK)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_max_tokens_one_gives_exactly_one_token(client):
+    reply = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=1,
+                                           extra_body=NO_THINK)
+    assert reply.usage.completion_tokens == 1
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_n_choices_reproducible_with_a_seed_streamed_and_not(client):
+    ask = dict(model="tiny", messages=USER, temperature=1.0, max_tokens=16, n=3, seed=77, extra_body=NO_THINK)
+    first = client.chat.completions.create(**ask)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    texts = [c.message.content for c in first.choices]
+    assert len(set(texts)) == 3
+    assert [c.message.content for c in client.chat.completions.create(**ask).choices] == texts
+    assert first.usage.completion_tokens <= 3 * 16 and first.usage.completion_tokens >= 3
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **ask))
+    parts, finished = {0: "", 1: "", 2: ""}, set()
+    for c in chunks:
+        for choice in c.choices:
+            parts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert [parts[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    assert chunks[-1].usage.completion_tokens == first.usage.completion_tokens
+
+
+def test_thinking_token_budget_closes_the_reasoning_and_the_answer_follows(client):
+    reply = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40,
+                                           extra_body={"thinking_token_budget": 6})
+    message = reply.choices[0].message
+    reasoning = reply.usage.completion_tokens_details.reasoning_tokens
+    assert 1 <= reasoning <= 6 and message.reasoning_content
+    assert message.content and reply.usage.completion_tokens > reasoning + 1  # </think>, then the answer
+    unbounded = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=40)
+    # the random model rarely closes its thinking by itself: without a budget it is all reasoning
+    assert unbounded.usage.completion_tokens_details.reasoning_tokens > 6
+
+
+def test_dropped_turns_are_reported(client):
+    history = []
+    for i in range(3):
+        history += [{"role": "user", "content": f"turn {i} " + "sea " * 900},
+                    {"role": "assistant", "content": "ok"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=history + USER, temperature=0, max_tokens=64, extra_body=NO_THINK)
+    reply = raw.parse()
+    assert raw.headers["x-dropped-messages"] == str(reply.dropped_messages)
+    # whole oldest turns (a user message and its reply) left out, until prompt + max_tokens fit the 2048
+    assert reply.dropped_messages in (2, 4) and reply.usage.prompt_tokens + 64 <= 2048
+    small = client.chat.completions.with_raw_response.create(model="tiny", messages=USER, max_tokens=8,
+                                                             extra_body=NO_THINK)
+    assert small.headers["x-dropped-messages"] == "0" and "dropped_messages" not in small.parse().model_extra

@@ -7,7 +7,10 @@
   (its own progress bars; a cached copy is used when offline).
 
 Loading always goes through ``from_pretrained`` (``AutoProcessor`` and ``Qwen3_5ForConditionalGeneration``),
-so the tiny model and a real checkpoint share one code path.  bf16 on CUDA, fp32 on CPU (the published
+so the tiny model and a real checkpoint share one code path.  Before it, ``layout.inspect_checkpoint`` checks
+the folder (model type, shards, quantisation) from its JSON files and safetensors headers, and after the
+processor and the weights load, ``layout.check_tokenizer`` and ``layout.check_loading_info`` refuse a foreign
+tokenizer or missing weights: each refusal is one ``CheckpointError`` line naming the file.  bf16 on CUDA, fp32 on CPU (the published
 weights are bf16, docs/facts.md, "Shape"; CPU matmuls in bf16 are slow and less exact).
 
 Under a DeepSpeed sharding plan the caller (``qwen_chat.engine.serving.bootstrap``) first runs
@@ -39,6 +42,8 @@ from transformers.utils import is_torchvision_available
 
 from qwen_chat.chat_types import ModelInfo
 from qwen_chat.config import MODEL_HINT, local_checkpoint_problem
+from qwen_chat.engine.checkpoints.layout import (CheckpointReport, check_loading_info, check_tokenizer,
+                                                 inspect_checkpoint)
 from qwen_chat.engine.checkpoints.tiny import DEMO_CONFIG_KEY, DEMO_MARKER_FILE, build_tiny_checkpoint
 
 log = logging.getLogger(__name__)
@@ -60,7 +65,7 @@ class LoadedModel:
     ``model``: ``Qwen3_5ForConditionalGeneration`` in eval mode (bf16 on CUDA, fp32 on CPU unless overridden).
     ``processor``: ``Qwen3VLProcessor`` (tokenizer + ``Qwen2VLImageProcessor`` + chat template).
     ``tokenizer``: the processor's tokenizer.  ``info``: name, demo flag, context length in tokens.
-    ``checkpoint``: the folder it was loaded from.
+    ``checkpoint``: the folder it was loaded from.  ``report``: what ``layout.inspect_checkpoint`` found there.
     """
 
     model: Any
@@ -68,6 +73,7 @@ class LoadedModel:
     tokenizer: Any
     info: ModelInfo
     checkpoint: Path
+    report: Optional[CheckpointReport] = None
 
 
 class ImageTextProcessor(Qwen3VLProcessor):
@@ -172,12 +178,19 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
         name: name shown to users (default: the folder name; "tiny" shows as "qwen3.5-tiny (demo)").
 
     Raises:
+        CheckpointError (``layout``): one line naming the file, for a foreign model type, a missing shard, a
+            quantised checkpoint, a tokenizer with other special ids, or weights the checkpoint lacks.
         OSError / ValueError from transformers when the folder does not hold a loadable Qwen3.5 checkpoint.
     """
     path = Path(path)
     dtype = dtype or default_dtype(device)
+    report = inspect_checkpoint(path)
+    log.info("checkpoint %s: %s", path, report.describe())
     processor = load_processor(path)
-    model = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=dtype)
+    check_tokenizer(processor.tokenizer, path)
+    model, loading_info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=dtype,
+                                                                         output_loading_info=True)
+    check_loading_info(loading_info, path)
     if place_on_device:
         model.to(device)
     model.eval()
@@ -189,7 +202,7 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
         context_length=int(text_config.max_position_embeddings),
     )
     return LoadedModel(model=model, processor=processor, tokenizer=processor.tokenizer, info=info,
-                       checkpoint=path)
+                       checkpoint=path, report=report)
 
 
 # Gated DeltaNet ops -> (transformers function in modeling_qwen3_5, optional package it prefers).

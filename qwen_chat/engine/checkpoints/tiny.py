@@ -12,9 +12,11 @@ What is real (docs/facts.md, "Shape", and the published config, ``bench/qwen3_5_
 output gate; partial rotary 0.25 with interleaved M-RoPE; 16 query / 4 KV heads; 16 key / 32 value linear heads;
 conv1d width 4; vocab 248,320 with the real tokenizer and special ids; vision tower with patch 16, temporal
 patch 2, 2x2 spatial merge and ``out_hidden_size`` = text hidden; Qwen3VLProcessor with
-Qwen2VLImageProcessor.  What is small: hidden 64, 4 text layers, head dims 64 (attention) / 16 (linear),
-vision depth 2 x hidden 64.  Weights are stored in bf16 like the real checkpoint (about 64 MB on disk,
-dominated by the 248,320 x 64 input embedding and LM head).
+Qwen2VLImageProcessor; the folder layout of the published checkpoint (``qwen_chat.engine.checkpoints.layout``:
+four weight shards with an index, the ``mtp.`` head, ``vocab.json``/``merges.txt``, ``chat_template.jinja``,
+both preprocessor configs, no ``generation_config.json``).  What is small: hidden 64, 4 text layers, head dims
+64 (attention) / 16 (linear), vision depth 2 x hidden 64.  Weights are stored in bf16 like the real checkpoint
+(about 66 MB of shards, dominated by the 248,320 x 64 input embedding and LM head).
 
 Run ``python -m qwen_chat.engine.checkpoints.tiny [CACHE_DIR]`` to build it and print its path.
 """
@@ -31,12 +33,13 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from qwen_chat.engine.checkpoints.layout import INDEX_FILE, write_model
 from qwen_chat.engine.text.tokenizer_build import build_qwen35_tokenizer
 from qwen_chat.pending import DEMO_MARKER
 
 #: Bump whenever the config, weights recipe, tokenizer or template of the tiny model changes; the cache
 #: folder name includes it, so an old build is never reused by mistake.
-TINY_MODEL_VERSION = "3"
+TINY_MODEL_VERSION = "4"  # 4: the published layout (sharded, MTP head, vocab.json/merges.txt)
 
 #: Marker key in config.json and marker file name in the checkpoint folder.
 DEMO_CONFIG_KEY = "qwen_chat_demo"
@@ -44,6 +47,9 @@ DEMO_MARKER_FILE = DEMO_MARKER  # the web layer reads it before the engine loads
 
 #: Seed of the random weights (fixed: two builds give identical tensors).
 TINY_SEED = 20260301
+
+#: Weight shards of the tiny checkpoint: as many as the published Qwen3.5-9B has.
+TINY_SHARDS = 4
 
 TEMPLATE_PATH = Path(__file__).resolve().parents[1] / "text" / "chat_template.jinja"
 
@@ -92,6 +98,8 @@ def tiny_config() -> Qwen3_5Config:
         "linear_value_head_dim": 16,
         "mamba_ssm_dtype": "float32",
         "max_position_embeddings": 262144,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
         "num_attention_heads": 16,
         "num_hidden_layers": 4,
         "num_key_value_heads": 4,
@@ -139,7 +147,7 @@ def tiny_checkpoint_dir(cache_dir: Path) -> Path:
 
 
 def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and (folder / DEMO_MARKER_FILE).is_file()
+    return all((folder / name).is_file() for name in ("config.json", INDEX_FILE, DEMO_MARKER_FILE))
 
 
 def _update_json(path: Path, updates: dict) -> None:
@@ -149,39 +157,32 @@ def _update_json(path: Path, updates: dict) -> None:
 
 
 def _write_checkpoint(out: Path) -> None:
-    """Write every file of the tiny checkpoint into the existing empty folder ``out``."""
+    """Write every file of the tiny checkpoint, in the published layout (``layout.OFFICIAL_FILES`` plus four
+    weight shards and the demo marker), into the existing empty folder ``out``."""
     config = tiny_config()
     torch.manual_seed(TINY_SEED)
     model = Qwen3_5ForConditionalGeneration(config).eval()
     # Stored in bf16 like the real checkpoint; loading.py picks fp32 on CPU.
     model.to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+    write_model(model, out, seed=TINY_SEED, num_shards=TINY_SHARDS)
     # Mark the checkpoint as a demo in config.json (loaded back as a config attribute) and by a file.
     _update_json(out / "config.json", {DEMO_CONFIG_KEY: True})
 
-    # Tokenizer files + chat_template.jinja (read by both AutoTokenizer and AutoProcessor).
+    # tokenizer.json, tokenizer_config.json and chat_template.jinja (read by AutoTokenizer and AutoProcessor),
+    # then vocab.json + merges.txt of the same BPE model, as the published folder has them.
     tokenizer = build_qwen35_tokenizer()
     tokenizer.chat_template = TEMPLATE_PATH.read_text()
     tokenizer.save_pretrained(out)
+    tokenizer.backend_tokenizer.model.save(str(out))
     # Processor files written as plain JSON: building a Qwen3VLProcessor object here would need its video
-    # processor, i.e. torchvision, which has no CPU wheel on PyPI (see loading.load_processor).
+    # processor, i.e. torchvision, which has no CPU wheel on PyPI (see loading.load_processor).  The
+    # published folder has no processor_config.json: preprocessor_config.json names the processor class.
     image_processor = Qwen2VLImageProcessorPil(**PREPROCESSOR_SETTINGS)
     image_processor.save_pretrained(out)
     _update_json(out / "preprocessor_config.json", {"processor_class": "Qwen3VLProcessor",
                                                     "image_processor_type": "Qwen2VLImageProcessor"})
-    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR_CONFIG, indent=2))
-
-    generation = {
-        "bos_token_id": 248044,
-        "eos_token_id": [248046, 248044],
-        "pad_token_id": 248044,
-        "do_sample": True,
-        "temperature": 1.0,
-        "top_p": 0.95,
-        "top_k": 20,
-    }
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    # No generation_config.json, like the published folder may be: the model card's presets apply.
     (out / DEMO_MARKER_FILE).write_text(
         f"qwen_chat built-in tiny model v{TINY_MODEL_VERSION}: random weights, answers are gibberish.\n")
 

@@ -145,7 +145,8 @@ class LocalExecutor:
                     self.runner.copy_slot(item.slot, slot)
                     self.sampler.start(slot, sampling)
                 group = [item.slot] + [slot for slot, _ in item.copies]
-                parts.append(self._sample(group, logits.view(1, -1).expand(len(group), -1), logprobs))
+                rows = logits.view(1, -1).repeat(len(group), 1) if item.copies else logits.view(1, -1)
+                parts.append(self._sample(group, rows, logprobs))
                 slots.extend(group)
             if plan.decode_slots:
                 decode_slots = list(plan.decode_slots)

@@ -149,11 +149,16 @@ def _alive(pid: int) -> bool:
 
 #: Seconds the watchdog waits after the launcher vanished before it ends the rank: a SIGTERM to the whole
 #: group (Supervisor stop) also ends the launcher at once, and the rank's own shutdown must win that race.
-LAUNCHER_GONE_GRACE_S = 5.0
+#: It does at once: rank 0's handler sets ``lifecycle.STOPPING`` first and sends the exit message, which ends
+#: the workers.  Short, because an orphaned rank 0 keeps the port: Supervisor's respawn binds it after ~3 s.
+LAUNCHER_GONE_GRACE_S = 1.0
+#: Seconds between two looks at the launcher (reads /proc: microseconds each).
+LAUNCHER_WATCH_INTERVAL_S = 0.25
 
 
-def start_launcher_watchdog(interval_s: float = 1.0) -> Optional[threading.Thread]:
-    """Leave the process (code 1) as soon as the launcher that started this rank is gone.
+def start_launcher_watchdog(interval_s: float = LAUNCHER_WATCH_INTERVAL_S) -> Optional[threading.Thread]:
+    """Leave the process (code 1) as soon as the launcher that started this rank is gone: within
+    ``interval_s`` + ``LAUNCHER_GONE_GRACE_S`` seconds (1.25 s) of its death.
 
     Under ``start.sh`` the ranks are children of DeepSpeed's ``launch.py``, itself a child of the ``deepspeed``
     runner, which is the process-group leader Supervisor started (``exec`` in start.sh).  A ``kill -9`` of that

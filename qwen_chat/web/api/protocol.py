@@ -36,6 +36,7 @@ from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import TooManyImages, check_image_count
 
 REMOTE_FETCH_TIMEOUT_S = 15.0  # seconds for one remote image download (--allow-remote-images)
+NOT_READY_RETRY_AFTER_S = 10  # Retry-After (seconds) of a 503 while the model loads (the 9B takes minutes)
 
 
 class APIRequestError(Exception):
@@ -59,7 +60,8 @@ def error_response(exc: BaseException, param: Optional[str] = None) -> JSONRespo
     """Render ``APIRequestError``/``ChatError``/anything else as ``{"error": {...}}`` with its HTTP status.
 
     ``ContextTooLong`` gets code ``context_length_exceeded`` and its token counts in the message; ``Busy``
-    adds ``Retry-After: 1``.  Other exception types become a generic 500 (the caller logs them).
+    adds ``Retry-After: 1``, ``NotReady`` (503: loading) ``Retry-After: NOT_READY_RETRY_AFTER_S``.  Other
+    exception types become a generic 500 (the caller logs them).
     """
     headers = None
     if isinstance(exc, APIRequestError):
@@ -77,6 +79,8 @@ def error_response(exc: BaseException, param: Optional[str] = None) -> JSONRespo
                            f"the context holds {exc.context_length} tokens)")
         if status == 429:
             headers = {"Retry-After": "1"}
+        elif status == 503:
+            headers = {"Retry-After": str(NOT_READY_RETRY_AFTER_S)}
     else:
         status, message, type_, code = 500, "internal server error; see the service log", "internal_error", None
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -161,6 +165,17 @@ def _field_error(param: str, message: str) -> APIRequestError:
     return APIRequestError(f"{param}: {message}", param=param)
 
 
+def _checked_text(text: str, param: str) -> str:
+    """``text``, unless it holds a lone UTF-16 surrogate (JSON ``"\\ud800"`` without its pair), which is no
+    Unicode text and cannot be tokenized: APIRequestError (400) naming ``param``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _field_error(param, f"contains a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X} at "
+                                  f"character {exc.start}), which is not valid Unicode text") from None
+    return text
+
+
 def _text_of_parts(parts: list, param: str, allow_images: bool) -> tuple[str, list[tuple[str, str]]]:
     """Split a content-part list into (joined text, [(image url, its param path)])."""
     texts: list[str] = []
@@ -174,7 +189,7 @@ def _text_of_parts(parts: list, param: str, allow_images: bool) -> tuple[str, li
             text = part.get("text")
             if not isinstance(text, str):
                 raise _field_error(f"{where}.text", "must be a string")
-            texts.append(text)
+            texts.append(_checked_text(text, f"{where}.text"))
         elif kind == "image_url":
             if not allow_images:
                 raise _field_error(where, "images are only accepted in user messages")
@@ -195,8 +210,9 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
         APIRequestError (400): wrong structure, unsupported role or part, last message not from the user,
             remote URL while remote images are off, more than ``cfg.max_images_per_turn`` images in a message,
             a last message that is blank (``chat_types.is_blank``) and has no image.
-        InvalidImage (400): an image that cannot be decoded, is not allowed or is larger than
-            ``images.limits.max_file_bytes``.
+        APIRequestError (400, type ``invalid_image``, ``param`` naming the part): an image that cannot be
+            decoded, is not allowed or is larger than ``images.limits.max_file_bytes``; text with a lone
+            UTF-16 surrogate.
     """
     if not isinstance(raw, list) or not raw:
         raise APIRequestError("messages must be a non-empty list", param="messages")
@@ -215,7 +231,7 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
         if content is None:
             content = ""
         if isinstance(content, str):
-            text, urls = content, []
+            text, urls = _checked_text(content, f"{where}.content"), []
         elif isinstance(content, list):
             text, urls = _text_of_parts(content, f"{where}.content", allow_images=(role == "user"))
         else:
@@ -250,7 +266,18 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
 
 
 def _load_image(url: str, param: str, cfg: ServiceConfig, max_bytes: int, images: ApiImageStore) -> str:
-    """The stored path of the image at ``url`` (data URL, or http(s) with ``--allow-remote-images``)."""
+    """The stored path of the image at ``url`` (data URL, or http(s) with ``--allow-remote-images``).
+
+    Raises: APIRequestError (400) with ``param`` (the part's path, e.g. ``messages[1].content[0].image_url``):
+    a disabled or unknown URL scheme, or an image that cannot be used (type and code ``invalid_image``).
+    """
+    try:
+        return _stored_image(url, param, cfg, max_bytes, images)
+    except InvalidImage as exc:
+        raise APIRequestError(str(exc), type=exc.kind, param=param, code=exc.kind) from None
+
+
+def _stored_image(url: str, param: str, cfg: ServiceConfig, max_bytes: int, images: ApiImageStore) -> str:
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
         data = decode_data_url(url, max_bytes, param)
@@ -270,12 +297,23 @@ def _load_image(url: str, param: str, cfg: ServiceConfig, max_bytes: int, images
         raise InvalidImage(f"{param}: {exc}") from None
 
 
+#: Request fields that go to the ``GenerationSettings`` field of the same name as given.
+SETTINGS_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "seed", "n",
+                   "thinking_token_budget")
+
+
 def settings_from_request(body: dict) -> GenerationSettings:
     """Sampling settings of a chat-completions body: the mode's preset overridden by the given fields.
 
+    ``max_tokens`` and ``max_completion_tokens`` may both be given only with the same value.  ``logprobs:
+    true`` asks for the answer tokens' log-probabilities, ``top_logprobs`` (0-20, needs ``logprobs``) for
+    that many alternatives each.  ``n``, ``frequency_penalty`` and ``thinking_token_budget`` go to the
+    ``GenerationSettings`` fields of those names.
+
     Raises:
         APIRequestError (400): a value out of its range (message names the field, value and allowed range,
-            from ``GenerationSettings.validate``), a wrong type, or an unsupported OpenAI feature.
+            from ``GenerationSettings.validate``), a wrong type, conflicting fields, or an unsupported OpenAI
+            feature.
     """
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -287,12 +325,24 @@ def settings_from_request(body: dict) -> GenerationSettings:
     _refuse_unsupported(body)
     overrides: dict[str, Any] = {}
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get("max_tokens") is not None and body.get(tokens_field) != body["max_tokens"]:
+        raise APIRequestError(f"max_tokens ({body['max_tokens']!r}) and max_completion_tokens "
+                              f"({body[tokens_field]!r}) differ; send one of them", param="max_tokens",
+                              code="conflicting_parameters")
     api_names = {"max_new_tokens": tokens_field}
     if body.get(tokens_field) is not None:
         overrides["max_new_tokens"] = body[tokens_field]
-    for name in ("temperature", "top_p", "top_k", "presence_penalty", "seed"):
+    for name in SETTINGS_FIELDS:
         if body.get(name) is not None:
             overrides[name] = body[name]
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, True, False):
+        raise APIRequestError("logprobs must be true or false", param="logprobs")
+    if logprobs:
+        top = body.get("top_logprobs")
+        overrides["top_logprobs"] = 0 if top is None else top
+    elif body.get("top_logprobs") is not None:
+        raise APIRequestError("top_logprobs needs \"logprobs\": true", param="top_logprobs")
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -309,12 +359,16 @@ def settings_from_request(body: dict) -> GenerationSettings:
         api_field = api_names.get(field, field)
         if api_field != field:
             message = api_field + message[len(field):]
-        known = field in ("max_new_tokens", "temperature", "top_p", "top_k", "presence_penalty", "seed", "stop")
+        known = field in ("max_new_tokens", "stop", "top_logprobs", *SETTINGS_FIELDS)
         raise APIRequestError(message, param=api_field if known else None, code="out_of_range") from None
     # JSON numbers like 100.0 passed validate() as whole numbers; the engine gets ints.
+    top, budget = settings.top_logprobs, settings.thinking_token_budget
     return replace(settings, max_new_tokens=int(settings.max_new_tokens), top_k=int(settings.top_k),
                    temperature=float(settings.temperature), top_p=float(settings.top_p),
-                   presence_penalty=float(settings.presence_penalty))
+                   presence_penalty=float(settings.presence_penalty),
+                   frequency_penalty=float(settings.frequency_penalty), n=int(settings.n),
+                   top_logprobs=None if top is None else int(top),
+                   thinking_token_budget=None if budget is None else int(budget))
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -322,15 +376,8 @@ def _refuse_unsupported(body: dict) -> None:
         return APIRequestError(f"{param}: {what} is not supported by this server", param=param,
                                code="unsupported_parameter")
 
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise refuse("n", "more than one choice")
     if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none", "auto"):
         raise refuse("tools", "tool calling")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise refuse("logprobs", "returning log-probabilities")
-    if body.get("frequency_penalty") not in (None, 0, 0.0):
-        raise refuse("frequency_penalty", "frequency_penalty (use presence_penalty)")
     if body.get("logit_bias"):
         raise refuse("logit_bias", "logit_bias")
     fmt = body.get("response_format")

@@ -1,7 +1,9 @@
 """The API's routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/chat/completions``.
 
 ``create_router(backend, cfg)`` wires ``protocol`` (keys, request parsing, refusals, errors) to the backend
-and answers either one JSON completion or an SSE stream (``streaming``).  The API has its own worker-thread
+and answers either one JSON completion or an SSE stream (``streaming``), with ``n`` choices (``choices``).
+Every completion carries the header ``X-Dropped-Messages``: how many of the request's messages the context
+policy left out (oldest turns first; 0 when all fit).  The API has its own worker-thread
 pool so that waiting requests never starve the rest of the server.
 """
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Optional
 
 import anyio
@@ -29,6 +31,7 @@ from qwen_chat.web.api.protocol import (
     parse_messages,
     settings_from_request,
 )
+from qwen_chat.web.api.choices import collect_choices, dropped_messages, logprobs_body, usage
 from qwen_chat.web.api.streaming import (
     ClientGone,
     Reply,
@@ -36,7 +39,6 @@ from qwen_chat.web.api.streaming import (
     await_watching,
     event_stream,
     openai_finish_reason,
-    usage,
 )
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,26 @@ def model_id_of(cfg: ServiceConfig) -> str:
     """The model id the API shows and echoes: ``--model`` as given (hub id, local path or ``tiny``), like vLLM's
     default served model name; the display name (``ModelInfo.name``) is the card's ``root``."""
     return str(cfg.model)
+
+
+def model_aliases(cfg: ServiceConfig, display_name: Optional[str] = None) -> tuple[str, ...]:
+    """The model ids a request may name: the served id (``model_id_of``), the last part of ``--model`` (the
+    checkpoint's folder name, e.g. ``Qwen3.5-9B`` for ``/models/Qwen3.5-9B`` or ``Qwen/Qwen3.5-9B``), the hub
+    id ``Qwen/<folder name>`` when that name starts with "Qwen", and the display name (``ModelInfo.name``)."""
+    served = model_id_of(cfg)
+    folder = PurePath(served.rstrip("/")).name or served
+    names = [served, folder]
+    if folder.lower().startswith("qwen"):
+        names.append(f"Qwen/{folder}")
+    if display_name:
+        names.append(display_name)
+    return tuple(dict.fromkeys(names))
+
+
+def model_not_found(model: str, served: str) -> APIRequestError:
+    """The 404 (code ``model_not_found``, param ``model``) for a model id that is neither served nor an alias."""
+    return APIRequestError(f"model {model!r} does not exist; this server has {served!r}", status=404,
+                           type="not_found", param="model", code="model_not_found")
 
 
 def create_router(backend: ChatBackend, cfg: ServiceConfig,
@@ -75,6 +97,10 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         if callable(hook):
             hook(kind)
 
+    def aliases() -> tuple[str, ...]:
+        info = getattr(backend, "info", None)
+        return model_aliases(cfg, info.name if info is not None else None)
+
     def model_card() -> dict:
         info = getattr(backend, "info", None)
         card = {"id": model_id_of(cfg), "object": "model", "created": started, "owned_by": "qwen_chat"}
@@ -98,10 +124,8 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         except APIRequestError as exc:
             return error_response(exc)
         card = model_card()
-        if model_id != card["id"]:
-            return error_response(APIRequestError(f"model {model_id!r} does not exist; this server has {card['id']!r}",
-                                                  status=404, type="not_found", param="model",
-                                                  code="model_not_found"))
+        if model_id not in aliases():
+            return error_response(model_not_found(model_id, card["id"]))
         return JSONResponse(card)
 
     @router.post("/chat/completions")
@@ -117,6 +141,8 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
                 raise APIRequestError("the request body is not valid JSON") from None
             if not isinstance(body, dict):
                 raise APIRequestError("the request body must be a JSON object")
+            if body.get("model") is not None and body["model"] not in aliases():
+                raise model_not_found(str(body["model"]), model_id_of(cfg))
             settings = settings_from_request(body)
             messages = await run(parse_messages, body.get("messages"), cfg, store)
         except (APIRequestError, ChatError) as exc:
@@ -130,11 +156,13 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         stream = SyncStream(lambda: backend.stream_chat(messages, settings, cancel))
         reply = Reply(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_id_of(cfg))
         wants_stream = bool(body.get("stream", False))
+        wants_logprobs = settings.top_logprobs is not None
         try:
             if wants_stream:
                 first = await await_watching(request, cancel, stream.next, run)
             else:
-                last = await await_watching(request, cancel, stream.collect, run)
+                results = await await_watching(request, cancel,
+                                               functools.partial(collect_choices, stream.next, settings.n), run)
         except ClientGone:
             stream.close()
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
@@ -148,23 +176,36 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
 
         if wants_stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-            events = event_stream(stream, first, cancel, reply, settings.enable_thinking, include_usage, run)
+            events = event_stream(stream, first, cancel, reply, settings.enable_thinking, include_usage, run,
+                                  n=settings.n, logprobs=wants_logprobs)
+            dropped = first.dropped_messages if first is not None else 0
             return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Dropped-Messages": str(dropped)})
 
         stream.close()
-        if last is not None and last.finish_reason == "error":
-            return error_response(APIRequestError(last.notice or "generation failed; see the service log",
+        lasts = [r.last for r in results]
+        failed = next((last for last in lasts if last is not None and last.finish_reason == "error"), None)
+        if failed is not None:
+            return error_response(APIRequestError(failed.notice or "generation failed; see the service log",
                                                   status=500, type="generation_error"))
-        message = {
-            "role": "assistant",
-            "content": last.answer if last is not None else "",
-            "reasoning_content": (last.reasoning if last is not None else "") if settings.enable_thinking else None,
-        }
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": openai_finish_reason(last)}
-        return JSONResponse({
-            "id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model,
-            "choices": [choice], "usage": usage(last),
-        })
+        choices = []
+        for index, result in enumerate(results):
+            last = result.last
+            message = {
+                "role": "assistant",
+                "content": last.answer if last is not None else "",
+                "reasoning_content": (last.reasoning if last is not None else "") if settings.enable_thinking
+                else None,
+            }
+            choices.append({"index": index, "message": message,
+                            "logprobs": logprobs_body(result.logprobs) if wants_logprobs else None,
+                            "finish_reason": openai_finish_reason(last)})
+        body = {"id": reply.id, "object": "chat.completion", "created": reply.created, "model": reply.model,
+                "choices": choices, "usage": usage(lasts)}
+        dropped = dropped_messages(lasts)
+        if dropped:
+            body["dropped_messages"] = dropped
+        return JSONResponse(body, headers={"X-Dropped-Messages": str(dropped)})
 
     return router

@@ -3,8 +3,9 @@
 ``SyncStream`` drives a ``ChatBackend.stream_chat`` generator from worker threads (``next``/``close`` never
 at the same time); ``await_watching`` runs one step in a worker thread and cancels the generation when the
 client disconnects meanwhile; ``event_stream`` is the SSE body of a streaming reply: a role chunk, delta
-chunks (``reasoning_content`` / ``content``), the chunk with ``finish_reason``, an optional usage chunk, then
-``data: [DONE]``.
+chunks (``reasoning_content`` / ``content``, with ``logprobs`` when asked), the chunk with ``finish_reason``,
+an optional usage chunk, then ``data: [DONE]``.  With n > 1 choices, each choice gets its role chunk first and
+its own finish chunk; their delta chunks interleave (``choices[0].index`` tells them apart).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 from fastapi import Request
 
 from qwen_chat.chat_types import CancelToken, StreamUpdate
+from qwen_chat.web.api.choices import logprobs_body, usage
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +47,6 @@ class SyncStream:
             if self._it is None:
                 self._it = iter(self._factory())
             return next(self._it, None)
-
-    def collect(self) -> Optional[StreamUpdate]:
-        """Run to the end; return the last update (full texts and the finish reason), None if there was none."""
-        last = None
-        while (update := self.next()) is not None:
-            last = update
-        return last
 
     def _close_now(self) -> None:
         self._closed = True
@@ -108,19 +103,22 @@ class Reply:
     created: int
     model: str
 
-    def chunk(self, delta: dict, finish_reason: Optional[str] = None) -> str:
-        """A ``chat.completion.chunk`` event carrying ``delta`` (and the finish reason on the last one)."""
+    def chunk(self, delta: dict, finish_reason: Optional[str] = None, index: int = 0,
+              logprobs: Optional[dict] = None) -> str:
+        """A ``chat.completion.chunk`` event carrying choice ``index``'s ``delta`` (and its ``logprobs``, and the
+        finish reason on its last one)."""
         body = {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
         }
         return sse(body)
 
-    def usage_chunk(self, last: Optional[StreamUpdate]) -> str:
-        """The usage event (``stream_options.include_usage``): no choices, the token counts of ``last``."""
+    def usage_chunk(self, lasts: list[Optional[StreamUpdate]]) -> str:
+        """The usage event (``stream_options.include_usage``): no choices, the token counts of the choices'
+        last updates (``choices.usage``)."""
         body = {
             "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-            "choices": [], "usage": usage(last),
+            "choices": [], "usage": usage(lasts),
         }
         return sse(body)
 
@@ -128,13 +126,6 @@ class Reply:
 def sse(payload: dict) -> str:
     """One server-sent event: ``data: <JSON>`` and a blank line (UTF-8 text, not ``\\u`` escapes)."""
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-def usage(last: Optional[StreamUpdate]) -> dict:
-    """OpenAI ``usage`` (prompt, completion and total tokens) of the last update; zeros without one."""
-    prompt = last.prompt_tokens if last else 0
-    completion = last.completion_tokens if last else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def openai_finish_reason(last: Optional[StreamUpdate]) -> str:
@@ -153,28 +144,43 @@ def delta_of(update: StreamUpdate, thinking: bool) -> dict:
 
 
 async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel: CancelToken, reply: Reply,
-                       thinking: bool, include_usage: bool, run: RunInThread) -> AsyncIterator[str]:
-    """SSE body.  Closing it (client gone: Starlette cancels the response task) cancels the generation."""
+                       thinking: bool, include_usage: bool, run: RunInThread, n: int = 1,
+                       logprobs: bool = False) -> AsyncIterator[str]:
+    """SSE body of ``n`` choices (``logprobs``: add each chunk's token log-probabilities).  Closing it (client
+    gone: Starlette cancels the response task) cancels the generation."""
     try:
-        yield reply.chunk({"role": "assistant", "content": ""})
-        update, last = first, first
+        for index in range(n):
+            yield reply.chunk({"role": "assistant", "content": ""}, index=index)
+        update = first
+        lasts: list[Optional[StreamUpdate]] = [None] * n
+        finished: set[int] = set()
+        failed = None
         while update is not None:
-            last = update
+            lasts[update.index] = update
             delta = delta_of(update, thinking)
-            if delta:
-                yield reply.chunk(delta)
-            if update.finish_reason is not None:
+            entries = logprobs_body(update.logprobs) if logprobs and update.logprobs else None
+            if delta or entries:
+                yield reply.chunk(delta, index=update.index, logprobs=entries)
+            if update.finish_reason == "error":
+                failed = update
                 break
+            if update.finish_reason is not None:
+                finished.add(update.index)
+                yield reply.chunk({}, finish_reason=openai_finish_reason(update), index=update.index)
+                if len(finished) == n:
+                    break
             # abandon_on_cancel: a client that hangs up cancels at once (finally below), without waiting for
             # the update in progress; the worker thread finishes that next() on its own.
             update = await run(stream.next, abandon_on_cancel=True)
-        if last is not None and last.finish_reason == "error":
-            message = last.notice or "generation failed; see the service log"
+        if failed is not None:
+            message = failed.notice or "generation failed; see the service log"
             yield sse({"error": {"message": message, "type": "generation_error", "param": None, "code": None}})
         else:
-            yield reply.chunk({}, finish_reason=openai_finish_reason(last))
+            for index in range(n):
+                if index not in finished:  # the stream ended without this choice's last update
+                    yield reply.chunk({}, finish_reason=openai_finish_reason(lasts[index]), index=index)
             if include_usage:
-                yield reply.usage_chunk(last)
+                yield reply.usage_chunk(lasts)
         yield "data: [DONE]\n\n"
     except Exception:
         log.exception("stream failed mid-way")
