@@ -166,4 +166,8 @@ def _hold_until_started_for_supervisor() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        exit_code = main()
+    except SystemExit as stop:  # SIGTERM's (lifecycle), argparse's usage error
+        exit_code = stop.code
+    lifecycle.leave(exit_code)

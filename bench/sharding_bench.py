@@ -3,7 +3,7 @@
 Run by ``bench/sharding_gpu.sh`` on a 2-GPU host (see docs/sharding.md, "Measured"):
 
     python bench/sharding_bench.py checkpoint --processor DIR --out /tmp/ckpt9b
-        # random bf16 weights of bench/qwen3_5_9b_config.json, built on cuda:0 and saved with save_pretrained,
+        # random bf16 weights of bench/qwen3_5_9b_config.json, built on cuda:0 and saved in the published layout,
         # plus the processor/tokenizer files copied from DIR (e.g. the tiny model's folder: same tokenizer)
     python bench/sharding_bench.py collect --logs DIR --out FILE.json
         # reads the driver results (<mode>.out.json) and logs (<mode>.log) of each mode and writes one JSON with
@@ -34,6 +34,9 @@ def make_checkpoint(processor_dir: Path, out: Path) -> dict:
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for qwen_chat
+    from qwen_chat.engine.checkpoints.layout import write_model
+
     t0 = time.monotonic()
     raw = json.loads(CONFIG.read_text())
     config = Qwen3_5Config.from_dict(raw)
@@ -44,7 +47,7 @@ def make_checkpoint(processor_dir: Path, out: Path) -> dict:
     torch.set_default_dtype(torch.float32)
     n = sum(p.numel() for p in model.parameters())
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size="4GB")
+    write_model(model, out, seed=0)  # the published layout: 4 shards + index, with an MTP head
     for f in Path(processor_dir).iterdir():
         if f.is_file() and f.name not in _MODEL_FILES and not f.name.endswith(".safetensors"):
             shutil.copy2(f, out / f.name)

@@ -116,6 +116,9 @@ class ServiceConfig:
     port: int = 7860
     history_dir: Path = Path("history")
     local_rank: int = _opt(-1, flags=("--local_rank", "--local-rank"), help=argparse.SUPPRESS, env="LOCAL_RANK")
+    adapter: Optional[Path] = _opt(
+        None, help="PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors), merged into the "
+                   "weights at start-up")
     ds_config: Optional[Path] = _opt(
         None, env="QWEN_CHAT_DS_CONFIG",
         help="DeepSpeed config (tensor parallel or ZeRO-3); default: $QWEN_CHAT_DS_CONFIG or none")
@@ -164,7 +167,8 @@ class ServiceConfig:
         Checks the ranges (``--port`` 1..65535, ``--image-token-budget`` 64..16384, ``--max-queue`` and
         ``--max-batch`` >= 1, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
         ``--collective-timeout-s`` > 0), the choices, login and API-key requirements, that ``--ds-config``
-        exists, and, when login is on, that the users file can be read and parsed (``auth.UserDB.from_file``).
+        exists, that ``--adapter`` is a folder with ``adapter_config.json``, and, when login is on, that the
+        users file can be read and parsed (``auth.UserDB.from_file``).
         """
         if not (0 < self.port < 65536):
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
@@ -196,6 +200,9 @@ class ServiceConfig:
             )
         if self.ds_config is not None and not Path(self.ds_config).is_file():
             raise ConfigError(f"--ds-config {self.ds_config} does not exist")
+        if self.adapter is not None and not (Path(self.adapter) / "adapter_config.json").is_file():
+            what = "has no adapter_config.json" if Path(self.adapter).is_dir() else "is not a folder"
+            raise ConfigError(f"--adapter {self.adapter} {what} (expected a PEFT LoRA adapter folder)")
         if self.login_enabled:
             self._check_users_file()
         return self

@@ -18,11 +18,12 @@ Handlers, each installed by one caller (signal handlers can only be installed fr
   worker leaves with 128 + the signal number.
 
 Leaving: ``die(message, code)`` at once (``os._exit``), ``exit_process_soon(reason)`` with code 1 after
-``FATAL_EXIT_DELAY_S`` seconds.  Supervisor restarts the service after any non-zero exit
+``FATAL_EXIT_DELAY_S`` seconds, ``leave(code)`` at the end of app.py (the atexit handlers, then ``os._exit``).  Supervisor restarts the service after any non-zero exit
 (``deploy/qwen3.5-9b.conf``).  No torch here: app.py uses this module before anything heavy is imported.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -130,6 +131,26 @@ def die(message: str, code: int = FAILURE_EXIT_CODE) -> None:
         except Exception:  # noqa: BLE001 - leaving anyway
             pass
     logging.shutdown()
+    os._exit(code)
+
+
+def leave(code) -> None:
+    """End the process with ``code`` (what ``sys.exit`` takes: an int, None for 0, a message for 1) once
+    app.py's ``main`` has shut everything down: the atexit handlers run (the executor's exit message to the
+    ranks, log flushing), the standard streams are flushed, then ``os._exit``.  That skips the interpreter's
+    teardown of every module and object, which after a clean stop took 1.6 s of CPU with Gradio, transformers
+    and torch loaded (measured: docs/performance.md) and made every stop and restart that much slower."""
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
     os._exit(code)
 
 

@@ -146,6 +146,7 @@ class InstrumentedBackend:
         start = time.monotonic()
         first_at: Optional[float] = None
         last: Optional[StreamUpdate] = None
+        completion: dict[int, int] = {}  # choice index -> its completion tokens (n > 1: several choices)
         failed = False
         inner = None
         try:
@@ -156,6 +157,7 @@ class InstrumentedBackend:
                     first_at = now
                     self.ttft.observe(update.ttft_s if update.ttft_s is not None else now - start)
                 last = update
+                completion[update.index] = update.completion_tokens
                 yield update
         except ChatError as exc:
             failed = True
@@ -170,9 +172,9 @@ class InstrumentedBackend:
             if inner is not None and hasattr(inner, "close"):
                 inner.close()
             if not failed:
-                self._record_end(last, first_at)
+                self._record_end(last, first_at, sum(completion.values()))
 
-    def _record_end(self, last: Optional[StreamUpdate], first_at: Optional[float]) -> None:
+    def _record_end(self, last: Optional[StreamUpdate], first_at: Optional[float], completion: int) -> None:
         if last is None:  # closed before any update (client left while queued)
             self.finished.labels(finish_reason="cancelled").inc()
             return
@@ -181,11 +183,11 @@ class InstrumentedBackend:
         if reason == "error":
             self.errors.labels(kind="generation").inc()
         self.prompt_tokens.inc(max(0, last.prompt_tokens))
-        self.completion_tokens.inc(max(0, last.completion_tokens))
-        if first_at is not None and last.completion_tokens >= 2:
+        self.completion_tokens.inc(max(0, completion))
+        if first_at is not None and completion >= 2:
             elapsed = time.monotonic() - first_at
             if elapsed > 0:
-                self.tokens_per_s.observe((last.completion_tokens - 1) / elapsed)
+                self.tokens_per_s.observe((completion - 1) / elapsed)
 
 
 def instrument(backend: ChatBackend, registry: Optional[CollectorRegistry] = None) -> InstrumentedBackend:

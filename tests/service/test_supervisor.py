@@ -9,14 +9,19 @@ One supervisord runs the service for the module (start-up ~25-50 s on 2 CPU core
   ``interrupted`` (in the store and in the restarted UI), the same conversation can be continued;
 * ``supervisorctl restart qwen3.5-9b`` while a reply streams: the same checks;
 * a start-up that fails (model path that does not exist; an unknown flag) ends in FATAL after
-  ``startretries`` attempts, with a readable reason in ``service.log``.
+  ``startretries`` attempts, with a readable reason in ``service.log``;
+* a broken checkpoint (found after loading began, exit 78) ends EXITED after one attempt, as the README says;
+* 2 CPU ranks (``NUM_CPU_RANKS=2``, one supervisord for both drills): ``kill -9`` of rank 1 mid-stream restarts
+  the whole group; ``kill -9`` of the launcher leaves no orphan rank and Supervisor's first respawn succeeds.
 
 Measured recovery times are printed (``pytest -s``) and recorded in docs/deployment.md ("Failure drills").
 """
 from __future__ import annotations
 
+import configparser
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -28,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qwen_chat.history.store import HistoryStore
 from tests.support.service_harness import (
+    DEPLOY,
     PROGRAM,
     REPO,
     ServiceProcess,
@@ -82,6 +88,15 @@ def descendants(pid: int) -> list[int]:
 def tiny_cache(tiny_checkpoint) -> Path:
     """The ``--cache-dir`` holding the shared tiny checkpoint (built once per session by conftest)."""
     return Path(tiny_checkpoint).parent
+
+
+def deploy_environment(**extra: str) -> str:
+    """The ``environment=`` of deploy/qwen3.5-9b.conf with ``extra`` variables added (Supervisor's syntax), for
+    drills that need more variables without losing the program's own (``QWEN_CHAT_STARTSECS``...)."""
+    prog = configparser.RawConfigParser()
+    prog.read(DEPLOY / "qwen3.5-9b.conf", encoding="utf-8")
+    own = prog[f"program:{PROGRAM}"]["environment"]
+    return ",".join([own] + [f'{key}="{value}"' for key, value in extra.items()])
 
 
 @pytest.fixture(scope="module")
@@ -316,31 +331,41 @@ def test_deploy_program_file_as_the_system_supervisor_reads_it(tmp_path):
     assert prog.stopsignal == signal.SIGTERM
     assert prog.stopwaitsecs >= 30  # a clean rank shutdown (exit message to every rank) fits
     assert 1 <= prog.startretries <= 10 and prog.startsecs >= 5
+    # app.py holds exit 78 until startsecs have passed (an exit inside them is retried whatever its code)
+    assert prog.environment["QWEN_CHAT_STARTSECS"] == str(prog.startsecs)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, tiny_cache):
+    """(Supervisor, base url, history dir) for 2 CPU ranks through the DeepSpeed launcher
+    (``NUM_CPU_RANKS=2 start.sh``), healthy; shared by the 2-rank drills (each leaves it healthy)."""
+    work = tmp_path_factory.mktemp("two_ranks")
+    port = free_port()
+    history = work / "history"
+    env = deploy_environment(NUM_CPU_RANKS="2", MASTER_PORT=str(free_port()))
+    with Supervisor(work / "sv", service_argv(port, history, tiny_cache), extra_program={"environment": env}) as sup:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, timeout_s=FIRST_START_S)
+        yield sup, url, history
 
 
 @drill
-def test_worker_rank_killed_mid_stream_restarts_whole_group(tmp_path, tiny_cache):
-    """Two CPU ranks through the DeepSpeed launcher (``NUM_CPU_RANKS=2 start.sh``): ``kill -9`` of rank 1 while a
-    reply streams makes rank 0 exit non-zero, the launcher ends the group, and Supervisor restarts it."""
-    port = free_port()
-    history = tmp_path / "history"
-    env = f'PYTHONUNBUFFERED="1",NUM_CPU_RANKS="2",MASTER_PORT="{free_port()}"'
-    with Supervisor(tmp_path / "sv", service_argv(port, history, tiny_cache),
-                    extra_program={"environment": env}) as sup:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout_s=FIRST_START_S)
-        assert health(url)[1]["world_size"] == 2
-        old_pid = sup.pid()
-        workers = [p for p in descendants(old_pid) if "--local_rank=1" in " ".join(_cmdline(p))]
-        assert len(workers) == 1, [(_cmdline(p)) for p in descendants(old_pid)]
+def test_worker_rank_killed_mid_stream_restarts_whole_group(two_ranks):
+    """``kill -9`` of rank 1 while a reply streams makes rank 0 exit non-zero, the launcher ends the group, and
+    Supervisor restarts it."""
+    sup, url, history = two_ranks
+    assert health(url)[1]["world_size"] == 2
+    old_pid = sup.pid()
+    workers = [p for p in descendants(old_pid) if "--local_rank=1" in " ".join(_cmdline(p))]
+    assert len(workers) == 1, [(_cmdline(p)) for p in descendants(old_pid)]
 
-        def crash(old: int, server_pid: int) -> None:
-            assert server_pid != workers[0]
-            os.kill(workers[0], signal.SIGKILL)
+    def crash(old: int, server_pid: int) -> None:
+        assert server_pid != workers[0]
+        os.kill(workers[0], signal.SIGKILL)
 
-        result = crash_drill(sup, url, history, crash, min_chars=1)
-        assert health(url)[1]["world_size"] == 2
-        assert "exiting so the whole group restarts" in sup.log_text()
+    result = crash_drill(sup, url, history, crash, min_chars=1)
+    assert health(url)[1]["world_size"] == 2
+    assert "exiting so the whole group restarts" in sup.log_text()
     print(f"[drill] kill -9 of rank 1 (2 CPU ranks) mid-stream: {result}")
 
 
@@ -354,25 +379,67 @@ def _cmdline(pid: int) -> list[str]:
 
 
 @drill
-def test_killing_the_launcher_leaves_no_orphan_ranks(tmp_path, tiny_cache):
-    """``kill -9`` of the DeepSpeed runner that Supervisor started (the process-group leader) with 2 CPU ranks:
-    the ranks notice their launcher is gone and exit on their own, so no unsupervised group keeps the GPUs and
-    the port while Supervisor starts a new one."""
+def test_killing_the_launcher_leaves_no_orphans_and_the_first_respawn_succeeds(two_ranks):
+    """``kill -9`` of the DeepSpeed runner that Supervisor started (the process-group leader): the ranks notice
+    their launcher is gone and exit on their own within about a second, so no unsupervised group keeps the GPUs
+    and the port, and the group Supervisor starts at once binds the port on its first attempt."""
+    sup, url, history = two_ranks
+    wait_healthy(url, timeout_s=WAIT_LIMIT_S)
+    port = int(url.rsplit(":", 1)[1])
+    leader = sup.pid()  # start.sh exec's the deepspeed runner: it leads the program's process group
+    assert len(group_pids(leader)) >= 4, group_pids(leader)  # runner, launch.py, 2 ranks
+    sv_log = sup.workdir / "supervisord.log"
+    spawns_before = sv_log.read_text().count(f"spawned: '{PROGRAM}'")
+    log_before = len(sup.log_text())
+    os.kill(leader, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_until(lambda: not group_pids(leader), 30, "every process of the killed launcher's group to exit")
+    gone_s = time.monotonic() - t0
+    assert not [p for p in listening_pids(port) if p not in descendants(sup.pid())]  # no orphan holds the port
+    wait_healthy(url, timeout_s=WAIT_LIMIT_S)
+    healthy_s = time.monotonic() - t0
+    new_log = sup.log_text()[log_before:]  # (the orphans' own last words may not reach it: their pipe closed)
+    assert "Address already in use" not in new_log, new_log[-3000:]
+    assert sv_log.read_text().count(f"spawned: '{PROGRAM}'") == spawns_before + 1  # the first respawn served
+    assert sup.state() == "RUNNING" or sup.wait_state(["RUNNING"], timeout_s=60)
+    assert health(url)[1]["world_size"] == 2
+    print(f"\n[drill] kill -9 of the launcher: all ranks gone after {gone_s:.1f} s, /healthz 200 after "
+          f"{healthy_s:.1f} s on the first respawn")
+
+
+@drill
+def test_broken_checkpoint_ends_exited_78_after_one_attempt(tmp_path, tiny_checkpoint, tiny_cache):
+    """A checkpoint whose weights file is cut off fails after loading began (exit 78).  app.py holds that exit
+    until Supervisor's startsecs have passed, so Supervisor counts the start as done, finds 78 in ``exitcodes``
+    and leaves the program EXITED after one attempt (instead of 4 attempts and FATAL), while ``/healthz`` says
+    why in the meantime."""
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_checkpoint, broken)
+    weights = sorted(broken.glob("*.safetensors"))[0]  # one weights file cut off
+    weights.write_bytes(weights.read_bytes()[:4096])
     port = free_port()
-    argv = service_argv(port, tmp_path / "history", tiny_cache)
-    env = {"NUM_CPU_RANKS": "2", "MASTER_PORT": str(free_port())}
-    with ServiceProcess(argv, tmp_path / "service.log", env=env) as svc:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, timeout_s=FIRST_START_S)
-        leader = svc.proc.pid  # start.sh exec's the deepspeed runner: it leads the session's process group
-        assert len(group_pids(leader)) >= 4, group_pids(leader)  # runner, launch.py, 2 ranks
-        os.kill(leader, signal.SIGKILL)
-        t0 = time.monotonic()
-        wait_until(lambda: not group_pids(leader), 30, "every process of the killed launcher's group to exit")
-        gone_s = time.monotonic() - t0
+    url = f"http://127.0.0.1:{port}"
+    reason = "app.py: cannot start the engine: "
+    sup = Supervisor(tmp_path / "sv", service_argv(port, tmp_path / "history", tiny_cache, model=str(broken)))
+    t0 = time.monotonic()
+    with sup:
+        startsecs = float(sup.program_setting("startsecs"))
+        wait_until(lambda: reason in sup.log_text(), 240, "the start-up failure in service.log")
+        failed_s = time.monotonic() - t0
+        code, body = health(url)
+        assert code == 503 and body["reason"].startswith("start-up failed: "), body
+        state = wait_until(lambda: (st := sup.state()) in ("EXITED", "FATAL", "BACKOFF") and st, startsecs + 60,
+                           "the program to end", poll_s=0.2)
+        ended_s = time.monotonic() - t0
+        assert state == "EXITED", sup.log_tail()
+        assert "exited: qwen3.5-9b (exit status 78; expected)" in (sup.workdir / "supervisord.log").read_text()
+        time.sleep(3)  # EXITED is final: no further attempt
+        log = sup.log_text()
+        assert sup.state() == "EXITED" and sum(line.startswith(reason) for line in log.splitlines()) == 1, log
         assert listening_pids(port) == []
-        assert "is gone; exiting" in svc.log_text()
-    print(f"\n[drill] kill -9 of the launcher: all ranks gone after {gone_s:.1f} s")
+        assert "rank 0: " in log.split(reason, 1)[1].splitlines()[0]  # the cause, on the reason's line
+    print(f"\n[drill] broken checkpoint: reason in the log after {failed_s:.1f} s, EXITED (78, expected) after "
+          f"{ended_s:.1f} s, 1 attempt")
 
 
 @drill

@@ -223,8 +223,14 @@ def test_tab_reattaches_to_the_interrupted_conversation_after_a_crash(browser, t
             # Gradio reloads the page once the server answers again; the tab reopens its conversation.  (An
             # in-process server's shutdown closes the stream, saved "stopped"; after kill -9 the label reads
             # "interrupted", see test_ui_handlers.)
-            wait_until(lambda: loads and STATUS_LABEL.search(bot_text(page)), timeout_s=90, poll_s=1,
-                       what="the reloaded page showing the conversation")
+            seen = []
+            def state():
+                seen.append((len(loads), bot_text(page)[-40:]))
+                return loads and STATUS_LABEL.search(bot_text(page))
+            try:
+                wait_until(state, timeout_s=90, poll_s=1, what="the reloaded page showing the conversation")
+            finally:
+                print("DEBUG", seen[:3], seen[-3:], page.url)
             assert user_texts(page) == ["Tell me a long story"] and "word5" in bot_text(page)
             send(page, "Please go on")
             wait_until(lambda: "I am back" in bot_text(page))

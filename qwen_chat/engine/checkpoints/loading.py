@@ -10,8 +10,9 @@ Loading always goes through ``from_pretrained`` (``AutoProcessor`` and ``Qwen3_5
 so the tiny model and a real checkpoint share one code path.  Before it, ``layout.inspect_checkpoint`` checks
 the folder (model type, shards, quantisation) from its JSON files and safetensors headers, and after the
 processor and the weights load, ``layout.check_tokenizer`` and ``layout.check_loading_info`` refuse a foreign
-tokenizer or missing weights: each refusal is one ``CheckpointError`` line naming the file.  bf16 on CUDA, fp32 on CPU (the published
-weights are bf16, docs/facts.md, "Shape"; CPU matmuls in bf16 are slow and less exact).
+tokenizer or missing weights: each refusal is one ``CheckpointError`` line naming the file.  bf16 on CUDA,
+fp32 on CPU (the published weights are bf16, docs/facts.md, "Shape"; CPU matmuls in bf16 are slow and less
+exact).
 
 Under a DeepSpeed sharding plan the caller (``qwen_chat.engine.serving.bootstrap``) first runs
 ``sharding.prepare_loading(plan)`` (for ZeRO-3 it keeps an ``HfDeepSpeedConfig`` alive, so ``from_pretrained``
@@ -165,7 +166,7 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, place_on_device: bool = True,
-               name: Optional[str] = None) -> LoadedModel:
+               name: Optional[str] = None, report: Optional[CheckpointReport] = None) -> LoadedModel:
     """Load processor and model from a checkpoint folder.
 
     Args:
@@ -176,6 +177,7 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
         place_on_device: move the model to ``device`` after loading.  Pass False when the caller manages
             placement (ZeRO-3 under ``HfDeepSpeedConfig``, a ``device_map``, tensor parallel).
         name: name shown to users (default: the folder name; "tiny" shows as "qwen3.5-tiny (demo)").
+        report: the folder's ``layout.inspect_checkpoint`` result when the caller already has it.
 
     Raises:
         CheckpointError (``layout``): one line naming the file, for a foreign model type, a missing shard, a
@@ -184,7 +186,7 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
     """
     path = Path(path)
     dtype = dtype or default_dtype(device)
-    report = inspect_checkpoint(path)
+    report = report or inspect_checkpoint(path)
     log.info("checkpoint %s: %s", path, report.describe())
     processor = load_processor(path)
     check_tokenizer(processor.tokenizer, path)

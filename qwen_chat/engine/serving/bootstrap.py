@@ -12,7 +12,8 @@ Steps, identical on every rank:
    ``qwen_chat.engine.parallel.ranks``);
 2. the checkpoint: rank 0 resolves it first (downloads or builds the tiny model), then the others;
    the TP degree is checked against the model's head counts before any weight is loaded;
-3. loading + sharding, then one report line per rank (rank, device, parameters held, GPU memory);
+3. loading (the checkpoint checked: ``checkpoints.layout``), the ``--adapter`` merged into the weights
+   (``checkpoints.adapters``), sharding, then one report line per rank (rank, device, parameters held, GPU memory);
    rank 0 adds the sharding mode and the kernel each Gated DeltaNet op resolved to;
 4. runner + sampler (``chat_engine.build_runner``), the start-up self-check (``selfcheck.run_self_check``) run
    on every rank and compared across ranks (a mismatch stops the start-up: ``StartupError``, exit code 78,
@@ -151,18 +152,30 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     from transformers import AutoConfig
 
     from qwen_chat.engine.parallel.executors import DistributedExecutor, LocalExecutor, worker_loop
+    from qwen_chat.engine.checkpoints.adapters import describe_merge, merge_adapter, read_adapter
+    from qwen_chat.engine.checkpoints.layout import CheckpointError, inspect_checkpoint
     from qwen_chat.engine.checkpoints.loading import describe_kernels, load_model
     from qwen_chat.engine.serving.chat_engine import build_engine, build_runner
 
     path = _resolve_checkpoint_in_order(cfg, info, groups)
-    try:
+    try:  # the folder and the adapter are checked before any weight loads; each refusal is one line
+        report = inspect_checkpoint(path)
+        adapter = read_adapter(cfg.adapter, zero3=plan.is_zero3) if cfg.adapter else None
         sharding.check_tp_degree(AutoConfig.from_pretrained(path).get_text_config(), plan.tp_size)
-    except sharding.ShardingError as exc:
+    except (CheckpointError, sharding.ShardingError) as exc:
         raise StartupError(str(exc)) from exc
     t0 = time.monotonic()
     log.info("rank %d: loading %s (%s)", info.rank, path, plan.mode)
     sharding.prepare_loading(plan)
-    loaded = load_model(path, str(device), dtype=plan.dtype, place_on_device=not plan.uses_deepspeed)
+    try:  # load -> merge the adapter -> shard
+        loaded = load_model(path, str(device), dtype=plan.dtype, place_on_device=not plan.uses_deepspeed,
+                            report=report)
+        if adapter is not None:
+            merged = merge_adapter(loaded.model, adapter)
+            if info.is_main:
+                log.info("%s", describe_merge(adapter, merged))
+    except CheckpointError as exc:
+        raise StartupError(str(exc)) from exc
     t1 = time.monotonic()
     loaded.model = sharding.shard_model(loaded.model, plan, device)
     t2 = time.monotonic()

@@ -5,7 +5,8 @@ Wiring (in the web server)::
     app.include_router(api.create_router(backend, cfg))   # the router's paths already start with /v1
 
 Modules: ``routes`` (the endpoints), ``protocol`` (keys, request parsing, refusals, errors), ``streaming``
-(the sync-to-async bridge and server-sent events); API images are kept by ``history.api_images``.
+(the sync-to-async bridge and server-sent events), ``choices`` (n choices, ``usage``, OpenAI's ``logprobs``
+shape); API images are kept by ``history.api_images``.
 
 Requests go through the same ``ChatBackend`` (engine queue, rank-0 broadcast) as the UI.  What is accepted:
 
@@ -15,23 +16,29 @@ Requests go through the same ``ChatBackend`` (engine queue, rank-0 broadcast) as
   ``--allow-remote-images`` (then http(s) URLs are fetched).  An assistant message's ``reasoning_content`` is
   ignored (Qwen3.5 never sees earlier reasoning).  The last message must be a user message with text that
   is not blank (``chat_types.is_blank``) or with an image.
-- ``max_tokens`` / ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``presence_penalty``,
-  ``seed``, ``stop`` (string or list of up to 4), ``stream``, ``stream_options.include_usage``,
+- ``max_tokens`` / ``max_completion_tokens`` (1-8192; both only with the same value), ``temperature``,
+  ``top_p``, ``top_k``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``n`` (1-8 choices sharing one
+  prefill), ``logprobs`` / ``top_logprobs`` (0-20; the model's raw distribution, answer tokens only),
+  ``thinking_token_budget``, ``stop`` (string or list of up to 4), ``stream``, ``stream_options.include_usage``,
   ``chat_template_kwargs.enable_thinking`` (default true, like the model).  Unset sampling values take the
   Qwen3.5 model-card preset of the mode (``GenerationSettings.preset``); out-of-range values are refused with
   400 naming the allowed range (never clamped: top_p = 0 or top_k = 0 is refused).  The model id is
-  ``--model`` as given (``/v1/models``); ``model`` in a request may be any string: the one loaded model answers.
-- Unsupported OpenAI features are refused with 400 rather than ignored: ``n`` > 1, ``tools``, ``logprobs``,
-  non-zero ``frequency_penalty``, non-empty ``logit_bias``, ``response_format`` other than text.
+  ``--model`` as given (``/v1/models``); a request may name it or an alias (``routes.model_aliases``), any
+  other id gets 404 ``model_not_found``.
+- Unsupported OpenAI features are refused with 400 rather than ignored: ``tools``, non-empty ``logit_bias``,
+  ``response_format`` other than text.
 
 Replies follow vLLM's Qwen3 reasoning parser: the thinking goes to ``message.reasoning_content`` (streaming:
 ``delta.reasoning_content``), the answer to ``content``.  Streaming is server-sent events: a role chunk, delta
-chunks, a chunk with ``finish_reason`` ("stop"/"length"), an optional usage chunk, then ``data: [DONE]``.
+chunks, a chunk with ``finish_reason`` ("stop"/"length") per choice, an optional usage chunk (with
+``completion_tokens_details.reasoning_tokens``), then ``data: [DONE]``.  Every completion carries the header
+``X-Dropped-Messages`` (messages the context policy left out; non-streamed replies also ``dropped_messages``).
 
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; ``type`` is the
 ``ChatError.kind``.  Status: 400 bad input (incl. prompt too long, code ``context_length_exceeded``, with the
-token counts), 401 missing/wrong API key when keys are required (``Authorization: Bearer KEY``), 429 queue
-full, 503 still loading, 500 unexpected failure (logged, no traceback to the client).  A client that
+token counts; ``param`` names the field, e.g. ``messages[1].content[0].image_url``), 401 missing/wrong API key
+when keys are required (``Authorization: Bearer KEY``), 404 unknown model, 429 queue full (``Retry-After``),
+503 still loading (``Retry-After``), 500 unexpected failure (logged, no traceback to the client).  A client that
 disconnects (streaming or not) cancels its generation through the ``CancelToken``.
 
 API images are normalised by ``qwen_chat.images.normalize_image`` and written, by content hash, to

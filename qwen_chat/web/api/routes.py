@@ -107,6 +107,8 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         if info is not None:
             card["root"] = info.name
             card["max_model_len"] = info.context_length
+        if cfg.adapter is not None:  # the LoRA adapter merged into the weights (--adapter DIR): its folder name
+            card["adapter"] = PurePath(cfg.adapter).name
         return card
 
     @router.get("/models")
