@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import threading
 import unicodedata
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Literal, Optional, Protocol, Sequence
 
-Role = Literal["system", "user", "assistant"]
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "cancelled", "error", "tool_calls"]
+ToolChoice = Literal["auto", "none", "required"]
 
 # (low, high) inclusive ranges that the UI sliders show and every entry point enforces.
 MAX_NEW_TOKENS_RANGE = (64, 8192)  # the UI slider; the engine and the API accept MAX_NEW_TOKENS_ACCEPTED
@@ -55,9 +56,16 @@ class ChatError(Exception):
 
 
 class InvalidInput(ChatError):
-    """The request is malformed: empty message, bad parameter, unsupported or broken image."""
+    """The request is malformed: empty message, bad parameter, unsupported or broken image.
+
+    ``param``: the offending request field when known (API JSON path, e.g. ``response_format``), else None.
+    """
 
     kind = "invalid_input"
+
+    def __init__(self, message: str = "", param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidImage(InvalidInput):
@@ -95,6 +103,26 @@ class NotReady(ChatError):
 
 
 @dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call (OpenAI ``tools[i].function``): ``name``, ``description`` and
+    ``parameters``, the JSON schema of its arguments object (``{}``: none declared)."""
+
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call (OpenAI ``tool_calls[i]``): ``id`` (``call_...``), the function ``name`` and its
+    ``arguments``, a JSON object as text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class GenerationSettings:
     """Sampling and prompt settings of one request.
 
@@ -109,6 +137,12 @@ class GenerationSettings:
     ``top_logprobs``: None = no log-probabilities, k = each answer token's log-probability and its k most
     likely alternatives; ``thinking_token_budget``: with thinking on, after that many reasoning tokens the
     engine emits ``</think>`` and the answer follows (None: no budget).
+
+    Tools and structured output (API only; ``qwen_chat.engine.serving.constraints``): ``tools`` are rendered
+    by the chat template and the model's calls parsed from the answer; ``tool_choice`` "auto" (the model
+    decides), "none" (no tools shown), "required" (constrained decoding: the answer is one or more calls);
+    ``forced_tool``: the one function that must be called (implies "required"); ``parallel_tool_calls``
+    False keeps one call at most; ``json_schema``: the answer must be JSON matching it (after the reasoning).
     """
 
     max_new_tokens: int = 2048
@@ -123,6 +157,11 @@ class GenerationSettings:
     n: int = 1
     top_logprobs: Optional[int] = None
     thinking_token_budget: Optional[int] = None
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    forced_tool: Optional[str] = None
+    parallel_tool_calls: bool = True
+    json_schema: Optional[dict] = None
 
     @classmethod
     def preset(cls, enable_thinking: bool, **overrides) -> "GenerationSettings":
@@ -166,7 +205,23 @@ class GenerationSettings:
                 raise InvalidInput(f"seed must be an integer in [0, 2**63-1], got {self.seed!r}")
         if len(self.stop) > 4 or any((not isinstance(s, str)) or not s for s in self.stop):
             raise InvalidInput("stop must be at most 4 non-empty strings")
+        self._validate_tools()
         return self
+
+    def _validate_tools(self) -> None:
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidInput("tools: two tools have the same name", param="tools")
+        if self.tool_choice not in ("auto", "none", "required"):
+            raise InvalidInput(f"tool_choice must be auto, none or required, got {self.tool_choice!r}",
+                               param="tool_choice")
+        if self.forced_tool is not None and self.forced_tool not in names:
+            raise InvalidInput(f"tool_choice: no tool is named {self.forced_tool!r}", param="tool_choice")
+        if (self.tool_choice == "required" or self.forced_tool is not None) and not self.tools:
+            raise InvalidInput("tool_choice requires a tool call but no tools were given", param="tool_choice")
+        if self.json_schema is not None and (self.tool_choice == "required" or self.forced_tool is not None):
+            raise InvalidInput("response_format cannot be combined with a required tool call (the reply is "
+                               "the call)", param="response_format")
 
 
 @dataclass(frozen=True)
@@ -174,12 +229,14 @@ class ChatMessage:
     """One stored turn.  ``images`` are paths of already-normalised image files (RGB, EXIF applied).
 
     ``reasoning`` is the assistant's thinking text, kept apart from ``text`` and never sent back to the model.
+    ``tool_calls``: the calls an assistant message made (a ``tool`` message is a call's result, in ``text``).
     """
 
     role: Role
     text: str
     images: tuple[str, ...] = ()
     reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +253,8 @@ class StreamUpdate:
     sampled before ``</think>`` (all of them when the reply ended inside its reasoning).  ``logprobs``: the
     answer tokens this update added, with their log-probabilities (only when ``settings.top_logprobs`` is set).
     ``dropped_messages``: messages the context policy left out of the prompt (oldest turns first).
+    ``tool_calls``: the calls parsed from the answer so far (all of them, like ``answer``); a reply that ended
+    after calls has ``finish_reason`` "tool_calls".
     """
 
     reasoning: str = ""
@@ -212,6 +271,7 @@ class StreamUpdate:
     reasoning_tokens: int = 0
     logprobs: tuple["TokenLogprob", ...] = ()
     dropped_messages: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @property
     def done(self) -> bool:

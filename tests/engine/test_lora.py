@@ -12,6 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3_5ForConditionalGeneration
 
 from qwen_chat.chat_types import ChatMessage
 from qwen_chat.config import ConfigError, ServiceConfig
@@ -29,11 +30,18 @@ IMAGE = Path(__file__).resolve().parents[1] / "fixtures" / "images" / "chelsea.p
 GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
-def prompts(loaded) -> dict[str, PreparedPrompt]:
-    text = PreparedPrompt(input_ids=loaded.tokenizer("A LoRA fine-tune of Qwen3.5", return_tensors="pt").input_ids[0])
-    image = build_prompt(loaded, [ChatMessage("user", "What animal is this?", images=(str(IMAGE),))],
+@pytest.fixture(scope="module")
+def prompts(tiny_loaded) -> dict[str, PreparedPrompt]:
+    """A text prompt and an image prompt for the tiny model."""
+    ids = tiny_loaded.tokenizer("A LoRA fine-tune of Qwen3.5", return_tensors="pt").input_ids[0]
+    image = build_prompt(tiny_loaded, [ChatMessage("user", "What animal is this?", images=(str(IMAGE),))],
                          enable_thinking=False, image_token_budget=64, context_length=4096, max_new_tokens=16)
-    return {"text": text, "image": image}
+    return {"text": PreparedPrompt(input_ids=ids), "image": image}
+
+
+def weights(checkpoint: Path):
+    """A fresh fp32 copy of the tiny model's weights (no processor)."""
+    return Qwen3_5ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -46,50 +54,43 @@ def forward_last(model, prompt: PreparedPrompt) -> torch.Tensor:
     return model(input_ids=prompt.input_ids[None], **kw).logits[0, -1]
 
 
-def make_adapter(checkpoint: Path, out: Path, config, seed: int) -> dict[str, torch.Tensor]:
+def make_adapter(checkpoint: Path, out: Path, config, seed: int, prompts: dict) -> dict[str, torch.Tensor]:
     """Wrap a fresh tiny model in peft with ``config``, give every LoRA factor random N(0, 0.05) values (B too,
-    so the merge matters), save the adapter to ``out`` and return peft's unmerged logits per prompt plus the
-    base model's ("base:<name>")."""
-    loaded = load_model(checkpoint, "cpu", torch.float32)
-    model = peft.get_peft_model(loaded.model, config)
+    so the merge matters), save the adapter to ``out`` and return peft's unmerged logits per prompt."""
+    model = peft.get_peft_model(weights(checkpoint), config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(out)
-    refs = {}
-    for name, prompt in prompts(loaded).items():
-        refs[name] = forward_last(model, prompt)
-        with model.disable_adapter():
-            refs["base:" + name] = forward_last(model, prompt)
-    return refs
+    return {name: forward_last(model, prompt) for name, prompt in prompts.items()}
 
 
-def merged_runner_logits(checkpoint: Path, adapter_dir: Path):
+def merged_runner_logits(checkpoint: Path, adapter_dir: Path, prompts: dict):
     """Load the tiny model as the service does, merge the adapter, prefill each prompt in a ModelRunner."""
     loaded = load_model(checkpoint, "cpu", torch.float32)
     adapter = read_adapter(adapter_dir)
     merged = merge_adapter(loaded.model, adapter)
     runner = ModelRunner(loaded.model, num_slots=2, max_context=512, device="cpu")
-    logits = {name: runner.prefill(slot, prompt) for slot, (name, prompt) in enumerate(prompts(loaded).items())}
+    logits = {name: runner.prefill(slot, prompt) for slot, (name, prompt) in enumerate(prompts.items())}
     return logits, merged, adapter
 
 
 @pytest.fixture(scope="module")
-def all_linear(tiny_checkpoint, tmp_path_factory):
+def all_linear(tiny_checkpoint, tmp_path_factory, prompts):
     """An adapter on every linear layer (peft's "all-linear": text incl. linear_attn, and the vision tower)."""
     out = tmp_path_factory.mktemp("lora_all_linear")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    return out, make_adapter(tiny_checkpoint, out, config, seed=1)
+    return out, make_adapter(tiny_checkpoint, out, config, seed=1, prompts=prompts)
 
 
-def test_merged_engine_matches_peft_unmerged_forward(tiny_checkpoint, all_linear):
+def test_merged_engine_matches_peft_unmerged_forward(tiny_checkpoint, tiny_loaded, all_linear, prompts):
     adapter_dir, refs = all_linear
-    logits, merged, adapter = merged_runner_logits(tiny_checkpoint, adapter_dir)
-    for name in ("text", "image"):
+    logits, merged, adapter = merged_runner_logits(tiny_checkpoint, adapter_dir, prompts)
+    for name, prompt in prompts.items():
         assert rel_err(logits[name], refs[name]) <= TOL, name
-        assert rel_err(refs["base:" + name], refs[name]) > 1e-2, name  # the adapter changes the output
+        assert rel_err(forward_last(tiny_loaded.model, prompt), refs[name]) > 1e-2, name  # the merge matters
     for layer in range(3):  # every Gated DeltaNet projection of every linear-attention layer
         for proj in GDN:
             assert f"model.language_model.layers.{layer}.linear_attn.{proj}" in merged
@@ -103,13 +104,13 @@ def test_merged_engine_matches_peft_unmerged_forward(tiny_checkpoint, all_linear
     assert "model.language_model.layers.N.linear_attn.in_proj_a x3" in line
 
 
-def test_rslora_rank_and_alpha_patterns_match_peft(tiny_checkpoint, tmp_path):
+def test_rslora_rank_and_alpha_patterns_match_peft(tiny_checkpoint, tmp_path, prompts):
     config = peft.LoraConfig(r=8, lora_alpha=4, use_rslora=True, init_lora_weights=False,
                              target_modules=[*GDN, "o_proj", "down_proj"],
                              rank_pattern={"in_proj_qkv": 2, "layers.3.mlp.down_proj": 3},
                              alpha_pattern={"out_proj": 16})
-    refs = make_adapter(tiny_checkpoint, tmp_path / "rslora", config, seed=2)
-    logits, merged, adapter = merged_runner_logits(tiny_checkpoint, tmp_path / "rslora")
+    refs = make_adapter(tiny_checkpoint, tmp_path / "rslora", config, seed=2, prompts=prompts)
+    logits, merged, adapter = merged_runner_logits(tiny_checkpoint, tmp_path / "rslora", prompts)
     assert adapter.rank_and_alpha("model.language_model.layers.3.mlp.down_proj") == (3, 4.0)
     assert adapter.rank_and_alpha("model.language_model.layers.0.linear_attn.out_proj") == (8, 16.0)
     assert len(merged) == 3 * 5 + 1 + 4
@@ -117,7 +118,7 @@ def test_rslora_rank_and_alpha_patterns_match_peft(tiny_checkpoint, tmp_path):
         assert rel_err(logits[name], refs[name]) <= TOL, name
 
 
-def test_text_only_names_and_fan_in_fan_out_merge_the_same(tiny_checkpoint, tiny_loaded, all_linear, tmp_path):
+def test_text_only_names_and_fan_in_fan_out_merge_the_same(tiny_checkpoint, all_linear, tmp_path):
     """An adapter trained on Qwen3_5ForCausalLM names ``model.layers.N...``; ``fan_in_fan_out`` is off for
     nn.Linear in peft: both merge to the same weights as the original adapter."""
     adapter_dir, _ = all_linear
@@ -129,7 +130,7 @@ def test_text_only_names_and_fan_in_fan_out_merge_the_same(tiny_checkpoint, tiny
     save_file(renamed, str(variant / "adapter_model.safetensors"))
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     (variant / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": True}))
-    a, b = (load_model(tiny_checkpoint, "cpu", torch.float32).model for _ in range(2))
+    a, b = weights(tiny_checkpoint), weights(tiny_checkpoint)
     merge_adapter(a, read_adapter(adapter_dir))
     merged = merge_adapter(b, read_adapter(variant))
     assert merged and all(n.startswith("model.language_model.layers.") for n in merged)

@@ -59,10 +59,10 @@ def test_config_keys_match_real_config():
 
 def test_checkpoint_files_and_size(tiny_checkpoint):
     names = {p.name for p in tiny_checkpoint.iterdir()}
-    for required in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                     "chat_template.jinja", "preprocessor_config.json", "processor_config.json",
-                     "generation_config.json"):
+    for required in ("config.json", "model.safetensors.index.json", "model-00001-of-00004.safetensors",
+                     "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"):
         assert required in names
+    assert "generation_config.json" not in names  # the published folder may lack it (both load)
     assert tiny_checkpoint.name.endswith(f"v{TINY_MODEL_VERSION}")
     total_mb = sum(p.stat().st_size for p in tiny_checkpoint.iterdir()) / 2**20
     assert total_mb < 150
@@ -207,6 +207,7 @@ def test_load_model_under_zero3_config(tiny_checkpoint):
 
 def _fake_writer(out):
     (out / "config.json").write_text("{}")
+    (out / "model.safetensors.index.json").write_text("{}")
     (out / "QWEN_CHAT_DEMO").write_text("demo\n")
 
 
@@ -220,6 +221,21 @@ def test_build_replaces_an_incomplete_folder(tmp_path, monkeypatch):
     assert tiny.build_tiny_checkpoint(tmp_path) == target
     assert (target / "QWEN_CHAT_DEMO").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
+
+
+def test_build_replaces_a_folder_of_the_old_layout(tmp_path, monkeypatch):
+    """A folder with config.json and the marker but no weight index (the single-file layout) is rebuilt."""
+    from qwen_chat.engine.checkpoints import tiny
+
+    monkeypatch.setattr(tiny, "_write_checkpoint", _fake_writer)
+    target = tiny.tiny_checkpoint_dir(tmp_path)
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "QWEN_CHAT_DEMO").write_text("demo\n")
+    (target / "model.safetensors").write_text("old")
+    assert tiny.build_tiny_checkpoint(tmp_path) == target
+    assert sorted(p.name for p in target.iterdir()) == ["QWEN_CHAT_DEMO", "config.json",
+                                                        "model.safetensors.index.json"]
 
 
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch):

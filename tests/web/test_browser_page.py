@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from playwright.sync_api import Error as PlaywrightError
 
 from qwen_chat.chat_types import ContextTooLong
 from qwen_chat.config import ServiceConfig
@@ -164,7 +165,8 @@ def test_sidebar_scrolls_dates_search_title_delete_and_export(ui):
     wait_until(lambda: notice_text(page) == "Conversation deleted.")
     assert not any(s.title == "Topic number 26" for s in history.list())
     assert not any(label.startswith("Topic number 26") for label in sidebar_labels(page))
-    assert not question.is_visible() and user_texts(page) == []
+    wait_until(lambda: not question.is_visible())
+    assert user_texts(page) == []
 
 
 def test_trash_icon_starts_a_new_chat(ui):
@@ -220,17 +222,16 @@ def test_tab_reattaches_to_the_interrupted_conversation_after_a_crash(browser, t
         page.on("load", lambda _: loads.append(1))
         with RunningServer(build_app(cfg, FakeBackend.for_ui(answer="I am back"), HistoryStore(root)),
                            port=first.port):
-            # Gradio reloads the page once the server answers again; the tab reopens its conversation.  (An
-            # in-process server's shutdown closes the stream, saved "stopped"; after kill -9 the label reads
-            # "interrupted", see test_ui_handlers.)
-            seen = []
-            def state():
-                seen.append((len(loads), bot_text(page)[-40:]))
-                return loads and STATUS_LABEL.search(bot_text(page))
-            try:
-                wait_until(state, timeout_s=90, poll_s=1, what="the reloaded page showing the conversation")
-            finally:
-                print("DEBUG", seen[:3], seen[-3:], page.url)
+            # Gradio reloads the page once the server answers again; the tab reopens its conversation.  (The
+            # in-process server's shutdown closes the stream, so the reply reads "stopped", or "interrupted"
+            # when the old server had no time left to save it; after kill -9 it always reads "interrupted".)
+            def reloaded():
+                try:  # bot_text first: playwright hands over the page's events only during its own calls
+                    return STATUS_LABEL.search(bot_text(page)) and loads
+                except PlaywrightError:  # the page is being reloaded right now
+                    return False
+
+            wait_until(reloaded, timeout_s=90, what="the reloaded page showing the conversation")
             assert user_texts(page) == ["Tell me a long story"] and "word5" in bot_text(page)
             send(page, "Please go on")
             wait_until(lambda: "I am back" in bot_text(page))

@@ -48,6 +48,9 @@ UNSUPPORTED = {"use_dora": "DoRA (use_dora)", "modules_to_save": "modules_to_sav
                "use_bdlora": "BD-LoRA", "arrow_config": "arrow routing", "kasa_config": "KaSA",
                "monteclora_config": "MonteCLoRA"}
 
+#: Elements of a weight merged at a time (fp32 temporaries of 2 x 128 MiB at most).
+MERGE_CHUNK = 2 ** 25
+
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 _TEXT_ONLY_PREFIX, _PREFIX = "model.", "model.language_model."
 
@@ -68,6 +71,7 @@ class LoraAdapter:
 
     @property
     def name(self) -> str:
+        """The adapter's folder name."""
         return self.folder.name
 
     def rank_and_alpha(self, module: str) -> tuple[int, float]:
@@ -105,6 +109,8 @@ def read_adapter(folder: Path, *, zero3: bool = False) -> LoraAdapter:
         raise AdapterError(f"{config_path}: cannot be read ({exc.strerror or exc})") from None
     except ValueError as exc:
         raise AdapterError(f"{config_path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_path}: not a JSON object")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"{config_path}: peft_type {config.get('peft_type')!r} is not supported (only LORA)")
     for key, what in UNSUPPORTED.items():
@@ -197,10 +203,12 @@ def merge_adapter(model: torch.nn.Module, adapter: LoraAdapter) -> list[str]:
     if is_zero3_partitioned(model):
         raise AdapterError(f"--adapter {adapter.folder}: the weights are ZeRO-3-partitioned; cannot merge")
     for stored, module in resolved.values():
-        a, b = adapter.pairs[stored]
-        w = module.weight
-        delta = b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)
-        w.copy_((w.float() + adapter.scaling(stored) * delta).to(w.dtype))
+        w, scale = module.weight, adapter.scaling(stored)
+        a, b = (t.to(w.device, torch.float32) for t in adapter.pairs[stored])
+        rows = max(1, MERGE_CHUNK // w.shape[1])  # bounds the fp32 temporaries (lm_head: 248,320 rows)
+        for start in range(0, w.shape[0], rows):
+            part = w[start:start + rows]
+            part.copy_((part.float() + scale * (b[start:start + rows] @ a)).to(w.dtype))
     return list(resolved)
 
 

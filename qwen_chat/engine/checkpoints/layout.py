@@ -129,7 +129,8 @@ def inspect_checkpoint(folder: Path) -> CheckpointReport:
     if model_type != MODEL_TYPE:
         raise CheckpointError(f"{folder / 'config.json'}: model_type {model_type!r} is not a Qwen3.5 checkpoint "
                               f"(expected {MODEL_TYPE!r})")
-    quantization = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    quantization = config.get("quantization_config") or text_config.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise CheckpointError(f"{folder / 'config.json'}: quantization_config (quant_method {method!r}) is not "
@@ -259,11 +260,14 @@ def write_weights(tensors: Mapping[str, torch.Tensor], out: Path, num_shards: in
 
 def write_model(model: torch.nn.Module, out: Path, *, seed: int, num_shards: int = 4) -> list[str]:
     """Write a ``Qwen3_5ForConditionalGeneration``'s ``config.json`` and weights (its state dict in its own
-    dtype, plus a random ``mtp_head`` seeded with ``seed``) in the published layout.  Returns the shard names."""
+    dtype, plus a random ``mtp_head`` seeded with ``seed``) in the published layout.  Returns the shard names.
+    With tied embeddings ``lm_head.weight`` is left out, as ``save_pretrained`` does (Qwen3.5-9B's are untied)."""
     dtype = next(model.parameters()).dtype
     model.config.dtype = dtype  # what PreTrainedModel.save_pretrained records
     model.config.save_pretrained(out)
     tensors = dict(model.state_dict())
+    if model.config.get_text_config().tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
     tensors.update(mtp_head(model.config.get_text_config(), torch.Generator().manual_seed(seed), dtype))
     return write_weights(tensors, out, num_shards)
 

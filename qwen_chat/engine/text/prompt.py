@@ -38,6 +38,7 @@ Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
 """
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from dataclasses import dataclass
@@ -53,9 +54,11 @@ from qwen_chat.chat_types import (
     ContextTooLong,
     InvalidImage,
     InvalidInput,
+    ToolSpec,
     is_blank,
 )
 from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.text.toolcalls import check_no_control_text, template_tool_calls, template_tools
 
 #: Pixels per visual token: one token per 32 x 32 px block (16 px patches, 2 x 2 merge; docs/facts.md,
 #: "Images").
@@ -101,16 +104,16 @@ def _validate(messages: Sequence[ChatMessage]) -> None:
     if not messages:
         raise InvalidInput("There is no message to answer.")
     for index, message in enumerate(messages):
-        if message.role not in ("system", "user", "assistant"):
+        if message.role not in ("system", "user", "assistant", "tool"):
             raise InvalidInput(f"Unknown message role {message.role!r}.")
         if message.role == "system" and index != 0:
             raise InvalidInput("A system prompt can only come first in a conversation.")
         if not isinstance(message.text, str):
             raise InvalidInput("Message text must be a string.")
     last = messages[-1]
-    if last.role != "user":
-        raise InvalidInput("The last message must be from the user.")
-    if is_blank(last.text) and not last.images:
+    if last.role not in ("user", "tool"):
+        raise InvalidInput("The last message must be from the user (or a tool result).")
+    if last.role == "user" and is_blank(last.text) and not last.images:
         raise InvalidInput("The message is empty: type some text or attach an image.")
 
 
@@ -167,11 +170,14 @@ def _conversation(system: Optional[ChatMessage], turns: Sequence[_Turn], sentine
     owners: list = []
     flat = ([(-1, system)] if system else []) + [(i, m) for i, t in enumerate(turns) for m in t.messages]
     for turn_index, message in flat:
-        marker = f"{sentinel}{len(owners)}{sentinel}"
-        owners.append((turn_index, message))
-        parts: list[dict] = [{"type": "image"} for _ in message.images]
-        parts.append({"type": "text", "text": marker})
-        conversation.append({"role": message.role, "content": parts})
+        entry: dict = {"role": message.role, "content": ""}
+        if message.tool_calls:
+            entry["tool_calls"] = template_tool_calls(message.tool_calls)
+        if message.images or _content_text(message) or not message.tool_calls:  # the template tests "content"
+            marker = f"{sentinel}{len(owners)}{sentinel}"
+            owners.append((turn_index, message))
+            entry["content"] = [{"type": "image"} for _ in message.images] + [{"type": "text", "text": marker}]
+        conversation.append(entry)
     return conversation, owners
 
 
@@ -183,13 +189,13 @@ _ENCODE_LOCK = threading.Lock()
 
 
 def _encode(processor: Any, system: Optional[ChatMessage], turns: Sequence[_Turn], enable_thinking: bool,
-            image_tokens: dict[str, int]) -> _Encoded:
+            image_tokens: dict[str, int], tools: Optional[list[dict]] = None) -> _Encoded:
     with _ENCODE_LOCK:
-        return _encode_locked(processor, system, turns, enable_thinking, image_tokens)
+        return _encode_locked(processor, system, turns, enable_thinking, image_tokens, tools)
 
 
 def _encode_locked(processor: Any, system: Optional[ChatMessage], turns: Sequence[_Turn],
-                   enable_thinking: bool, image_tokens: dict[str, int]) -> _Encoded:
+                   enable_thinking: bool, image_tokens: dict[str, int], tools: Optional[list[dict]]) -> _Encoded:
     tokenizer = processor.tokenizer
     sentinel = f"\x00QCS{secrets.token_hex(8)}\x00"
     for turn in turns:
@@ -200,7 +206,7 @@ def _encode_locked(processor: Any, system: Optional[ChatMessage], turns: Sequenc
     chat_template = getattr(processor, "chat_template", None) or tokenizer.chat_template
     rendered = tokenizer.apply_chat_template(
         conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=True,
-        enable_thinking=enable_thinking)
+        enable_thinking=enable_thinking, tools=tools)
     pieces = rendered.split(sentinel)
     # pieces: template, index, template, index, ..., template
     if len(pieces) != 2 * len(owners) + 1:
@@ -264,7 +270,8 @@ def _vision_inputs(processor: Any, encoded: _Encoded, kwargs: dict) -> dict:
 
 
 def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, enable_thinking: bool,
-                 image_token_budget: int, context_length: int, max_new_tokens: int) -> PreparedPrompt:
+                 image_token_budget: int, context_length: int, max_new_tokens: int,
+                 tools: Sequence[ToolSpec] = (), control_tokens: Sequence[str] = ()) -> PreparedPrompt:
     """Build the prefill inputs of one chat request (see the module docstring for the rules).
 
     Args:
@@ -276,6 +283,10 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
         image_token_budget: visual tokens per image at most (1 token = 32x32 px).
         context_length: tokens the model may hold (prompt + reply).
         max_new_tokens: requested reply length in tokens; may be clamped by the context policy.
+        tools: functions the template lists in the system turn (``toolcalls.template_tools``); assistant
+            messages' ``tool_calls`` and ``tool`` messages are rendered by the template too.  Tool definitions
+            and calls are template text, not message text: ``control_tokens`` (the tokenizer's special-token
+            strings) must not occur in them.
 
     Returns:
         ``PreparedPrompt`` with ``input_ids`` int64 [L]; with images also ``pixel_values`` float32
@@ -283,12 +294,18 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
         int64 [L] (1 at image-pad positions); ``max_new_tokens`` and ``notice`` from the context policy.
 
     Raises:
-        InvalidInput: empty last message, misplaced system prompt, last message not from the user.
+        InvalidInput: empty last message, misplaced system prompt, last message neither from the user nor a
+            tool result, a control token in a tool definition or call.
         InvalidImage: an image file cannot be read or has an unusable shape.
         ContextTooLong: the system prompt and the latest turn alone leave no room for 64 new tokens
             (or ``max_new_tokens`` when it is smaller).
     """
     _validate(messages)
+    template_tool_list = template_tools(tools) or None
+    check_no_control_text(
+        [(f"tools[{i}].function", json.dumps(t, ensure_ascii=False)) for i, t in enumerate(template_tool_list or [])]
+        + [(f"messages[{i}].tool_calls", f"{c.name} {c.arguments}") for i, m in enumerate(messages)
+           for c in m.tool_calls], control_tokens)
     processor = _processor_of(loaded_or_processor)
     image_processor = processor.image_processor
     kwargs = _image_kwargs(image_processor, image_token_budget)
@@ -297,7 +314,7 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
 
     image_tokens = {path: _visual_tokens(image_processor, path, kwargs)
                     for message in messages for path in message.images}
-    encoded = _encode(processor, system, turns, enable_thinking, image_tokens)
+    encoded = _encode(processor, system, turns, enable_thinking, image_tokens, template_tool_list)
 
     dropped = 0
     dropped_tokens = 0
@@ -309,7 +326,7 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
             dropped_tokens += costs[dropped]
             dropped += 1
         while dropped:
-            encoded = _encode(processor, system, turns[dropped:], enable_thinking, image_tokens)
+            encoded = _encode(processor, system, turns[dropped:], enable_thinking, image_tokens, template_tool_list)
             # Re-check on the real ids (a template may add or remove a few tokens with the turns).
             if len(encoded.ids) + max_new_tokens <= context_length or dropped == len(turns) - 1:
                 break

@@ -123,12 +123,16 @@ class ReplyDecoder:
         starts_in_reasoning: True when the prompt ends inside ``<think>`` (Qwen3.5 with thinking on).
         think_start_id / think_end_id: ids of ``<think>`` / ``</think>`` (Qwen3.5: 248068 / 248069).
         stop_ids: end-of-turn ids (``<|endoftext|>`` 248044, ``<|im_end|>`` 248046); they produce no text.
+        literal_ids: control ids shown as their name when they reach the decoder (``<tool_call>`` and
+            ``</tool_call>`` of a call that did not parse, ``qwen_chat.engine.text.toolcalls``); when given, the
+            answer's trailing whitespace is held back until more answer text follows (it precedes a call).
 
     Not thread-safe: one decoder per reply, used by the thread that samples it.
     """
 
     def __init__(self, tokenizer, *, starts_in_reasoning: bool, think_start_id: int = THINK_START_ID,
-                 think_end_id: int = THINK_END_ID, stop_ids: Sequence[int] = (ENDOFTEXT_ID, IM_END_ID)) -> None:
+                 think_end_id: int = THINK_END_ID, stop_ids: Sequence[int] = (ENDOFTEXT_ID, IM_END_ID),
+                 literal_ids: Sequence[int] = ()) -> None:
         self._tokenizer = _inner_tokenizer(tokenizer)
         self._think_start = int(think_start_id)
         self._think_end = int(think_end_id)
@@ -136,7 +140,8 @@ class ReplyDecoder:
             int(i) for i in stop_ids}
         self._bytes_cache: dict[int, bytes] = {}
         self._reasoning = _Segment(strip_leading=True, hold_trailing=True)
-        self._answer = _Segment(strip_leading=True, hold_trailing=False)
+        self._literal = frozenset(int(i) for i in literal_ids)
+        self._answer = _Segment(strip_leading=True, hold_trailing=bool(self._literal))
         self._in_reasoning = bool(starts_in_reasoning)
         self._finished = False
 
@@ -174,11 +179,11 @@ class ReplyDecoder:
                 reasoning_out.append(self._reasoning.close())
                 self._in_reasoning = False
                 continue
-            if token_id in self._control:
+            if token_id in self._control and token_id not in self._literal:
                 # Includes a stray <think> at the start (the template already opened the block) and
                 # end-of-turn ids; none of them is text.
                 continue
-            data = self._token_bytes(token_id)
+            data = self.token_piece(token_id)[1] if token_id in self._literal else self._token_bytes(token_id)
             if self._in_reasoning:
                 reasoning_out.append(self._reasoning.feed(data))
             else:

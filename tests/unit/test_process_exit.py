@@ -1,0 +1,73 @@
+"""How processes of the service leave: ``lifecycle.leave`` (app.py's end) and the launcher watchdog of the ranks
+(``ranks.start_launcher_watchdog``), each in a real child process."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from qwen_chat.engine.parallel.ranks import LAUNCHER_GONE_GRACE_S, LAUNCHER_WATCH_INTERVAL_S
+from tests.support.service_harness import REPO
+from tests.support.waiting import wait_until
+
+
+def run_python(code: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, **kwargs)
+
+
+@pytest.mark.parametrize("code, status, stderr", [(3, 3, ""), (None, 0, ""), ("app.py: bye", 1, "app.py: bye")])
+def test_leave_runs_the_atexit_handlers_and_exits_with_the_code(code, status, stderr):
+    done = run_python(f"""
+        import atexit, logging, sys
+        from qwen_chat import lifecycle
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout)
+        atexit.register(print, "atexit ran")
+        print("buffered", end=" ")  # still written: the streams are flushed
+        lifecycle.leave({code!r})
+        print("not reached")
+        """)
+    assert done.returncode == status
+    assert done.stdout == "buffered atexit ran\n" and done.stderr.strip() == stderr
+
+
+def test_a_rank_whose_launcher_was_killed_exits_within_about_a_second(tmp_path):
+    """The launcher (here: the leader of a new session, parent of the rank) is killed with SIGKILL; the rank's
+    watchdog notices within ``LAUNCHER_WATCH_INTERVAL_S``, waits ``LAUNCHER_GONE_GRACE_S`` and leaves with
+    code 1, so an orphaned rank 0 frees the port before Supervisor's respawn binds it."""
+    rank_log = tmp_path / "rank.log"
+    rank = ("import sys, time; from qwen_chat.engine.parallel.ranks import start_launcher_watchdog; "
+            "assert start_launcher_watchdog() is not None; print('watching', flush=True); time.sleep(120)")
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {rank!r}], "
+                               f"stdout=open({str(rank_log)!r}, 'w'), stderr=subprocess.STDOUT); "
+                               f"print(p.pid, flush=True); time.sleep(120)"],
+        cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        rank_pid = int(launcher.stdout.readline())
+        wait_until(lambda: "watching" in rank_log.read_text(), 60, "the rank's watchdog to start")
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        t0 = time.monotonic()
+
+        def gone() -> bool:
+            try:
+                return psutil.Process(rank_pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_until(gone, 30, "the orphaned rank to exit", poll_s=0.05)
+        gone_s = time.monotonic() - t0
+        assert "is gone; exiting" in rank_log.read_text()
+        assert gone_s < LAUNCHER_WATCH_INTERVAL_S + LAUNCHER_GONE_GRACE_S + 2.0, gone_s  # margin: a busy machine
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
