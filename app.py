@@ -148,7 +148,6 @@ def _start_engine_or_exit(cfg, backend) -> int:
     return 0
 
 
-
 def _hold_until_started_for_supervisor() -> None:
     """Sleep until this process has run ``$QWEN_CHAT_STARTSECS`` + 1 s (nothing when unset or not a number), so
     that Supervisor sees exit code 78 after its start window and treats it as final (module docstring)."""

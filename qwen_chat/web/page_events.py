@@ -329,6 +329,7 @@ def wire(c: Page, ctl: ChatController) -> None:
     ev_edit = c.chatbot.edit(edit, [c.conv_id, c.session, c.system_prompt, *sampling],
                              stream_outputs + lock_outputs[:3], concurrency_limit=None, **private)
     unlock(ev_edit)
+    ev_edit.then(follow, [c.conv_id], [c.title_box, c.export_file, c.confirm_row], **private)  # a new title
     streams = [ev_submit, ev_click, ev_regen, ev_edit]
     # Stop: flip the session's cancel token at once (unqueued) and cancel the Gradio event, which closes the
     # streaming generator; either way the engine stops within one decode step and the turn is saved "stopped".

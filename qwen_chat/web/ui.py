@@ -33,7 +33,7 @@ from qwen_chat.web.page_events import PLACEHOLDER, Page, wire
 IMAGE_FILE_TYPES = [".jpg", ".jpeg", ".png", ".gif", ".webp"]
 DEMO_BADGE = (f"**demo model: random weights** - answers are gibberish.  Thinking is off and replies stop after "
               f"{DEMO_MAX_NEW_TOKENS} tokens (both under Settings); start with a real checkpoint for real answers")
-API_NOTE = ("**API:** this service also speaks the OpenAI chat-completions API at `/v1` on this address "
+API_NOTE = ("Programs can use this service through its OpenAI-compatible API at `/v1` on this address "
             "(`GET /v1/models`, `POST /v1/chat/completions`); see the README, \"OpenAI-compatible API\".")
 
 CSS = """

@@ -274,7 +274,10 @@ def test_out_of_range_parameters_are_400_with_the_range(server, client, params, 
     ([{"role": "user", "content": "   \n\t"}], "empty"),
     ([{"role": "user", "content": "\u200b"}], "empty"),
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "last message"),
-    ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "role 'tool'"),
+    ([{"role": "tool", "content": "x", "tool_call_id": "1"}], "must follow an assistant message with tool_calls"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
+      {"role": "tool", "content": "x", "tool_call_id": "c1"}], "must be a JSON object"),
     ([{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}, {"role": "user", "content": "x"}],
      "system message may only come"),
     ([{"role": "user", "content": "\u200d\ufeff "}], "empty"),
@@ -345,12 +348,47 @@ def test_prompt_too_long_is_400_with_token_counts(server, client):
     assert "300" in err.message and "256" in err.message
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("extra, needle, param", [
+    ({"logit_bias": {"1": 5}}, "logit_bias", "logit_bias"),
+    ({"response_format": {"type": "regex", "regex": "a+"}}, "json_schema", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema",
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}},
+     "not a valid JSON schema", "response_format.json_schema.schema"),
+    ({"functions": [{"name": "f"}]}, "deprecated", "functions"),
+    ({"tools": [{"type": "web_search"}]}, "function", "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "characters", "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "object",
+     "tools[0].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "same name", "tools"),
+    ({"tool_choice": "required"}, "needs tools", "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "no tool is named",
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined",
+     "response_format"),
 ])
-def test_unsupported_features_are_refused(client, extra, needle):
+def test_unsupported_or_malformed_tools_and_formats_are_refused(client, extra, needle, param):
     err = bad_request(client, **extra)
-    assert needle in err.message
+    assert needle in err.message and err.param == param
+
+
+def test_tools_and_formats_reach_the_backend(server, client):
+    client.chat.completions.create(model=MODEL, messages=USER, tools=[WEATHER], parallel_tool_calls=False,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    s = server.backend.calls[-1].settings
+    assert (s.tools[0].name, s.tool_choice, s.forced_tool, s.parallel_tool_calls) == (
+        "get_weather", "required", "get_weather", False)
+    assert s.tools[0].parameters["required"] == ["city"]
+    client.chat.completions.create(model=MODEL, messages=USER, response_format={"type": "json_object"})
+    assert server.backend.calls[-1].settings.json_schema == {"type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    client.chat.completions.create(model=MODEL, messages=USER, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
+    assert server.backend.calls[-1].settings.json_schema == schema
 
 
 def test_small_max_tokens_and_the_new_fields_reach_the_backend(server, client):

@@ -1,12 +1,15 @@
 """Real-browser tests: headless Debian chromium driven by playwright against the real server (scripted backend).
 
-1. Upload tests/fixtures/images/chelsea.png with a question, watch the reply stream in, reload the page,
-   reopen the conversation from the sidebar and see the image and the reply (screenshots: a temporary folder,
-   or docs/ with ``QWEN_CHAT_SCREENSHOT_DIR=docs``).
+1. Upload tests/fixtures/images/chelsea.png with a question, watch the reply stream in, reload the page (it
+   reopens the conversation), reopen it from the sidebar and see the image and the reply (screenshots: a
+   temporary folder, or docs/ with ``QWEN_CHAT_SCREENSHOT_DIR=docs``).
 2. HTML/JS typed into the chat (and echoed by the "model") never runs: no dialog fires, no injected
    element or javascript: link exists, the literal text is visible, also after reopening from history.
+3. Stop (enabled only while a reply streams, the input locked meanwhile), the demo model's settings and the
+   Thinking presets; a page left open across a restart; login and logout.
 
-Needs /usr/bin/chromium (``bash deploy/install.sh --test`` installs Debian's package).
+More of the page as a new user meets it: ``test_browser_page.py``.  Needs /usr/bin/chromium
+(``bash deploy/install.sh --test`` installs Debian's package).
 """
 from __future__ import annotations
 
@@ -58,6 +61,10 @@ def test_image_question_streams_and_reopens_after_reload(server, page, tmp_path)
     running, backend = server
     open_app(page, running.url)
     assert page.locator("#demo-badge").inner_text().startswith("demo model: random weights")
+    settings = page.locator("#settings").get_by_text("Settings").first
+    settings.click()  # thinking on (the demo model starts without), so the screenshot shows the thought
+    page.locator("#thinking input[type=checkbox]").check()
+    settings.click()
     send(page, "What animal is in this photo?", image=CHELSEA)
 
     seen: list[str] = []
@@ -74,6 +81,8 @@ def test_image_question_streams_and_reopens_after_reload(server, page, tmp_path)
     assert len(backend.calls[-1].messages[-1].images) == 1
     shots = Path(SCREENSHOT_DIR) if SCREENSHOT_DIR else tmp_path
     shots.mkdir(parents=True, exist_ok=True)
+    wait_until(lambda: page.locator("#send").is_enabled())  # the turn has ended
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(shots / "screenshot.png"))
 
     page.reload()  # the tab reopens the conversation it had open

@@ -4,12 +4,14 @@ The backend is ``tests.support.fake_backend.FakeBackend.for_ui()`` (no model); t
 by ``test_ui_tiny.py``.  Covers: text turn, streamed image turn (chelsea.png), Stop, New chat, reopen,
 bad images (text, empty, truncated and SVG files named as images; HEIC, also renamed), every allowed type in
 any case (upper-case WEBP), empty messages, HTML/dollar text, a page left open across a restart,
-rename/delete/export, and two logged-in users.
+rename/delete/export, a refused message handed back to the input box, a new conversation listed as soon as it
+is saved, and two logged-in users.
 """
 from __future__ import annotations
 
 import io
 import json
+import re
 import time
 import zipfile
 from pathlib import Path
@@ -225,6 +227,23 @@ def test_stop_ends_generation_and_saves_partial_reply_as_stopped(ui):
     assert texts(send(client, "next", conv_id=conv_id)[0], "assistant")[-1] == "ok"
 
 
+def test_new_conversation_is_listed_as_soon_as_it_is_saved(ui):
+    client, backend, store = ui
+    backend.step_delay_s = 0.05
+    backend.answer = " ".join(f"w{i}" for i in range(40))
+    job = client.submit({"text": "listed before the reply ends", "files": []}, "", "", *CONTROLS,
+                        api_name="/send")
+    job.result(timeout=60)
+    outputs = job.outputs()
+    first_saved = next(i for i, out in enumerate(outputs) if out[1])
+    conv_id = outputs[first_saved][1]
+    listed = outputs[first_saved][4]
+    assert conv_id in [c[1] for c in listed["choices"]] and listed["value"] == conv_id
+    assert first_saved < len(outputs) - 1  # before the end of the reply
+    assert not texts(outputs[first_saved][0], "assistant") or "w39" not in texts(outputs[first_saved][0],
+                                                                                     "assistant")[-1]
+
+
 def test_new_chat_and_reopen_from_sidebar(ui):
     client, backend, store = ui
     first = send(client, "first conversation", files=[CHELSEA])
@@ -300,9 +319,11 @@ def test_out_of_range_seed_and_backend_refusal_are_messages(ui):
 
     backend.fail_with = ContextTooLong("prompt has 5000 tokens; the context holds 4096", 5000, 4096)
     n_convs = len(store.user("local").list())
-    chat, conv_id, notice, *_ = send(client, "very long text")
+    chat, conv_id, notice, box, _ = send(client, "very long text", files=[CHELSEA])
     assert "5000 tokens" in notice
     assert chat == [] and conv_id == ""
+    box = box.get("value", box) if isinstance(box, dict) else box
+    assert box["text"] == "very long text" and len(box["files"]) == 1  # the refused message goes back
     assert len(store.user("local").list()) == n_convs
 
 
@@ -311,7 +332,7 @@ def test_rename_export_delete(ui):
     conv_id = send(client, "to be renamed", files=[CHELSEA])[1]
     listed, notice = client.predict(conv_id, "My cat", api_name="/rename")
     [label] = [c[0] for c in listed["choices"] if c[1] == conv_id]
-    assert label.startswith("My cat · today ")  # the title and when it was last changed
+    assert re.fullmatch(r"My cat · (today|yesterday) \d\d:\d\d", label)  # the title and when it changed
     assert saved(store, conv_id).title == "My cat"
     assert "empty" in client.predict(conv_id, "   ", api_name="/rename")[1]
     path, _ = client.predict(conv_id, api_name="/export")

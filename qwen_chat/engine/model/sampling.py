@@ -14,6 +14,8 @@ Every rank of a tensor-parallel group therefore samples identical tokens.
 The frequency penalty (before the presence penalty; not at temperature 0, like it), the thinking budget (after
 the draw) and log-probabilities are the per-slot rules of ``sampling_rules``; they cost nothing in batches
 that do not use them.
+Grammar masks of structured output (``constraints``, rank 0 only) come first: a constrained row's forbidden
+tokens are -inf before everything above, greedy rows included (``qwen_chat.engine.serving.constraints``).
 """
 from __future__ import annotations
 
@@ -136,6 +138,9 @@ class Sampler:
         #: parallelism ``collectives.broadcast_from_rank0``, so that every rank records and
         #: feeds rank 0's tokens (queued on the device, no host wait).
         self.token_sync: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        #: Optional grammar masks (``serving.constraints.ConstraintTable``, set on rank 0 only): its
+        #: ``mask(slots, logits)`` returns the logits with each constrained row's forbidden tokens at -inf.
+        self.constraints = None
         # Row indices and uniform columns reach the device through pinned buffers and asynchronous copies (a
         # plain torch.tensor(..., device="cuda") waits for the whole stream, so the host could not run ahead of
         # the GPU).  Two buffers: a step's copy may still be queued while the next step fills the other one.
@@ -249,6 +254,8 @@ class Sampler:
         a slot without parameters."""
         slots = [int(s) for s in slots]
         self._check(slots, logits)
+        if self.constraints is not None:
+            logits = self.constraints.mask(slots, logits)
         idx, u = self._rows(slots)
         counted = self.frequency.active(slots)
         drawn = self.frequency.apply(logits, idx) if counted else logits  # greedy rows keep the raw logits

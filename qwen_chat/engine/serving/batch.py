@@ -36,12 +36,14 @@ log = logging.getLogger(__name__)
 
 class Request:
     """One submitted request as the scheduler tracks it: its handle, prompt, sampling, stop ids (int), the slot it
-    holds (None while waiting or after it finished), the last token sampled for it, and ``siblings``: the later
-    choices of the same request (n > 1), which may share its prefill."""
+    holds (None while waiting or after it finished), the last token sampled for it, ``siblings``: the later
+    choices of the same request (n > 1), which may share its prefill, and ``constraint``: its grammar state
+    (``constraints.Constraint``) or None."""
 
-    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings")
+    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings", "constraint")
 
-    def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids):
+    def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids,
+                 constraint=None):
         self.handle = handle
         self.prompt = prompt
         self.sampling = sampling
@@ -49,6 +51,7 @@ class Request:
         self.slot: Optional[int] = None
         self.last_token: Optional[int] = None
         self.siblings: list["Request"] = []
+        self.constraint = constraint
 
 
 class Batch:
@@ -56,7 +59,9 @@ class Batch:
 
     Args: as ``Scheduler``: ``num_slots`` (sequences decoded together), ``max_queue`` (requests that may wait),
     ``eos_ids`` (token ids that end every request), ``max_context`` (tokens per sequence, or None),
-    ``prefill_token_budget`` (prompt tokens prefilled in one step at most, one prompt always).
+    ``prefill_token_budget`` (prompt tokens prefilled in one step at most, one prompt always), ``constraints``
+    (the ``constraints.ConstraintTable`` the sampler masks with, or None: a constrained request's slot is bound
+    to its ``Constraint`` while it runs).
 
     Attributes read by the scheduler: ``cond`` (the lock of everything here), ``stopping`` (no new work; the
     loop ends), ``waiting`` (deque of ``Request``), ``running`` ({slot: Request}), ``totals`` (counters, see
@@ -64,8 +69,9 @@ class Batch:
     """
 
     def __init__(self, *, num_slots: int, max_queue: int, eos_ids: Iterable[int], max_context: Optional[int],
-                 prefill_token_budget: int) -> None:
+                 prefill_token_budget: int, constraints=None) -> None:
         self.num_slots = num_slots
+        self.constraints = constraints
         self.max_queue = max_queue
         self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.max_context = max_context
@@ -101,9 +107,12 @@ class Batch:
         return self.submit_choices(prompt, [sampling], cancel)[0]
 
     def submit_choices(self, prompt: PreparedPrompt, samplings: list[SamplingParams],
-                       cancel: CancelToken) -> list[RequestHandle]:
+                       cancel: CancelToken, constraints: Optional[list] = None) -> list[RequestHandle]:
         """Queue the ``len(samplings)`` choices of one request (see ``Scheduler.submit_choices``): handles with
-        indexes 0.. that share one queue.  Raises Busy, ContextTooLong or NotReady."""
+        indexes 0.. that share one queue.  Raises Busy, ContextTooLong or NotReady, or ValueError for
+        ``constraints`` without a table to bind them to."""
+        if constraints is not None and self.constraints is None:
+            raise ValueError("constrained requests need a ConstraintTable (the sampler's grammar masks)")
         n = prompt.num_tokens
         if self.max_context is not None and n >= self.max_context:
             raise ContextTooLong(
@@ -123,7 +132,8 @@ class Batch:
             for index, sampling in enumerate(samplings):
                 handle = RequestHandle(next(self._ids), n, cancel, self.notify, index=index, sink=sink)
                 stop_ids = self.eos_ids | frozenset(int(t) for t in sampling.stop_token_ids)
-                group.append(Request(handle, prompt, sampling, stop_ids))
+                group.append(Request(handle, prompt, sampling, stop_ids,
+                                     constraints[index] if constraints is not None else None))
             for i, req in enumerate(group):
                 req.siblings = group[i + 1:]
             self.waiting.extend(group)
@@ -174,6 +184,7 @@ class Batch:
                 budget -= req.prompt.num_tokens
                 req.slot = self._free_slots.pop(0)
                 self.running[req.slot] = req
+                self._bind(req)
                 prefilled.append(req)
                 item = PrefillItem(req.slot, req.prompt, req.sampling)
                 for sib in req.siblings:  # later choices of the request start from this prefill, as slots allow
@@ -182,6 +193,7 @@ class Batch:
                     self.waiting.remove(sib)
                     sib.slot = self._free_slots.pop(0)
                     self.running[sib.slot] = sib
+                    self._bind(sib)
                     prefilled.append(sib)
                     item.copies.append((sib.slot, sib.sampling))
                 plan.prefills.append(item)
@@ -190,6 +202,14 @@ class Batch:
                 self.totals["decode_steps"] += 1
                 self.totals["max_decode_batch"] = max(self.totals["max_decode_batch"], len(decoded))
             return plan, prefilled, decoded
+
+    def _bind(self, req: Request) -> None:
+        """A request got its slot: its draws follow its constraint from now on (when it has one)."""
+        if self.constraints is not None:
+            if req.constraint is not None:
+                self.constraints.bind(req.slot, req.constraint)
+            else:
+                self.constraints.unbind(req.slot)
 
     def at_limit(self, req: Request, pending: int = 0) -> bool:
         """True when ``req`` has reached max_new_tokens or the context after ``pending`` more tokens."""
@@ -219,6 +239,8 @@ class Batch:
                 if h.ttft_s is None:
                     h.ttft_s = now - h.submitted_at
                 req.last_token = token
+                if req.constraint is not None:
+                    req.constraint.accept(token)
                 if token in req.stop_ids:
                     self.retire(req, "stop")
                     continue
@@ -230,6 +252,8 @@ class Batch:
         """Finish a request and release its slot (caller holds ``cond``)."""
         if req.slot is not None and self.running.get(req.slot) is req:
             del self.running[req.slot]
+            if self.constraints is not None:
+                self.constraints.unbind(req.slot)
             self._to_free.append(req.slot)
             self._free_slots.append(req.slot)
             self._free_slots.sort()

@@ -29,10 +29,19 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings, ModelInfo, NotReady, StreamUpdate
+from qwen_chat.chat_types import (
+    CancelToken,
+    ChatMessage,
+    GenerationSettings,
+    InvalidInput,
+    ModelInfo,
+    NotReady,
+    StreamUpdate,
+)
 from qwen_chat.config import ServiceConfig
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.text.prompt import build_prompt
+from qwen_chat.engine.serving.constraints import StructuredOutput, reply_constraints
 from qwen_chat.engine.serving.replies import stream_replies
 from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
 from qwen_chat.engine.serving.scheduler import Scheduler
@@ -61,6 +70,19 @@ def _token_id(tokenizer, token: str) -> int:
     return int(tid)
 
 
+def _tool_ids(tokenizer) -> Optional[tuple[int, int]]:
+    """``(<tool_call>, </tool_call>)`` ids (Qwen3.5: 248058, 248059; docs/facts.md, "Tokens"), None without."""
+    try:
+        return _token_id(tokenizer, "<tool_call>"), _token_id(tokenizer, "</tool_call>")
+    except ValueError:
+        return None
+
+
+def _sampler_of(executor):
+    """The executor's own ``Sampler`` (rank 0's, inside a ``DistributedExecutor``), or None."""
+    return getattr(executor, "sampler", None) or getattr(getattr(executor, "local", None), "sampler", None)
+
+
 class ChatEngine:
     """Implements ``qwen_chat.chat_types.ChatBackend`` over a model runner, an executor and a ``Scheduler``.
 
@@ -82,7 +104,10 @@ class ChatEngine:
             ``token_sync`` whenever several ranks run).
 
     Stop ids: ``<|endoftext|>`` and ``<|im_end|>``; thinking ids ``<think>``/``</think>``; all looked up in
-    the loaded tokenizer (Qwen3.5: 248044, 248046, 248068, 248069; docs/facts.md, "Tokens").
+    the loaded tokenizer (Qwen3.5: 248044, 248046, 248068, 248069; docs/facts.md, "Tokens"); tool-call ids
+    ``<tool_call>``/``</tool_call>`` (248058, 248059) when the tokenizer has them.  Structured output
+    (``constraints.StructuredOutput``) masks through the executor's own sampler (``Sampler.constraints``);
+    without one, requests that need it are refused.
     """
 
     def __init__(
@@ -111,10 +136,20 @@ class ChatEngine:
         tok = loaded.tokenizer
         self.eos_ids = (_token_id(tok, "<|endoftext|>"), _token_id(tok, "<|im_end|>"))
         self.think_ids = (_token_id(tok, "<think>"), _token_id(tok, "</think>"))
+        self.tool_ids = _tool_ids(tok)
+        self.control_tokens = tuple(tok.get_added_vocab())
+        sampler = _sampler_of(executor)
+        self.structure: Optional[StructuredOutput] = None
+        if sampler is not None and hasattr(sampler, "constraints"):
+            self.structure = StructuredOutput(tok, vocab_size=sampler.vocab_size, device=sampler.device,
+                                              num_slots=sampler.num_slots, stop_ids=self.eos_ids,
+                                              think_end_id=self.think_ids[1], tool_ids=self.tool_ids)
+            sampler.constraints = self.structure.table
         if overlap is None:
             overlap = isinstance(executor, LocalExecutor) or bool(getattr(executor, "tokens_on_device", False))
         self.scheduler = Scheduler(executor, num_slots=num_slots, max_queue=max_queue, eos_ids=self.eos_ids,
-                                   max_context=self.max_context, on_fatal=on_fatal, overlap=overlap)
+                                   max_context=self.max_context, on_fatal=on_fatal, overlap=overlap,
+                                   constraints=self.structure.table if self.structure is not None else None)
         log.info("scheduler: %s", "steps launched ahead (overlap)" if overlap else "each step waited for")
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure
@@ -144,11 +179,14 @@ class ChatEngine:
         if self._self_check:
             raise NotReady("the engine failed its start-up self-check; see the server log")
         settings.validate()
+        if settings.tools and settings.tool_choice != "none" and self.tool_ids is None:
+            raise InvalidInput("tools: this model's tokenizer has no <tool_call> token", param="tools")
         prompt = self.prepare(messages, settings)
+        constraints = reply_constraints(self.structure, settings)
         samplings = [self.sampling_params(settings, prompt, index) for index in range(settings.n)]
-        handles = self.scheduler.submit_choices(prompt, samplings, cancel)
+        handles = self.scheduler.submit_choices(prompt, samplings, cancel, constraints)
         updates = stream_replies(handles, prompt, settings, tokenizer=self.loaded.tokenizer,
-                                 think_ids=self.think_ids, eos_ids=self.eos_ids)
+                                 think_ids=self.think_ids, eos_ids=self.eos_ids, tool_ids=self.tool_ids)
         # A returned iterator that is dropped without ever being started would not run its finally block.
         for handle in handles:
             weakref.finalize(updates, handle.close)
@@ -220,6 +258,7 @@ class ChatEngine:
             self.loaded, messages, enable_thinking=settings.enable_thinking,
             image_token_budget=self.image_token_budget, context_length=self.max_context,
             max_new_tokens=settings.max_new_tokens,
+            tools=settings.tools if settings.tool_choice != "none" else (), control_tokens=self.control_tokens,
         )
 
     def sampling_params(self, settings: GenerationSettings, prompt: PreparedPrompt,

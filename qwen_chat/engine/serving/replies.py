@@ -2,8 +2,10 @@
 
 ``stream_replies`` reads the choices' handles together (``handles.group_chunks``) and keeps, per choice, a
 ``ReplyDecoder`` (UTF-8-safe deltas, reasoning split at ``</think>``), the API's stop strings
-(``StopStringFilter``), the count of reasoning tokens and, when asked, the log-probabilities of the answer's
-tokens.  Each choice ends with its own last update (``finish_reason`` set); the stream ends after the last
+(``StopStringFilter``), the count of reasoning tokens, when asked, the log-probabilities of the answer's
+tokens, and with tools a ``ToolCallSplitter`` that takes the model's calls out of the answer (a
+``<tool_call>`` inside the reasoning ends the reasoning: the template puts calls after it; a reply that made
+calls ends with finish_reason "tool_calls").  Each choice ends with its own last update (``finish_reason`` set); the stream ends after the last
 choice has ended.  With n = 1 this is the reply stream ``ChatEngine.stream_chat`` always had.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from qwen_chat.chat_types import GenerationSettings, StreamUpdate, TokenLogprob
 from qwen_chat.engine.serving.handles import RequestHandle, group_chunks
 from qwen_chat.engine.serving.requests import PreparedPrompt, SampledLogprob
 from qwen_chat.engine.text.textstream import ReplyDecoder, StopStringFilter
+from qwen_chat.engine.text.toolcalls import ToolCallSplitter
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +30,17 @@ class _Choice:
     """The text state of one choice: its handle, decoder, stop filter, reasoning-token count, finish."""
 
     def __init__(self, handle: RequestHandle, tokenizer, settings: GenerationSettings,
-                 think_ids: tuple[int, int], eos_ids: Sequence[int]) -> None:
+                 think_ids: tuple[int, int], eos_ids: Sequence[int],
+                 tool_ids: Optional[tuple[int, int]] = None) -> None:
         self.handle = handle
         self.think_end = think_ids[1]
+        tools = settings.tools if settings.tool_choice != "none" and tool_ids is not None else ()
         self.decoder = ReplyDecoder(tokenizer, starts_in_reasoning=settings.enable_thinking,
-                                    think_start_id=think_ids[0], think_end_id=think_ids[1], stop_ids=eos_ids)
+                                    think_start_id=think_ids[0], think_end_id=think_ids[1], stop_ids=eos_ids,
+                                    literal_ids=tool_ids if tools else ())
+        self.calls = ToolCallSplitter(tools, lambda t: self.decoder.token_piece(t)[1],
+                                      parallel=settings.parallel_tool_calls, open_id=tool_ids[0],
+                                      close_id=tool_ids[1]) if tools else None
         self.stops = StopStringFilter(settings.stop) if settings.stop else None
         self.reasoning_tokens = 0
         self.finish: Optional[str] = None  # set once its last update was made
@@ -43,9 +52,13 @@ class _Choice:
         r_out, a_out, entries = [], [], []
         for token, logprob in zip(ids, logprobs):
             in_reasoning = self.decoder.in_reasoning
+            if in_reasoning and self.calls is not None and token == self.calls.open_id:
+                r_out.append(self.decoder.push([self.think_end])[0])  # a call ends the reasoning
+                in_reasoning = False
             if in_reasoning and token != self.think_end:
                 self.reasoning_tokens += 1
-            r_delta, a_delta = self.decoder.push([token])
+            text_ids = [token] if self.calls is None or in_reasoning else self.calls.feed(token)
+            r_delta, a_delta = self.decoder.push(text_ids)
             if self.stops is not None:
                 a_delta = self.stops.push(a_delta)
             r_out.append(r_delta)
@@ -57,14 +70,19 @@ class _Choice:
         return "".join(r_out), "".join(a_out), entries
 
     def tails(self) -> tuple[str, str]:
-        """The decoder's and the stop filter's last text at the end of the choice."""
+        """The decoder's and the stop filter's last text at the end of the choice (a call left open is text)."""
+        r_open, a_open = self.decoder.push(self.calls.flush()) if self.calls is not None else ("", "")
         r_tail, a_tail = self.decoder.finish()
+        r_tail, a_tail = r_open + r_tail, a_open + a_tail
         if self.stops is not None:
             a_tail = self.stops.push(a_tail) + self.stops.finish()
         return r_tail, a_tail
 
     def answer(self) -> str:
         return self.stops.text if self.stops else self.decoder.answer
+
+    def tool_calls(self) -> tuple:
+        return tuple(self.calls.calls) if self.calls is not None else ()
 
     def _piece(self, token: int) -> tuple[str, tuple[int, ...]]:
         piece = self._pieces.get(token)
@@ -83,15 +101,18 @@ class _Choice:
 
 
 def stream_replies(handles: Sequence[RequestHandle], prompt: PreparedPrompt, settings: GenerationSettings, *,
-                   tokenizer, think_ids: tuple[int, int], eos_ids: Sequence[int]) -> Iterator[StreamUpdate]:
+                   tokenizer, think_ids: tuple[int, int], eos_ids: Sequence[int],
+                   tool_ids: Optional[tuple[int, int]] = None) -> Iterator[StreamUpdate]:
     """The updates of a request's choices (``handles``: index 0..n-1, one shared queue when n > 1).
+    ``tool_ids``: ``(<tool_call>, </tool_call>)``; with ``settings.tools`` (tool_choice not "none") the calls
+    are parsed out of the answer into ``StreamUpdate.tool_calls``.
 
     An update is yielded when a choice's text grew, its reasoning ended, or it got log-probabilities; each
     choice's last update has its ``finish_reason`` ('stop' also for a stop string, 'length', 'cancelled',
     'error') and ``notice`` (the context policy's remark, token limit while thinking, engine error).  Closing
     the iterator closes every handle (the choices leave the batch at the next step).
     """
-    choices = [_Choice(h, tokenizer, settings, think_ids, eos_ids) for h in handles]
+    choices = [_Choice(h, tokenizer, settings, think_ids, eos_ids, tool_ids) for h in handles]
     notice = prompt.notice
 
     def update(c: _Choice, r_delta: str, a_delta: str, entries=(), **final) -> StreamUpdate:
@@ -100,7 +121,7 @@ def stream_replies(handles: Sequence[RequestHandle], prompt: PreparedPrompt, set
             thinking=c.decoder.in_reasoning, prompt_tokens=prompt.num_tokens,
             completion_tokens=c.handle.completion_tokens, ttft_s=c.handle.ttft_s, index=c.handle.index,
             reasoning_tokens=c.reasoning_tokens, logprobs=tuple(entries),
-            dropped_messages=prompt.dropped_messages, **{"notice": notice, **final},
+            dropped_messages=prompt.dropped_messages, tool_calls=c.tool_calls(), **{"notice": notice, **final},
         )
 
     def last(c: _Choice, finish: str) -> StreamUpdate:
@@ -116,7 +137,8 @@ def stream_replies(handles: Sequence[RequestHandle], prompt: PreparedPrompt, set
             "reply %d: %s, prompt %d tok, completion %d tok, TTFT %s s", h.request_id, finish, prompt.num_tokens,
             h.completion_tokens, f"{h.ttft_s:.3f}" if h.ttft_s is not None else "-",
         )
-        return update(c, r_tail, a_tail, finish_reason=finish, notice="; ".join(notes))
+        reason = "tool_calls" if finish == "stop" and c.tool_calls() else finish
+        return update(c, r_tail, a_tail, finish_reason=reason, notice="; ".join(notes))
 
     open_choices = len(choices)
     try:
@@ -125,9 +147,10 @@ def stream_replies(handles: Sequence[RequestHandle], prompt: PreparedPrompt, set
             if c.finish is not None:  # ended by a stop string; its handle's own finish comes later
                 continue
             if chunk.ids:
-                was_thinking = c.decoder.in_reasoning
+                was_thinking, calls = c.decoder.in_reasoning, len(c.tool_calls())
                 r_delta, a_delta, entries = c.push(chunk.ids, chunk.logprobs)
-                if r_delta or a_delta or entries or c.decoder.in_reasoning != was_thinking:
+                if (r_delta or a_delta or entries or c.decoder.in_reasoning != was_thinking
+                        or len(c.tool_calls()) != calls):
                     yield update(c, r_delta, a_delta, entries)
                 if c.stops is not None and c.stops.stopped:
                     c.handle.close()  # leaves the batch at the next step

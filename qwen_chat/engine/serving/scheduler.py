@@ -50,6 +50,11 @@ class _InFlight:
     def requests(self) -> list:
         return self.prefilled + self.decoded
 
+    @property
+    def constrained(self) -> bool:
+        """True when a request of the step follows a grammar: its next mask needs this step's token."""
+        return any(r.constraint is not None for r in self.requests)
+
 
 class Scheduler:
     """Owns the batch state (``Batch``) and the single model thread (started by the constructor).
@@ -73,7 +78,11 @@ class Scheduler:
             instead of the GPU idling for it on every step.  A sequence that samples a stop token has already
             been fed to the next step; that step's token for it is discarded (its slot is freed afterwards),
             and sequences that reach their length limit are left out of the step ahead, so no step goes past
-            ``max_new_tokens`` or the context.
+            ``max_new_tokens`` or the context.  A step that holds a constrained request (structured output) is
+            collected before the next step is planned: the next grammar mask needs its token
+            (``qwen_chat.engine.serving.constraints``).
+        constraints: the ``constraints.ConstraintTable`` the sampler masks with (rank 0), or None (requests
+            with constraints are then refused).
     """
 
     def __init__(
@@ -87,6 +96,7 @@ class Scheduler:
         prefill_token_budget: int = 8192,
         on_fatal: Optional[Callable[[str], None]] = None,
         overlap: bool = False,
+        constraints=None,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -97,7 +107,7 @@ class Scheduler:
             raise ValueError("overlap needs an executor with launch() and collect() (LocalExecutor, "
                              "DistributedExecutor)")
         self._batch = Batch(num_slots=num_slots, max_queue=max_queue, eos_ids=eos_ids, max_context=max_context,
-                            prefill_token_budget=prefill_token_budget)
+                            prefill_token_budget=prefill_token_budget, constraints=constraints)
         self._last_collect_at = 0.0
         self._fatal_reported = False
         self._step_started_at: Optional[float] = None  # time.monotonic() when the running step began
@@ -118,11 +128,12 @@ class Scheduler:
         return self._batch.submit(prompt, sampling, cancel)
 
     def submit_choices(self, prompt: PreparedPrompt, samplings: list[SamplingParams],
-                       cancel: CancelToken) -> list[RequestHandle]:
+                       cancel: CancelToken, constraints: Optional[list] = None) -> list[RequestHandle]:
         """Queue the n = ``len(samplings)`` choices of one request: n handles (``index`` 0..n-1) on one shared
         queue (``handles.group_chunks``); the choices that find free slots together share one prefill.
+        ``constraints``: one ``constraints.Constraint`` per choice (structured output), or None.
         Raises like ``submit`` (``Busy`` unless all n fit the queue)."""
-        return self._batch.submit_choices(prompt, samplings, cancel)
+        return self._batch.submit_choices(prompt, samplings, cancel, constraints)
 
     def stats(self) -> dict:
         """Counters for metrics: active/queued now, slots, totals since start, health.
@@ -165,6 +176,9 @@ class Scheduler:
         inflight: Optional[_InFlight] = None  # the step launched on the device whose tokens are not back yet
         try:
             while True:
+                if inflight is not None and inflight.constrained:  # its tokens decide the next masks
+                    self._collect(inflight, None)
+                    inflight = None
                 ahead = inflight.requests if inflight is not None else None
                 plan, prefilled, decoded = self._batch.next_plan(ahead, self.overlap)
                 if plan is None:

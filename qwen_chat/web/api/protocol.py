@@ -34,6 +34,7 @@ from qwen_chat.chat_types import (
 from qwen_chat.config import ServiceConfig
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import TooManyImages, check_image_count
+from qwen_chat.web.api.tools import check_tool_turns, message_tool_calls, tool_settings
 
 REMOTE_FETCH_TIMEOUT_S = 15.0  # seconds for one remote image download (--allow-remote-images)
 NOT_READY_RETRY_AFTER_S = 10  # Retry-After (seconds) of a 503 while the model loads (the 9B takes minutes)
@@ -71,6 +72,7 @@ def error_response(exc: BaseException, param: Optional[str] = None) -> JSONRespo
             headers = {"WWW-Authenticate": "Bearer"}
     elif isinstance(exc, ChatError):
         status, message, type_, code = exc.http_status, str(exc) or exc.kind, exc.kind, exc.kind
+        param = param or getattr(exc, "param", None)
         if isinstance(exc, ContextTooLong):
             code, param = "context_length_exceeded", param or "messages"
             counts = f"{exc.prompt_tokens} tokens"
@@ -225,8 +227,8 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
         role = msg.get("role")
         if role == "developer":
             role = "system"
-        if role not in ("system", "user", "assistant"):
-            raise _field_error(f"{where}.role", f"role {role!r} is not supported (system, user, assistant)")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise _field_error(f"{where}.role", f"role {role!r} is not supported (system, user, assistant, tool)")
         content = msg.get("content")
         if content is None:
             content = ""
@@ -244,7 +246,8 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
         paths = []
         for url, param in urls:
             paths.append(_load_image(url, param, cfg, max_bytes, images))
-        out.append(ChatMessage(role=role, text=text, images=tuple(paths)))
+        out.append(ChatMessage(role=role, text=text, images=tuple(paths),
+                               tool_calls=message_tool_calls(msg, role, where)))
     # Qwen3.5's chat template accepts one system message, first: merge leading ones, refuse later ones.
     lead = 0
     while lead < len(out) and out[lead].role == "system":
@@ -256,10 +259,12 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
         if msg.role == "system":
             raise APIRequestError("a system message may only come before the conversation (first)",
                                   param=f"messages[{i + len(raw) - len(out)}].role")
-    if out[-1].role != "user":
-        raise APIRequestError("the last message must be a user message", param=f"messages[{len(out) - 1}].role")
+    check_tool_turns(out, len(raw) - len(out))
+    if out[-1].role not in ("user", "tool"):
+        raise APIRequestError("the last message must be a user message (or a tool result)",
+                              param=f"messages[{len(raw) - 1}].role")
     last = out[-1]
-    if not last.images and is_blank(last.text):
+    if last.role == "user" and not last.images and is_blank(last.text):
         raise APIRequestError("the last user message is empty (no text and no image)",
                               param=f"messages[{len(out) - 1}].content")
     return out
@@ -323,7 +328,7 @@ def settings_from_request(body: dict) -> GenerationSettings:
         raise APIRequestError("chat_template_kwargs.enable_thinking must be true or false",
                               param="chat_template_kwargs.enable_thinking")
     _refuse_unsupported(body)
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = tool_settings(body)
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get("max_tokens") is not None and body.get(tokens_field) != body["max_tokens"]:
         raise APIRequestError(f"max_tokens ({body['max_tokens']!r}) and max_completion_tokens "
@@ -360,7 +365,7 @@ def settings_from_request(body: dict) -> GenerationSettings:
         if api_field != field:
             message = api_field + message[len(field):]
         known = field in ("max_new_tokens", "stop", "top_logprobs", *SETTINGS_FIELDS)
-        raise APIRequestError(message, param=api_field if known else None, code="out_of_range") from None
+        raise APIRequestError(message, param=api_field if known else exc.param, code="out_of_range") from None
     # JSON numbers like 100.0 passed validate() as whole numbers; the engine gets ints.
     top, budget = settings.top_logprobs, settings.thinking_token_budget
     return replace(settings, max_new_tokens=int(settings.max_new_tokens), top_k=int(settings.top_k),
@@ -376,13 +381,8 @@ def _refuse_unsupported(body: dict) -> None:
         return APIRequestError(f"{param}: {what} is not supported by this server", param=param,
                                code="unsupported_parameter")
 
-    if body.get("tools") or body.get("functions") or body.get("tool_choice") not in (None, "none", "auto"):
-        raise refuse("tools", "tool calling")
     if body.get("logit_bias"):
         raise refuse("logit_bias", "logit_bias")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise refuse("response_format", "a response_format other than text")
     if body.get("stream") not in (None, True, False):
         raise APIRequestError("stream must be true or false", param="stream")
     opts = body.get("stream_options")

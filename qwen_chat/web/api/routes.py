@@ -32,6 +32,7 @@ from qwen_chat.web.api.protocol import (
     settings_from_request,
 )
 from qwen_chat.web.api.choices import collect_choices, dropped_messages, logprobs_body, usage
+from qwen_chat.web.api.tools import message_tool_fields
 from qwen_chat.web.api.streaming import (
     ClientGone,
     Reply,
@@ -199,6 +200,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
                 "content": last.answer if last is not None else "",
                 "reasoning_content": (last.reasoning if last is not None else "") if settings.enable_thinking
                 else None,
+                **message_tool_fields(last),
             }
             choices.append({"index": index, "message": message,
                             "logprobs": logprobs_body(result.logprobs) if wants_logprobs else None,

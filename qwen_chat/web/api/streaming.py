@@ -20,6 +20,7 @@ from fastapi import Request
 
 from qwen_chat.chat_types import CancelToken, StreamUpdate
 from qwen_chat.web.api.choices import logprobs_body, usage
+from qwen_chat.web.api.tools import tool_call_deltas
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +130,10 @@ def sse(payload: dict) -> str:
 
 
 def openai_finish_reason(last: Optional[StreamUpdate]) -> str:
-    """OpenAI finish_reason of a finished stream: "length" or "stop" (cancelled/ended early read as stop)."""
-    return "length" if last is not None and last.finish_reason == "length" else "stop"
+    """OpenAI finish_reason of a finished stream: "length", "tool_calls" or "stop" (cancelled/ended early read
+    as stop)."""
+    reason = last.finish_reason if last is not None else None
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 def delta_of(update: StreamUpdate, thinking: bool) -> dict:
@@ -153,6 +156,7 @@ async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel
             yield reply.chunk({"role": "assistant", "content": ""}, index=index)
         update = first
         lasts: list[Optional[StreamUpdate]] = [None] * n
+        calls_sent = [0] * n  # tool calls already streamed, per choice
         finished: set[int] = set()
         failed = None
         while update is not None:
@@ -161,6 +165,9 @@ async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel
             entries = logprobs_body(update.logprobs) if logprobs and update.logprobs else None
             if delta or entries:
                 yield reply.chunk(delta, index=update.index, logprobs=entries)
+            for call_delta in tool_call_deltas(update.tool_calls, calls_sent[update.index]):
+                yield reply.chunk(call_delta, index=update.index)
+            calls_sent[update.index] = len(update.tool_calls)
             if update.finish_reason == "error":
                 failed = update
                 break

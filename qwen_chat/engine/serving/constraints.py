@@ -1,0 +1,214 @@
+"""Constrained decoding under continuous batching: each constrained reply's grammar state and the token masks
+the sampler applies, on rank 0.
+
+Who does what:
+
+* ``StructuredOutput.constraints_for(settings, n)`` (``ChatEngine.stream_chat``, the request's thread) compiles
+  the grammar a request needs (``qwen_chat.engine.model.grammar.Grammars``; None when it needs none) and
+  gives each of its n choices a ``Constraint``: an xgrammar matcher and where the reply is.  Compiling is
+  where a schema is refused (``InvalidInput``, HTTP 400), before the request is queued.
+* The scheduler (``batch.Batch``) binds a choice's constraint to the slot it gets (``ConstraintTable.bind``),
+  feeds it every token sampled for it (``Constraint.accept``, when the step's tokens reach the host) and
+  unbinds it when the choice ends.
+* The sampler (``Sampler.constraints``, rank 0 only) calls ``ConstraintTable.mask(slots, logits)`` before
+  each draw: the CPU fills one bitmask row per constrained row (xgrammar; the runner's forward is already
+  queued on the GPU, so the fill overlaps it), one copy takes the rows to the logits' device and
+  ``grammar.apply_token_bitmask`` sets the forbidden logits to -inf.  A batch without an active constraint
+  returns its logits untouched: no fill, no copy, no kernel.
+
+With thinking on, a constraint waits for the reasoning to end: it becomes active after ``</think>`` (sampled
+by the model or forced by the thinking budget), or, for a grammar of tool calls, at a ``<tool_call>`` inside
+the reasoning (the template puts calls after the reasoning, so that token ends it; the matcher accepts it as
+the grammar's first token).  While waiting it masks nothing.
+
+The mask of a step needs the token sampled in the step before it, so a step holding a constrained reply is
+never launched ahead of the previous step's tokens (``Scheduler``: it collects such a step before planning the
+next one); steps without constrained replies keep the overlap.  Under tensor parallelism only rank 0 has
+constraints: its sampler masks and draws, and every rank records rank 0's token (``Sampler.token_sync``,
+always set when several ranks run), so the worker ranks never need the grammar.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional, Sequence
+
+import torch
+import xgrammar as xgr
+
+from qwen_chat.chat_types import GenerationSettings, InvalidInput
+from qwen_chat.engine.model.grammar import Grammars, apply_token_bitmask
+
+log = logging.getLogger(__name__)
+
+#: Pinned bitmask buffers the table cycles through (CUDA): one ``mask`` call per prefill group and per decode
+#: of a step, each buffer reused only after its copy to the device has finished (an event per buffer).
+MASK_BUFFERS = 4
+
+
+class Constraint:
+    """The grammar state of one reply (rank 0; used by the scheduler thread only).
+
+    Args:
+        compiled: the reply's ``xgrammar.CompiledGrammar``.
+        after_reasoning: True with thinking on: inactive until the reasoning ends (module docstring).
+        think_end_id: ``</think>`` (248069 in Qwen3.5, docs/facts.md, "Tokens").
+        opening_ids: ids that end the reasoning and are the grammar's first token (``<tool_call>`` for a
+            grammar of tool calls), or ().
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar, *, after_reasoning: bool, think_end_id: int,
+                 opening_ids: Sequence[int] = ()) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.active = not after_reasoning
+        self.broken = False
+        self._think_end = int(think_end_id)
+        self._opening = frozenset(int(i) for i in opening_ids)
+
+    def accept(self, token: int) -> None:
+        """The token sampled for this reply (from the step's host copy), in order."""
+        token = int(token)
+        if self.broken:
+            return
+        if not self.active:
+            if token == self._think_end:
+                self.active = True
+            elif token in self._opening:
+                self.active = True
+                self._feed(token)
+            return
+        self._feed(token)
+
+    def _feed(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            # Not expected (every token of an active constraint was drawn under its mask); a scripted or
+            # externally replaced token can do it.  The reply goes on unconstrained rather than failing.
+            log.warning("constrained reply: token %d is not allowed by its grammar; the rest is unconstrained",
+                        token)
+            self.broken = True
+            self.active = False
+
+
+class ConstraintTable:
+    """Slot -> ``Constraint`` of the running constrained replies, and the sampler's mask hook.
+
+    Args: ``num_slots`` (rows at most per draw), ``vocab_size`` (logits width V), ``device`` (the logits').
+    Memory: ``MASK_BUFFERS`` pinned int32 [num_slots, ceil(V / 32)] buffers on CUDA (31 KB per row for
+    Qwen3.5), one pageable buffer on CPU.
+    """
+
+    def __init__(self, num_slots: int, vocab_size: int, device) -> None:
+        self.num_slots = int(num_slots)
+        self.vocab_size = int(vocab_size)
+        self.device = torch.device(device)
+        self._by_slot: dict[int, Constraint] = {}
+        pinned = self.device.type == "cuda"
+        count = MASK_BUFFERS if pinned else 1
+        self._buffers = [xgr.allocate_token_bitmask(self.num_slots, self.vocab_size) for _ in range(count)]
+        if pinned:
+            self._buffers = [b.pin_memory() for b in self._buffers]
+        self._copied: list[Optional[torch.cuda.Event]] = [None] * count
+        self._turn = 0
+        self._batch_fill = xgr.BatchGrammarMatcher()
+
+    def bind(self, slot: int, constraint: Constraint) -> None:
+        """The reply in ``slot`` follows ``constraint`` from its next draw on."""
+        self._by_slot[int(slot)] = constraint
+
+    def unbind(self, slot: int) -> None:
+        """The slot's reply ended (or had no constraint): its rows are no longer masked."""
+        self._by_slot.pop(int(slot), None)
+
+    def mask(self, slots: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (float [B, V], row i drawn for ``slots[i]``) with each active constraint's forbidden
+        tokens at -inf (a new tensor), or ``logits`` itself when no row of the batch is constrained."""
+        if not self._by_slot:
+            return logits
+        rows = [(i, c) for i, s in enumerate(slots) if (c := self._by_slot.get(int(s))) is not None and c.active]
+        if not rows:
+            return logits
+        buf = self._next_buffer()
+        n = len(slots)
+        buf[:n].fill_(-1)  # all allowed: unconstrained rows pass unchanged
+        if len(rows) == 1:
+            rows[0][1].matcher.fill_next_token_bitmask(buf, rows[0][0])
+        else:  # several rows: xgrammar fills them on its own threads
+            self._batch_fill.batch_fill_next_token_bitmask([c.matcher for _, c in rows], buf,
+                                                           [i for i, _ in rows])
+        if self.device.type != "cuda":
+            return apply_token_bitmask(logits, buf[:n])
+        on_device = buf[:n].to(self.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._copied[self._turn] = done
+        return apply_token_bitmask(logits, on_device)
+
+    def _next_buffer(self) -> torch.Tensor:
+        self._turn = (self._turn + 1) % len(self._buffers)
+        pending = self._copied[self._turn]
+        if pending is not None:
+            pending.synchronize()  # its last copy to the device has been read
+        return self._buffers[self._turn]
+
+
+class StructuredOutput:
+    """Rank 0's structured output: the grammars (compiled on first use: building xgrammar's view of the
+    vocabulary takes about a second), each reply's ``Constraint`` and the ``ConstraintTable`` the sampler reads.
+
+    Args:
+        tokenizer: the loaded tokenizer; ``vocab_size``, ``device``, ``num_slots``: the sampler's.
+        stop_ids: ids that end a reply; ``think_end_id``: ``</think>``; ``tool_ids``: ``(<tool_call>,
+        </tool_call>)`` or None.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int, device, num_slots: int, stop_ids: Sequence[int],
+                 think_end_id: int, tool_ids: Optional[tuple[int, int]]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_ids = tuple(stop_ids)
+        self.think_end_id = int(think_end_id)
+        self.tool_ids = tool_ids
+        self.table = ConstraintTable(num_slots, vocab_size, device)
+        self._grammars: Optional[Grammars] = None
+        self._lock = threading.Lock()
+
+    def grammars(self) -> Grammars:
+        """The compiler (built once, thread-safe)."""
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.stop_ids, self.tool_ids)
+            return self._grammars
+
+    def constraints_for(self, settings: GenerationSettings, n: int) -> Optional[list[Constraint]]:
+        """One ``Constraint`` per choice, or None when the request constrains nothing (``tool_choice`` auto or
+        none without ``json_schema``).  Raises InvalidInput (400) for a schema xgrammar cannot enforce."""
+        tools = settings.tools if settings.tool_choice != "none" else ()
+        required = settings.tool_choice == "required" or settings.forced_tool is not None
+        if not required and settings.json_schema is None:
+            return None
+        if required and not tools:
+            raise InvalidInput("tool_choice requires a tool call but no tools were given", param="tool_choice")
+        grammars = self.grammars()
+        if required:
+            compiled = grammars.tool_calls(tools, forced=settings.forced_tool, parallel=settings.parallel_tool_calls)
+        elif tools:
+            compiled = grammars.or_tool_calls(settings.json_schema, tools, parallel=settings.parallel_tool_calls)
+        else:
+            compiled = grammars.json_schema(settings.json_schema)
+        opening = (self.tool_ids[0],) if tools and self.tool_ids is not None else ()
+        return [Constraint(compiled, after_reasoning=settings.enable_thinking, think_end_id=self.think_end_id,
+                           opening_ids=opening) for _ in range(n)]
+
+
+def reply_constraints(structure: Optional[StructuredOutput], settings: GenerationSettings
+                      ) -> Optional[list[Constraint]]:
+    """The constraints of a request's choices (``StructuredOutput.constraints_for``), or None when it needs
+    none.  Raises InvalidInput for a schema that cannot be enforced, and when the request needs constraints
+    but ``structure`` is None (an executor without a sampler of its own to mask with)."""
+    needed = settings.json_schema is not None or settings.tool_choice == "required" or settings.forced_tool
+    if not needed:
+        return None
+    if structure is None:
+        raise InvalidInput("structured output (response_format, a required tool call) is not available with "
+                           "this engine's executor", param="response_format")
+    return structure.constraints_for(settings, settings.n)
