@@ -30,8 +30,10 @@ pytestmark = [pytest.mark.timeout(600)]
 
 #: Seconds between two health checks during the load (the load takes ~10-30 s on 2 CPU cores).
 POLL_S = 0.5
-#: Generous bound for one answer during the load (the target is 200 ms; the machine is shared).
-ANSWER_LIMIT_S = 2.0
+#: Generous bound for one answer during the load.  Most take < 200 ms; two pauses of 1-2 s remain while
+#: transformers parses tokenizer.json holding the GIL (docs/deployment.md, "Health and metrics").  Before the
+#: port was served ahead of the imports, the first answer took over 4 s.
+ANSWER_LIMIT_S = 3.0
 #: SIGTERM with a tab open -> exited within this many seconds.
 STOP_LIMIT_S = 3.0
 
