@@ -9,6 +9,8 @@
 - ``spy_executor``: ``SpyExecutor``, a ``LocalExecutor`` that records and can gate, fail or script its steps.
 - ``small_model``: a small random Qwen3.5 and the comparisons against the transformers reference.
 - ``service_harness``: the real service through ``start.sh``, alone or under ``supervisord``.
+- ``browsing``: headless chromium through playwright (the ``browser``/``page`` fixtures, ``open_app``, ``send``,
+  ``bot_text``, ``field``) for the real-browser tests in tests/web.
 - ``two_ranks``, ``multirank_driver``: two-process launches (collectives, DeepSpeed ranks).
 - ``triton_checks``: the Triton kernels under the interpreter, run in a subprocess.
 """

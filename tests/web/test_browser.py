@@ -25,7 +25,7 @@ from qwen_chat.web.server import build_app
 from tests.support.fake_backend import FakeBackend
 from tests.support.servers import RunningServer
 from tests.support.waiting import wait_until
-from tests.web.browsing import bot_text, browser, field, open_app, page, send  # noqa: F401 (fixtures)
+from tests.support.browsing import bot_text, browser, field, open_app, page, send  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.timeout(240)]
 

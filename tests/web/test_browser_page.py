@@ -26,7 +26,7 @@ from qwen_chat.web.server import build_app
 from tests.support.fake_backend import FakeBackend
 from tests.support.servers import RunningServer
 from tests.support.waiting import wait_until
-from tests.web.browsing import (  # noqa: F401 (fixtures)
+from tests.support.browsing import (  # noqa: F401 (fixtures)
     bot_text,
     browser,
     field,

@@ -1,0 +1,128 @@
+"""Constrained decoding in the engine on the tiny model (CPU): the scheduler's overlap rule for constrained
+requests, no cross-talk between constrained and unconstrained rows of one batch, and a reply whose scripted
+tokens break its grammar."""
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import pytest
+
+from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings, ToolSpec
+from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.model.sampling import Sampler
+from qwen_chat.engine.serving.chat_engine import ChatEngine
+from tests.support.spy_executor import SpyExecutor
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "s": {"type": "string", "maxLength": 4}}, "required": ["n", "s"]}
+TIME = ToolSpec("get_time", "", {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                 "required": ["zone"]})
+USER = [ChatMessage(role="user", text="Tell me about the sea.")]
+
+
+class OverlapSpy(SpyExecutor):
+    """Records, at each launch, whether a step with a constrained slot was still in flight."""
+
+    def __init__(self, runner, sampler):
+        super().__init__(runner, sampler)
+        self.table = None
+        self.in_flight: list[bool] = []  # per launched step not collected yet: had a constrained slot
+        self.violations = 0
+        self.constrained_launches = 0
+
+    def launch(self, plan):
+        slots = set(plan.decode_slots) | {i.slot for i in plan.prefills}
+        constrained = bool(self.table is not None and slots & (self.table.slots | pending_binds(plan, self.table)))
+        if any(self.in_flight):
+            self.violations += 1
+        self.constrained_launches += constrained
+        launched = super().launch(plan)
+        self.in_flight.append(constrained)
+        return launched
+
+    def collect(self, launched):
+        self.in_flight.pop(0)
+        return super().collect(launched)
+
+
+def pending_binds(plan, table) -> set:
+    return set()  # prefills are bound before launch: table.slots already has them
+
+
+@pytest.fixture(scope="module")
+def runner_and_sampler(tiny_loaded):
+    runner = ModelRunner(tiny_loaded.model, num_slots=3, max_context=1024, device="cpu")
+    return runner, Sampler(3, runner.vocab_size, "cpu")
+
+
+@pytest.fixture
+def engine_and_spy(tiny_loaded, runner_and_sampler):
+    runner, sampler = runner_and_sampler
+    for slot in range(runner.num_slots):
+        runner.free(slot)
+    spy = OverlapSpy(runner, sampler)
+    engine = ChatEngine(tiny_loaded, runner, spy, image_token_budget=64, max_context=1024, max_queue=4,
+                        num_slots=3, overlap=True)
+    spy.table = engine.structure.table
+    yield engine, spy
+    engine.close()
+
+
+def run(engine, settings, messages=USER):
+    updates = list(engine.stream_chat(messages, settings, CancelToken()))
+    return updates[-1]
+
+
+def greedy(**kw):
+    return GenerationSettings.preset(False, temperature=0.0, max_new_tokens=48, **kw)
+
+
+def test_constrained_steps_are_not_launched_ahead_and_plain_ones_are(engine_and_spy):
+    engine, spy = engine_and_spy
+    run(engine, greedy(max_new_tokens=12))
+    plain_overlap = spy.violations
+    assert plain_overlap > 0  # plain requests: steps launched while the previous one is in flight
+    spy.violations = 0
+    last = run(engine, greedy(json_schema=SCHEMA))
+    jsonschema.validate(json.loads(last.answer), SCHEMA)
+    assert spy.constrained_launches > 5 and spy.violations == 0
+    assert engine.structure.table.slots == frozenset()  # unbound when the reply ended
+
+
+def test_an_unconstrained_reply_is_the_same_beside_constrained_ones(engine_and_spy):
+    engine, _ = engine_and_spy
+    alone = run(engine, greedy(max_new_tokens=40)).answer
+    results = {}
+
+    def ask(name, settings):
+        results[name] = run(engine, settings)
+
+    threads = [threading.Thread(target=ask, args=("plain", greedy(max_new_tokens=40))),
+               threading.Thread(target=ask, args=("json", greedy(json_schema=SCHEMA))),
+               threading.Thread(target=ask, args=("tool", greedy(tools=(TIME,), tool_choice="required")))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["plain"].answer == alone
+    jsonschema.validate(json.loads(results["json"].answer), SCHEMA)
+    call = results["tool"].tool_calls[0]
+    assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("utc", "cet")
+    assert results["tool"].finish_reason == "tool_calls"
+
+
+def test_tokens_that_break_the_grammar_do_not_break_the_reply(tiny_loaded, runner_and_sampler):
+    runner, sampler = runner_and_sampler
+    spy = SpyExecutor(runner, sampler)
+    engine = ChatEngine(tiny_loaded, runner, spy, image_token_budget=64, max_context=1024, max_queue=4,
+                        num_slots=3, overlap=False)
+    try:
+        prompt = engine.prepare(USER, greedy(json_schema=SCHEMA))
+        text = tiny_loaded.tokenizer.encode("not json", add_special_tokens=False)
+        spy.script[prompt.num_tokens] = text + [248046]
+        last = run(engine, greedy(json_schema=SCHEMA))
+        assert last.answer == "not json" and last.finish_reason == "stop"
+    finally:
+        engine.close()
