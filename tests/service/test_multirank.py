@@ -100,9 +100,16 @@ def work(tmp_path_factory):
     return tmp, cache, bad
 
 
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "s": {"type": "string", "maxLength": 6}}, "required": ["n", "s"]}
+CLOCK = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+                                            "required": ["zone"]}}
 GREEDY = [
     {"op": "greedy", "name": "text", "text": TEXT, "max_new_tokens": 24},
     {"op": "greedy", "name": "image", "text": IMAGE_TEXT, "images": [str(IMAGE)], "max_new_tokens": 24},
+    {"op": "structured", "name": "json", "text": TEXT, "schema": SCHEMA, "max_new_tokens": 60},
+    {"op": "structured", "name": "tool", "text": TEXT, "tools": [CLOCK], "tool_choice": "required",
+     "max_new_tokens": 60},
 ]
 
 
@@ -148,6 +155,20 @@ def test_tp2_matches_single_process_greedy(reference, tp_run):
     for name in ("text", "image"):
         assert len(reference["steps"][name]["tokens"]) == 24
         assert result["steps"][name]["tokens"] == reference["steps"][name]["tokens"], name
+
+
+def test_tp2_structured_output_matches_single_process(reference, tp_run):
+    """Grammar masks apply on rank 0 only; every rank records rank 0's tokens, so the group stays in step and
+    the constrained replies equal the single process's."""
+    import jsonschema
+
+    result, _ = tp_run
+    for name in ("json", "tool"):
+        assert result["steps"][name] == reference["steps"][name], name
+    jsonschema.validate(json.loads(result["steps"]["json"]["answer"]), SCHEMA)
+    (call_name, arguments), = result["steps"]["tool"]["tool_calls"]
+    assert call_name == "get_time" and result["steps"]["tool"]["finish"] == "tool_calls"
+    jsonschema.validate(json.loads(arguments), CLOCK["parameters"])
 
 
 def test_tp2_start_up_report(tp_run):

@@ -16,6 +16,9 @@ steps executed in order on rank 0 (the web layer is not involved):
 - ``{"op": "profile", "name": N, "text": T, "max_new_tokens": K}``: like ``greedy``, under ``torch.profiler`` on
   rank 0; records the decode rate and the GPU kernels with the most time per generated token (under TP the
   collectives show as NCCL kernels; their time includes waiting for the other ranks);
+- ``{"op": "structured", "name": N, "text": T, "schema": {...}, "tools": [ToolSpec fields], "tool_choice": C,
+  "max_new_tokens": K}``: a greedy reply through ``stream_chat`` with a JSON schema and/or tools (constrained
+  decoding on rank 0); records the answer, the tool calls ([name, arguments]) and the finish reason;
 - ``{"op": "idle", "seconds": S}``: rank 0 stays idle (workers wait on the control group);
 - ``{"op": "hold"}``: write the results, then keep serving (heartbeats) until killed or SIGTERM.
 
@@ -35,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from qwen_chat.chat_types import CancelToken, ChatError, ChatMessage, GenerationSettings  # noqa: E402
+from qwen_chat.chat_types import CancelToken, ChatError, ChatMessage, GenerationSettings, ToolSpec  # noqa: E402
 from qwen_chat.config import ServiceConfig  # noqa: E402
 
 
@@ -91,6 +94,13 @@ def run_step(engine, step: dict) -> dict:
         except ChatError as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"error": None, "finish": [u.finish_reason for u in stream][-1]}
+    if op == "structured":
+        settings = replace(greedy_settings(int(step.get("max_new_tokens", 64))), json_schema=step.get("schema"),
+                           tools=tuple(ToolSpec(**t) for t in step.get("tools", ())),
+                           tool_choice=step.get("tool_choice", "auto"))
+        last = list(engine.stream_chat(msgs, settings, CancelToken()))[-1]
+        return {"answer": last.answer, "finish": last.finish_reason,
+                "tool_calls": [[c.name, c.arguments] for c in last.tool_calls]}
     if op == "idle":
         time.sleep(float(step["seconds"]))
         return {"slept": float(step["seconds"])}

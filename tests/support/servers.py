@@ -6,13 +6,15 @@ Public API::
     RunningServer(app) as server: server.url             # http://127.0.0.1:PORT (no trailing slash)
     api_app(backend, cfg) -> (FastAPI, InstrumentedBackend)  # the /v1 API + /healthz + /metrics of the server
     hang_up_after(stream, content_chunks)                 # an openai client leaving a streamed reply mid-way
+    with serve_engine(loaded, cfg) as (url, engine): ...  # the real engine of a loaded model behind the API
 """
 from __future__ import annotations
 
 import socket
 import threading
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import httpx
 from fastapi import FastAPI
@@ -75,6 +77,21 @@ def api_app(backend, cfg: ServiceConfig) -> tuple[FastAPI, ops.InstrumentedBacke
     app.include_router(api.create_router(instrumented, cfg))
     app.include_router(ops.create_router(instrumented))
     return app, instrumented
+
+
+@contextmanager
+def serve_engine(loaded, cfg: ServiceConfig) -> Iterator[tuple[str, object]]:
+    """``build_engine(loaded, cfg)`` behind ``api_app`` on a ``RunningServer``: yields (url, engine); the engine
+    is closed at the end."""
+    from qwen_chat.engine.serving.chat_engine import build_engine  # noqa: PLC0415 (engine tests only)
+
+    engine = build_engine(loaded, cfg)
+    app, _ = api_app(engine, cfg)
+    try:
+        with RunningServer(app) as server:
+            yield server.url, engine
+    finally:
+        engine.close()
 
 
 def hang_up_after(stream, content_chunks: int) -> None:

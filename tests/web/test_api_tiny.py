@@ -11,7 +11,7 @@ import pytest
 
 from qwen_chat.config import ServiceConfig
 from tests.support.metrics import scrape
-from tests.support.servers import RunningServer, api_app, hang_up_after
+from tests.support.servers import hang_up_after, serve_engine
 from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: loads the tiny model and decodes on CPU
@@ -23,17 +23,10 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 @pytest.fixture(scope="module")
 def served(tiny_loaded, tmp_path_factory):
-    from qwen_chat.engine.serving.chat_engine import build_engine
-
     cfg = ServiceConfig(model="tiny", history_dir=tmp_path_factory.mktemp("history"), max_batch=2,
                         max_queue=4, max_context=2048, image_token_budget=64)
-    engine = build_engine(tiny_loaded, cfg)
-    app, instrumented = api_app(engine, cfg)
-    try:
-        with RunningServer(app) as server:
-            yield server.url, engine
-    finally:
-        engine.close()
+    with serve_engine(tiny_loaded, cfg) as served:
+        yield served
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from qwen_chat.config import ServiceConfig
-from tests.support.servers import RunningServer, api_app
+from tests.support.servers import serve_engine
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # slow: loads the tiny model and decodes on CPU
 
@@ -58,22 +58,17 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "report", "schem
 
 @pytest.fixture(scope="module")
 def served(tiny_loaded, tmp_path_factory):
-    from qwen_chat.engine.serving.chat_engine import build_engine
-
-    cfg = ServiceConfig(model="tiny", history_dir=tmp_path_factory.mktemp("history"), max_batch=8,
-                        max_queue=8, max_context=2048, image_token_budget=64)
-    engine = build_engine(tiny_loaded, cfg)
-    app, _ = api_app(engine, cfg)
-    try:
-        with RunningServer(app) as server:
-            yield server.url, engine
-    finally:
-        engine.close()
+    """One server for the module, 8 slots (the batch test fills them)."""
+    cfg = ServiceConfig(model="tiny", history_dir=tmp_path_factory.mktemp("history"), max_batch=8, max_queue=8,
+                        max_context=2048)
+    with serve_engine(tiny_loaded, cfg) as served:
+        yield served
 
 
 @pytest.fixture
-def client(served):
-    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", max_retries=0, timeout=240)
+def client(served) -> openai.OpenAI:
+    url, _ = served
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=240)
 
 
 def check_calls(calls, names=None) -> list[tuple[str, dict]]:

@@ -139,7 +139,8 @@ class Sampler:
         #: feeds rank 0's tokens (queued on the device, no host wait).
         self.token_sync: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         #: Optional grammar masks (``serving.constraints.ConstraintTable``, set on rank 0 only): its
-        #: ``mask(slots, logits)`` returns the logits with each constrained row's forbidden tokens at -inf.
+        #: ``mask(slots, logits)`` returns the logits with each constrained row's forbidden tokens at -inf, and
+        #: ``drawn(slots, last_tokens)`` learns each draw's tokens (read back when the slot is masked next).
         self.constraints = None
         # Row indices and uniform columns reach the device through pinned buffers and asynchronous copies (a
         # plain torch.tensor(..., device="cuda") waits for the whole stream, so the host could not run ahead of
@@ -280,6 +281,8 @@ class Sampler:
         if budgeted:
             self.budget.record(idx, tokens)
         self.last_tokens[idx] = tokens
+        if self.constraints is not None:
+            self.constraints.drawn(slots, self.last_tokens)
         return tokens
 
     @torch.no_grad()

@@ -239,8 +239,6 @@ class Batch:
                 if h.ttft_s is None:
                     h.ttft_s = now - h.submitted_at
                 req.last_token = token
-                if req.constraint is not None:
-                    req.constraint.accept(token)
                 if token in req.stop_ids:
                     self.retire(req, "stop")
                     continue

@@ -7,25 +7,28 @@ Who does what:
   the grammar a request needs (``qwen_chat.engine.model.grammar.Grammars``; None when it needs none) and
   gives each of its n choices a ``Constraint``: an xgrammar matcher and where the reply is.  Compiling is
   where a schema is refused (``InvalidInput``, HTTP 400), before the request is queued.
-* The scheduler (``batch.Batch``) binds a choice's constraint to the slot it gets (``ConstraintTable.bind``),
-  feeds it every token sampled for it (``Constraint.accept``, when the step's tokens reach the host) and
-  unbinds it when the choice ends.
+* The scheduler (``batch.Batch``) binds a choice's constraint to the slot it gets (``ConstraintTable.bind``)
+  and unbinds it when the choice ends.
 * The sampler (``Sampler.constraints``, rank 0 only) calls ``ConstraintTable.mask(slots, logits)`` before
-  each draw: the CPU fills one bitmask row per constrained row (xgrammar; the runner's forward is already
-  queued on the GPU, so the fill overlaps it), one copy takes the rows to the logits' device and
-  ``grammar.apply_token_bitmask`` sets the forbidden logits to -inf.  A batch without an active constraint
-  returns its logits untouched: no fill, no copy, no kernel.
+  each draw and ``ConstraintTable.drawn(slots, last_tokens)`` after it.  ``drawn`` queues a copy of the
+  sampler's token table to pinned host memory and an event; ``mask`` first feeds each constrained slot the
+  token of its previous draw (``Constraint.accept``; it waits for that event, i.e. for the previous step's
+  sampling only), then the CPU fills one bitmask row per active constraint (xgrammar), one copy takes the
+  rows to the logits' device and ``grammar.apply_token_bitmask`` sets the forbidden logits to -inf.  A batch
+  without a bound slot returns its logits untouched: no copy, no fill, no kernel.
 
 With thinking on, a constraint waits for the reasoning to end: it becomes active after ``</think>`` (sampled
 by the model or forced by the thinking budget), or, for a grammar of tool calls, at a ``<tool_call>`` inside
 the reasoning (the template puts calls after the reasoning, so that token ends it; the matcher accepts it as
 the grammar's first token).  While waiting it masks nothing.
 
-The mask of a step needs the token sampled in the step before it, so a step holding a constrained reply is
-never launched ahead of the previous step's tokens (``Scheduler``: it collects such a step before planning the
-next one); steps without constrained replies keep the overlap.  Under tensor parallelism only rank 0 has
-constraints: its sampler masks and draws, and every rank records rank 0's token (``Sampler.token_sync``,
-always set when several ranks run), so the worker ranks never need the grammar.
+Steps launched ahead (the scheduler's overlap) keep working for constrained replies: the runner's forward of
+step N+1 is queued on the device before its sampler call, and that call waits (on the host) only for step N's
+sampling, so the GPU runs the forward while the CPU feeds the matcher and fills the mask.  A token drawn after
+a reply's stop token (the step ahead, whose token the scheduler discards) finds its matcher terminated: that
+row is left unmasked.  Under tensor parallelism only rank 0 has constraints: its sampler masks and draws, and
+every rank records rank 0's token (``Sampler.token_sync``, always set when several ranks run), so the worker
+ranks never need the grammar.
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ class Constraint:
         self._opening = frozenset(int(i) for i in opening_ids)
 
     def accept(self, token: int) -> None:
-        """The token sampled for this reply (from the step's host copy), in order."""
+        """The token sampled for this reply (read back by ``ConstraintTable``), in order."""
         token = int(token)
         if self.broken:
             return
@@ -81,8 +84,8 @@ class Constraint:
 
     def _feed(self, token: int) -> None:
         if not self.matcher.accept_token(token):
-            # Not expected (every token of an active constraint was drawn under its mask); a scripted or
-            # externally replaced token can do it.  The reply goes on unconstrained rather than failing.
+            # Not expected: every token of an active constraint was drawn under its mask.  The reply goes on
+            # unconstrained rather than failing.
             log.warning("constrained reply: token %d is not allowed by its grammar; the rest is unconstrained",
                         token)
             self.broken = True
@@ -94,7 +97,8 @@ class ConstraintTable:
 
     Args: ``num_slots`` (rows at most per draw), ``vocab_size`` (logits width V), ``device`` (the logits').
     Memory: ``MASK_BUFFERS`` pinned int32 [num_slots, ceil(V / 32)] buffers on CUDA (31 KB per row for
-    Qwen3.5), one pageable buffer on CPU.
+    Qwen3.5), one pageable buffer on CPU; a pinned int64 [num_slots] copy of the sampled tokens.
+    Used by the scheduler thread only.
     """
 
     def __init__(self, num_slots: int, vocab_size: int, device) -> None:
@@ -110,21 +114,33 @@ class ConstraintTable:
         self._copied: list[Optional[torch.cuda.Event]] = [None] * count
         self._turn = 0
         self._batch_fill = xgr.BatchGrammarMatcher()
+        self._tokens = torch.zeros(self.num_slots, dtype=torch.long, pin_memory=pinned)
+        self._tokens_copied: Optional[torch.cuda.Event] = None
+        self._unfed: set[int] = set()  # bound slots whose last drawn token the constraint has not seen
 
     def bind(self, slot: int, constraint: Constraint) -> None:
         """The reply in ``slot`` follows ``constraint`` from its next draw on."""
         self._by_slot[int(slot)] = constraint
+        self._unfed.discard(int(slot))
 
     def unbind(self, slot: int) -> None:
         """The slot's reply ended (or had no constraint): its rows are no longer masked."""
         self._by_slot.pop(int(slot), None)
+        self._unfed.discard(int(slot))
+
+    @property
+    def slots(self) -> frozenset[int]:
+        """The slots bound to a constraint now."""
+        return frozenset(self._by_slot)
 
     def mask(self, slots: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (float [B, V], row i drawn for ``slots[i]``) with each active constraint's forbidden
         tokens at -inf (a new tensor), or ``logits`` itself when no row of the batch is constrained."""
         if not self._by_slot:
             return logits
-        rows = [(i, c) for i, s in enumerate(slots) if (c := self._by_slot.get(int(s))) is not None and c.active]
+        self._feed([int(s) for s in slots])
+        rows = [(i, c) for i, s in enumerate(slots) if (c := self._by_slot.get(int(s))) is not None and c.active
+                and not c.matcher.is_terminated()]
         if not rows:
             return logits
         buf = self._next_buffer()
@@ -142,6 +158,31 @@ class ConstraintTable:
         done.record()
         self._copied[self._turn] = done
         return apply_token_bitmask(logits, on_device)
+
+    def drawn(self, slots: Sequence[int], last_tokens: torch.Tensor) -> None:
+        """After a draw: ``last_tokens`` (the sampler's int64 [num_slots] table, this draw's tokens recorded) goes
+        to the host without waiting, for the next ``mask`` of these slots to feed their constraints."""
+        bound = [int(s) for s in slots if int(s) in self._by_slot]
+        if not bound:
+            return
+        if last_tokens.device.type == "cuda":
+            self._tokens.copy_(last_tokens, non_blocking=True)
+            self._tokens_copied = torch.cuda.Event()
+            self._tokens_copied.record()
+        else:
+            self._tokens = last_tokens
+        self._unfed.update(bound)
+
+    def _feed(self, slots: list[int]) -> None:
+        """Give the constraints of ``slots`` the tokens of their previous draw (waits for that draw only)."""
+        due = [s for s in slots if s in self._unfed]
+        if not due:
+            return
+        if self._tokens_copied is not None:
+            self._tokens_copied.synchronize()
+        for s in due:
+            self._by_slot[s].accept(int(self._tokens[s]))
+            self._unfed.discard(s)
 
     def _next_buffer(self) -> torch.Tensor:
         self._turn = (self._turn + 1) % len(self._buffers)

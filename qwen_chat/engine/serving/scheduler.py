@@ -50,11 +50,6 @@ class _InFlight:
     def requests(self) -> list:
         return self.prefilled + self.decoded
 
-    @property
-    def constrained(self) -> bool:
-        """True when a request of the step follows a grammar: its next mask needs this step's token."""
-        return any(r.constraint is not None for r in self.requests)
-
 
 class Scheduler:
     """Owns the batch state (``Batch``) and the single model thread (started by the constructor).
@@ -78,9 +73,8 @@ class Scheduler:
             instead of the GPU idling for it on every step.  A sequence that samples a stop token has already
             been fed to the next step; that step's token for it is discarded (its slot is freed afterwards),
             and sequences that reach their length limit are left out of the step ahead, so no step goes past
-            ``max_new_tokens`` or the context.  A step that holds a constrained request (structured output) is
-            collected before the next step is planned: the next grammar mask needs its token
-            (``qwen_chat.engine.serving.constraints``).
+            ``max_new_tokens`` or the context.  Constrained requests (structured output) keep the overlap: the
+            sampler reads each one's previous token when it masks (``qwen_chat.engine.serving.constraints``).
         constraints: the ``constraints.ConstraintTable`` the sampler masks with (rank 0), or None (requests
             with constraints are then refused).
     """
@@ -176,9 +170,6 @@ class Scheduler:
         inflight: Optional[_InFlight] = None  # the step launched on the device whose tokens are not back yet
         try:
             while True:
-                if inflight is not None and inflight.constrained:  # its tokens decide the next masks
-                    self._collect(inflight, None)
-                    inflight = None
                 ahead = inflight.requests if inflight is not None else None
                 plan, prefilled, decoded = self._batch.next_plan(ahead, self.overlap)
                 if plan is None:

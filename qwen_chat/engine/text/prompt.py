@@ -35,6 +35,12 @@ Context policy (prompt tokens + max_new_tokens must fit ``context_length``):
 3. If even that does not fit, raise ``ContextTooLong`` with the token counts.
 ``PreparedPrompt.notice`` tells the user what was dropped (how many turns, how many tokens) or clamped;
 ``PreparedPrompt.dropped_messages`` counts the messages left out.
+
+Tools: the request's tools, the assistant messages' ``tool_calls`` and the ``tool`` messages are given to the
+template, which renders them (docs/facts.md, "Chat template behaviour"; tool results are message text behind
+sentinels like any content).  Tool definitions and calls become template text, so they must not contain a
+control token's string (refused).  A turn is a user message and everything after it up to the next user
+message, so a tool loop's messages stay with their question.
 """
 from __future__ import annotations
 

@@ -6,16 +6,18 @@ Wiring (in the web server)::
 
 Modules: ``routes`` (the endpoints), ``protocol`` (keys, request parsing, refusals, errors), ``streaming``
 (the sync-to-async bridge and server-sent events), ``choices`` (n choices, ``usage``, OpenAI's ``logprobs``
-shape); API images are kept by ``history.api_images``.
+shape), ``tools`` (tools, tool_choice, response_format, tool messages; ``tool_calls`` out); API images are kept
+by ``history.api_images``.
 
 Requests go through the same ``ChatBackend`` (engine queue, rank-0 broadcast) as the UI.  What is accepted:
 
-- ``messages``: roles ``system`` (``developer`` is read as system), ``user``, ``assistant``; ``content`` a string
+- ``messages``: roles ``system`` (``developer`` is read as system), ``user``, ``assistant``, ``tool``; ``content`` a string
   or a list of parts ``{"type": "text", "text": ...}`` / ``{"type": "image_url", "image_url": {"url": ...}}``
   (user messages only).  Image URLs must be ``data:image/...;base64,...`` unless the server was started with
   ``--allow-remote-images`` (then http(s) URLs are fetched).  An assistant message's ``reasoning_content`` is
-  ignored (Qwen3.5 never sees earlier reasoning).  The last message must be a user message with text that
-  is not blank (``chat_types.is_blank``) or with an image.
+  ignored (Qwen3.5 never sees earlier reasoning).  An assistant message may carry ``tool_calls``; a ``tool``
+  message follows one (``tools`` module).  The last message must be a user message with text that is not blank
+  (``chat_types.is_blank``) or with an image, or a tool result.
 - ``max_tokens`` / ``max_completion_tokens`` (1-8192; both only with the same value), ``temperature``,
   ``top_p``, ``top_k``, ``presence_penalty``, ``frequency_penalty``, ``seed``, ``n`` (1-8 choices sharing one
   prefill), ``logprobs`` / ``top_logprobs`` (0-20; the model's raw distribution, answer tokens only),
@@ -25,12 +27,14 @@ Requests go through the same ``ChatBackend`` (engine queue, rank-0 broadcast) as
   400 naming the allowed range (never clamped: top_p = 0 or top_k = 0 is refused).  The model id is
   ``--model`` as given (``/v1/models``); a request may name it or an alias (``routes.model_aliases``), any
   other id gets 404 ``model_not_found``.
-- Unsupported OpenAI features are refused with 400 rather than ignored: ``tools``, non-empty ``logit_bias``,
-  ``response_format`` other than text.
+- ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format`` (text, json_object, json_schema): see
+  the ``tools`` module; "required"/named tool choices and JSON formats are enforced by constrained decoding.
+- Unsupported OpenAI features are refused with 400 rather than ignored: ``functions`` / ``function_call``,
+  non-function tools, other ``response_format`` types, non-empty ``logit_bias``.
 
 Replies follow vLLM's Qwen3 reasoning parser: the thinking goes to ``message.reasoning_content`` (streaming:
 ``delta.reasoning_content``), the answer to ``content``.  Streaming is server-sent events: a role chunk, delta
-chunks, a chunk with ``finish_reason`` ("stop"/"length") per choice, an optional usage chunk (with
+chunks (``delta.tool_calls`` for calls), a chunk with ``finish_reason`` ("stop"/"length"/"tool_calls") per choice, an optional usage chunk (with
 ``completion_tokens_details.reasoning_tokens``), then ``data: [DONE]``.  Every completion carries the header
 ``X-Dropped-Messages`` (messages the context policy left out; non-streamed replies also ``dropped_messages``).
 
