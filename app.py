@@ -11,9 +11,10 @@ loading" until the engine has passed its self-check.  A busy port or a missing c
 fails in about a second, well inside Supervisor's ``startsecs`` (it then gives up with FATAL instead of
 restarting forever).
 
-Exit codes: 0 after a clean shutdown; 2 for a bad command line, environment variable or users file (argparse's
-usage error, or one ``app.py: configuration error: ...`` line from ``ServiceConfig.validate``, before anything
-is loaded); 1 for a fast start-up failure (port busy, no checkpoint folder) and for a crash while serving
+Exit codes: 0 after a clean shutdown; 2 for a bad command line, environment variable, history folder or users
+file (argparse's usage and ``app.py: error: ...``, or one ``app.py: configuration error: ...`` line from
+``ServiceConfig.validate``, before anything is loaded); 1 for a fast start-up failure (port busy, no checkpoint
+folder) and for a crash while serving
 (Supervisor restarts it); 78 (EX_CONFIG, ``EXIT_STARTUP_FAILED``) when ``bootstrap.start_engine`` raises
 ``StartupError`` after loading began (out of memory, broken checkpoint, bad sharding config).  Under
 Supervisor (``$QWEN_CHAT_STARTSECS``, set by deploy/qwen3.5-9b.conf to its ``startsecs``) that exit waits until

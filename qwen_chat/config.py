@@ -167,8 +167,9 @@ class ServiceConfig:
         Checks the ranges (``--port`` 1..65535, ``--image-token-budget`` 64..16384, ``--max-queue`` and
         ``--max-batch`` >= 1, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
         ``--collective-timeout-s`` > 0), the choices, login and API-key requirements, that ``--ds-config``
-        exists, that ``--adapter`` is a folder with ``adapter_config.json``, and, when login is on, that the
-        users file can be read and parsed (``auth.UserDB.from_file``).
+        exists, that ``--adapter`` is a folder with ``adapter_config.json``, when login is on, that the users
+        file can be read and parsed (``auth.UserDB.from_file``), and last that ``--history-dir`` is a writable
+        folder (created here when missing).
         """
         if not (0 < self.port < 65536):
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
@@ -189,8 +190,9 @@ class ServiceConfig:
                 where = _flags(f)[0] + (f" (or ${env})" if env else "")
                 raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
         if self.login_enabled and self.users_file is None:
+            why = "--login was given" if self.login else f"host {self.host} is not loopback"
             raise ConfigError(
-                f"login is on (host {self.host} is not loopback) but no --users-file was given; "
+                f"login is on ({why}) but no --users-file was given; "
                 "create one with `python -m qwen_chat.web.auth add USER --users-file FILE` or pass --no-login"
             )
         if self.api_key_required and not self.api_keys:
@@ -205,7 +207,22 @@ class ServiceConfig:
             raise ConfigError(f"--adapter {self.adapter} {what} (expected a PEFT LoRA adapter folder)")
         if self.login_enabled:
             self._check_users_file()
+        self._check_history_dir()  # last: a refused setting above leaves no new folder behind
         return self
+
+    def _check_history_dir(self) -> None:
+        """Create ``--history-dir`` if missing and check it is a writable folder, so a bad one fails here."""
+        path = Path(self.history_dir).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError(f"--history-dir {self.history_dir} is not a folder") from None
+        except OSError as e:
+            raise ConfigError(f"--history-dir {self.history_dir} cannot be created: {e.strerror or e}") from None
+        if not path.is_dir():
+            raise ConfigError(f"--history-dir {self.history_dir} is not a folder")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"--history-dir {self.history_dir} is not writable")
 
     def _check_users_file(self) -> None:
         """Load the users file the way the web server will, so that a bad one fails here in one line."""

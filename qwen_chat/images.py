@@ -111,7 +111,8 @@ class TooManyImages(InvalidImage):
     """One message carries more images than allowed.  ``count`` images were sent, ``max_images`` allowed."""
 
     def __init__(self, count: int, max_images: int):
-        super().__init__(f"at most {max_images} images per message, got {count}")
+        noun = "image" if max_images == 1 else "images"
+        super().__init__(f"at most {max_images} {noun} per message, got {count}")
         self.count = count
         self.max_images = max_images
 

@@ -306,7 +306,7 @@ class ChatController:
                     last_ui = now
                     live = LiveReply(text=update.answer, reasoning=update.reasoning)
                     yield TurnView(chatbot_messages(messages + [live], history.image_path, len(messages)),
-                                   conv_id, " ".join(x for x in (notes, update.notice) if x))
+                                   conv_id, "; ".join(x for x in (notes, update.notice) if x))
             status = reply_status(last.finish_reason, stopped_by_user=cancel.cancelled)
         except GeneratorExit:
             cancel.cancel()  # the UI's Stop (or a closed tab) closed us: stop the engine too
@@ -320,10 +320,10 @@ class ChatController:
             getattr(stream, "close", lambda: None)()
             if session.cancel is cancel:
                 session.cancel = None
-            recorder.finish(last, status, " ".join(x for x in (notes, last.notice, error_text) if x))
+            recorder.finish(last, status, "; ".join(x for x in (notes, last.notice, error_text) if x))
         conv = history.load(conv_id)
         yield TurnView(chatbot_messages(conv.messages, history.image_path), conv_id,
-                       " ".join(x for x in (notes, last.notice, error_text) if x), done=True)
+                       "; ".join(x for x in (notes, last.notice, error_text) if x), done=True)
 
     def settled(self, user_id: str, conv_id: str, timeout_s: float = 10.0) -> list[dict]:
         """Chatbot messages of the conversation once its last reply is no longer ``streaming`` (after Stop).

@@ -160,8 +160,8 @@ def wire(c: Page, ctl: ChatController) -> None:
                 box = gr.update(value={"text": message.get("text") or "", "files": files})
             yield on_disk(user, conv_id, warn(str(e)), session, box)
             return
-        if shown_id is None:  # nothing to send (blank message): change nothing on the page
-            yield {c.session: session}
+        if shown_id is None:  # nothing to send (blank message): only clear an earlier notice
+            yield {c.session: session, c.notice: ""}
 
     def send(message, conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
              presence_penalty, seed, request: gr.Request):
@@ -354,8 +354,9 @@ def wire(c: Page, ctl: ChatController) -> None:
                         api_name="delete", cancels=streams)
     for button in (c.confirm_btn, c.cancel_btn):
         button.click(lambda: gr.update(visible=False), None, c.confirm_row, queue=False, **private)
+    # The file box stays hidden until there is a file in it (a refused export, e.g. no conversation open, has none).
     c.export_btn.click(export, [c.conv_id], [c.export_file, c.notice], api_name="export").then(
-        lambda: gr.update(visible=True), None, c.export_file, api_visibility="private")  # hidden until used
+        lambda f: gr.update(visible=bool(f)), [c.export_file], c.export_file, api_visibility="private")
     preset_controls = [c.temperature, c.top_p, c.top_k, c.presence_penalty]
     c.thinking.change(lambda t: dict(zip(preset_controls, preset_values(t))), [c.thinking], preset_controls,
                       api_visibility="private")

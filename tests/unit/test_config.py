@@ -149,3 +149,15 @@ def test_bad_tp_allreduce_from_the_environment_exits_2(tmp_path):
     assert_one_line_config_error(out, "$QWEN_CHAT_TP_ALLREDUCE", "got 'gloo'")
     out = run_app("--tp-allreduce", "gloo", tmp_path=tmp_path)
     assert out.returncode == 2 and "argument --tp-allreduce: invalid choice: 'gloo'" in out.stderr
+
+
+def test_unusable_history_dir_exits_2_with_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "app.py", "--model", "tiny", "--port", str(free_port()), "--history-dir",
+                          "/proc/foo"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert_one_line_config_error(out, "--history-dir /proc/foo", "cannot be created")
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        ServiceConfig(history_dir=not_a_folder).validate()
+    created = tmp_path / "a" / "b"
+    assert ServiceConfig(history_dir=created).validate().history_dir == created and created.is_dir()

@@ -346,6 +346,18 @@ def test_prompt_too_long_is_400_with_token_counts(server, client):
     err = bad_request(client, messages=[{"role": "user", "content": "word " * 300}])
     assert err.code == "context_length_exceeded"
     assert "300" in err.message and "256" in err.message
+    assert "max_tokens" in err.message and "new chat" not in err.message
+
+
+def test_context_message_replaces_the_ui_advice():
+    from qwen_chat.chat_types import ContextTooLong
+    from qwen_chat.web.api.protocol import CONTEXT_ADVICE, context_message
+
+    ui = ("The message is too long for the model's context: the prompt needs 300 tokens, plus at least 64 for "
+          "the reply, but the context holds 256 tokens. Shorten the message or system prompt, attach fewer or "
+          "smaller images, or start a new chat.")
+    message = context_message(ContextTooLong(ui, prompt_tokens=300, context_length=256), ui)
+    assert "new chat" not in message and message.endswith("holds 256 tokens. " + CONTEXT_ADVICE)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -360,6 +372,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strange"}}}},
      "not a valid JSON schema", "response_format.json_schema.schema"),
     ({"functions": [{"name": "f"}]}, "deprecated", "functions"),
+    ({"function_call": "auto"}, "deprecated", "function_call"),
     ({"tools": [{"type": "web_search"}]}, "function", "tools[0]"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "characters", "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "object",
@@ -374,6 +387,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 def test_unsupported_or_malformed_tools_and_formats_are_refused(client, extra, needle, param):
     err = bad_request(client, **extra)
     assert needle in err.message and err.param == param
+    legacy = param in ("logit_bias", "functions", "function_call")
+    assert err.code == ("unsupported_parameter" if legacy else "invalid_input")
+
+
+@pytest.mark.parametrize("extra", [{"functions": [{"name": "f"}]}, {"function_call": "auto"},
+                                   {"logit_bias": {"1": 5}}])
+def test_unsupported_parameters_share_one_code(client, extra):
+    assert bad_request(client, **extra).code == "unsupported_parameter"
 
 
 def test_tools_and_formats_reach_the_backend(server, client):
@@ -517,6 +538,52 @@ def test_stream_cancelled_midway_frees_the_queue(tmp_path):
         assert reply.choices[0].finish_reason == "stop"
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'qwen_chat_finished_total{finish_reason="cancelled"} 1.0' in metrics
+
+
+class ShutdownBackend(FakeBackend):
+    """The engine draining its streams at a service shutdown: after ``cut_after`` updates the stream ends as
+    "cancelled" through the engine's own token, while the request's token stays untouched."""
+
+    cut_after: int = 3
+
+    def stream_chat(self, messages, settings, cancel):
+        from qwen_chat.chat_types import CancelToken
+
+        engine_token = CancelToken()
+        updates = super().stream_chat(messages, settings, engine_token)
+
+        def drained():
+            for count, update in enumerate(updates, start=1):
+                if count == self.cut_after:
+                    engine_token.cancel()
+                yield update
+        return drained()
+
+
+def test_stream_cut_by_shutdown_ends_with_an_error_event(tmp_path):
+    backend = ShutdownBackend(reasoning_words=0, answer_words=50)
+    with Server(backend, ServiceConfig(history_dir=tmp_path)) as srv:
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=30,
+                          json={"model": MODEL, "messages": USER, "stream": True}) as resp:
+            events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2]) == {"error": {
+            "message": "the service is shutting down; the reply was cut off", "type": "server_error",
+            "param": None, "code": "service_unavailable"}}
+        finishes = [c["finish_reason"] for e in events[:-2] for c in json.loads(e)["choices"]]
+        assert not any(finishes), "a cut-off reply must not look finished"
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in srv.client().chat.completions.create(model=MODEL, messages=USER, stream=True):
+                pass
+        assert backend.calls[0].finish_reason == "cancelled"
+
+
+def test_non_streaming_reply_cut_by_shutdown_is_503(tmp_path):
+    with Server(ShutdownBackend(reasoning_words=0, answer_words=50), ServiceConfig(history_dir=tmp_path)) as srv:
+        resp = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={"model": MODEL, "messages": USER})
+        assert resp.status_code == 503
+        assert resp.json()["error"]["code"] == "service_unavailable"
+        assert "shutting down" in resp.json()["error"]["message"]
 
 
 def test_non_streaming_client_disconnect_cancels(tmp_path):

@@ -29,8 +29,9 @@ Requests go through the same ``ChatBackend`` (engine queue, rank-0 broadcast) as
   other id gets 404 ``model_not_found``.
 - ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``response_format`` (text, json_object, json_schema): see
   the ``tools`` module; "required"/named tool choices and JSON formats are enforced by constrained decoding.
-- Unsupported OpenAI features are refused with 400 rather than ignored: ``functions`` / ``function_call``,
-  non-function tools, other ``response_format`` types, non-empty ``logit_bias``.
+- Unsupported OpenAI features are refused with 400 rather than ignored: ``functions`` / ``function_call`` and
+  non-empty ``logit_bias`` (code ``unsupported_parameter``), non-function tools and other ``response_format``
+  types (code ``invalid_input``).
 
 Replies follow vLLM's Qwen3 reasoning parser: the thinking goes to ``message.reasoning_content`` (streaming:
 ``delta.reasoning_content``), the answer to ``content``.  Streaming is server-sent events: a role chunk, delta
@@ -43,7 +44,9 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; `
 token counts; ``param`` names the field, e.g. ``messages[1].content[0].image_url``), 401 missing/wrong API key
 when keys are required (``Authorization: Bearer KEY``), 404 unknown model, 429 queue full (``Retry-After``),
 503 still loading (``Retry-After``), 500 unexpected failure (logged, no traceback to the client).  A client that
-disconnects (streaming or not) cancels its generation through the ``CancelToken``.
+disconnects (streaming or not) cancels its generation through the ``CancelToken``.  A reply the engine cuts
+off because the service is shutting down (``streaming.cut_by_shutdown``) is a 503 ``service_unavailable``, or,
+streamed, an error event of that shape before ``[DONE]`` (no finish chunk).
 
 API images are normalised by ``qwen_chat.images.normalize_image`` and written, by content hash, to
 ``<history_dir>/api_images/`` (never into a user's conversations); files unused for a day are deleted.

@@ -75,10 +75,7 @@ def error_response(exc: BaseException, param: Optional[str] = None) -> JSONRespo
         param = param or getattr(exc, "param", None)
         if isinstance(exc, ContextTooLong):
             code, param = "context_length_exceeded", param or "messages"
-            counts = f"{exc.prompt_tokens} tokens"
-            if counts not in message:
-                message = (f"{message} (the prompt has {exc.prompt_tokens} tokens; "
-                           f"the context holds {exc.context_length} tokens)")
+            message = context_message(exc, message)
         if status == 429:
             headers = {"Retry-After": "1"}
         elif status == 503:
@@ -87,6 +84,23 @@ def error_response(exc: BaseException, param: Optional[str] = None) -> JSONRespo
         status, message, type_, code = 500, "internal server error; see the service log", "internal_error", None
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+#: What the API tells a program whose prompt does not fit (the engine's message may carry the UI's advice).
+CONTEXT_ADVICE = "Shorten the messages (or send fewer or smaller images) or lower max_tokens."
+UI_ADVICE = "start a new chat"  # the last sentence of the engine's message, for the UI only
+
+
+def context_message(exc: ContextTooLong, message: str) -> str:
+    """The API's message of a ``ContextTooLong``: the engine's text without the UI's advice ("... or start a
+    new chat."), the token counts when the text lacks them, then ``CONTEXT_ADVICE``."""
+    head, sep, tail = message.rpartition(". ")
+    if sep and UI_ADVICE in tail:
+        message = head + "."
+    if f"{exc.prompt_tokens} tokens" not in message:
+        message = (f"{message} (the prompt has {exc.prompt_tokens} tokens; "
+                   f"the context holds {exc.context_length} tokens)")
+    return f"{message.rstrip()} {CONTEXT_ADVICE}"
 
 
 def check_key(request: Request, cfg: ServiceConfig) -> None:
@@ -241,7 +255,7 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
         try:
             check_image_count(len(urls), cfg.max_images_per_turn)
         except TooManyImages as exc:
-            raise _field_error(f"{where}.content", f"{exc.count} images in one message; max {exc.max_images}") \
+            raise _field_error(f"{where}.content", f"{exc.count} image{'' if exc.count == 1 else 's'} in one message; max {exc.max_images}") \
                 from None
         paths = []
         for url, param in urls:
@@ -365,7 +379,8 @@ def settings_from_request(body: dict) -> GenerationSettings:
         if api_field != field:
             message = api_field + message[len(field):]
         known = field in ("max_new_tokens", "stop", "top_logprobs", *SETTINGS_FIELDS)
-        raise APIRequestError(message, param=api_field if known else exc.param, code="out_of_range") from None
+        raise APIRequestError(message, param=api_field if known else exc.param,
+                              code="out_of_range" if known else exc.kind) from None
     # JSON numbers like 100.0 passed validate() as whole numbers; the engine gets ints.
     top, budget = settings.top_logprobs, settings.thinking_token_budget
     return replace(settings, max_new_tokens=int(settings.max_new_tokens), top_k=int(settings.top_k),
@@ -383,6 +398,10 @@ def _refuse_unsupported(body: dict) -> None:
 
     if body.get("logit_bias"):
         raise refuse("logit_bias", "logit_bias")
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy) is not None:
+            raise APIRequestError(f"{legacy}: the deprecated functions API is not supported by this server; send "
+                                  "tools and tool_choice", param=legacy, code="unsupported_parameter")
     if body.get("stream") not in (None, True, False):
         raise APIRequestError("stream must be true or false", param="stream")
     opts = body.get("stream_options")

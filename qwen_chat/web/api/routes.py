@@ -38,6 +38,8 @@ from qwen_chat.web.api.streaming import (
     Reply,
     SyncStream,
     await_watching,
+    SHUTDOWN_ERROR,
+    cut_by_shutdown,
     event_stream,
     openai_finish_reason,
 )
@@ -192,6 +194,8 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         if failed is not None:
             return error_response(APIRequestError(failed.notice or "generation failed; see the service log",
                                                   status=500, type="generation_error"))
+        if any(cut_by_shutdown(last, cancel) for last in lasts):
+            return JSONResponse({"error": SHUTDOWN_ERROR}, status_code=503)
         choices = []
         for index, result in enumerate(results):
             last = result.last

@@ -4,7 +4,8 @@
 at the same time); ``await_watching`` runs one step in a worker thread and cancels the generation when the
 client disconnects meanwhile; ``event_stream`` is the SSE body of a streaming reply: a role chunk, delta
 chunks (``reasoning_content`` / ``content``, with ``logprobs`` when asked), the chunk with ``finish_reason``,
-an optional usage chunk, then ``data: [DONE]``.  With n > 1 choices, each choice gets its role chunk first and
+an optional usage chunk, then ``data: [DONE]``; a reply the engine cut off at a service shutdown
+(``cut_by_shutdown``) ends with an error event (``SHUTDOWN_ERROR``) and ``[DONE]`` instead.  With n > 1 choices, each choice gets its role chunk first and
 its own finish chunk; their delta chunks interleave (``choices[0].index`` tells them apart).
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional
 from fastapi import Request
 
 from qwen_chat.chat_types import CancelToken, StreamUpdate
+from qwen_chat.history.turns import INTERRUPTED, reply_status
 from qwen_chat.web.api.choices import logprobs_body, usage
 from qwen_chat.web.api.tools import tool_call_deltas
 
@@ -136,6 +138,19 @@ def openai_finish_reason(last: Optional[StreamUpdate]) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
+#: The error of a reply the engine cut off because the service is shutting down (SSE event or 503 body).
+SHUTDOWN_ERROR = {"message": "the service is shutting down; the reply was cut off", "type": "server_error",
+                  "param": None, "code": "service_unavailable"}
+
+
+def cut_by_shutdown(update: Optional[StreamUpdate], cancel: CancelToken) -> bool:
+    """Whether ``update`` ends a reply the engine cut off on its own (service shutdown): a "cancelled" finish
+    although the request's ``cancel`` token was never cancelled (the client did not leave).  The UI's rule for
+    "interrupted" (``history.turns.reply_status``)."""
+    return (update is not None and update.finish_reason is not None
+            and reply_status(update.finish_reason, stopped_by_user=cancel.cancelled) == INTERRUPTED)
+
+
 def delta_of(update: StreamUpdate, thinking: bool) -> dict:
     """The chunk ``delta`` of one update: ``reasoning_content`` (thinking mode only) and ``content``."""
     delta: dict = {}
@@ -168,7 +183,7 @@ async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel
             for call_delta in tool_call_deltas(update.tool_calls, calls_sent[update.index]):
                 yield reply.chunk(call_delta, index=update.index)
             calls_sent[update.index] = len(update.tool_calls)
-            if update.finish_reason == "error":
+            if update.finish_reason == "error" or cut_by_shutdown(update, cancel):
                 failed = update
                 break
             if update.finish_reason is not None:
@@ -179,7 +194,9 @@ async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel
             # abandon_on_cancel: a client that hangs up cancels at once (finally below), without waiting for
             # the update in progress; the worker thread finishes that next() on its own.
             update = await run(stream.next, abandon_on_cancel=True)
-        if failed is not None:
+        if failed is not None and failed.finish_reason != "error":
+            yield sse({"error": SHUTDOWN_ERROR})
+        elif failed is not None:
             message = failed.notice or "generation failed; see the service log"
             yield sse({"error": {"message": message, "type": "generation_error", "param": None, "code": None}})
         else:

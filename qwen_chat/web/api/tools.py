@@ -6,7 +6,8 @@ Accepted (everything else in these fields is a 400 naming the field):
 
 * ``tools``: ``[{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}]``;
   names of 1-64 characters from ``A-Z a-z 0-9 _ - . :``; ``parameters`` a JSON schema of an object (checked
-  with ``jsonschema``'s meta-schema).  ``functions`` / ``function_call`` (the deprecated form) are refused.
+  with ``jsonschema``'s meta-schema).  ``functions`` / ``function_call`` (the deprecated form) are refused by
+  ``protocol`` (code ``unsupported_parameter``).
 * ``tool_choice``: ``"auto"`` (default), ``"none"`` (the tools are not shown to the model), ``"required"``,
   or ``{"type": "function", "function": {"name": NAME}}``; the last two are enforced by constrained
   decoding (``qwen_chat.engine.serving.constraints``).  ``parallel_tool_calls``: true (default) or false.
@@ -84,10 +85,6 @@ def _tool(raw: Any, param: str) -> ToolSpec:
 def tool_settings(body: dict) -> dict:
     """The ``GenerationSettings`` fields of a request's tool and format fields (``tools``, ``tool_choice``,
     ``forced_tool``, ``parallel_tool_calls``, ``json_schema``).  Raises InvalidInput (400) naming the field."""
-    for legacy in ("functions", "function_call"):
-        if body.get(legacy) is not None:
-            raise InvalidInput(f"{legacy}: the deprecated functions API is not supported; send tools and "
-                               "tool_choice", param=legacy)
     out: dict[str, Any] = {}
     raw_tools = body.get("tools")
     if raw_tools is not None:
