@@ -11,14 +11,10 @@ What is accepted is listed in the package docstring (``qwen_chat.web.api``).
 """
 from __future__ import annotations
 
-import base64
-import binascii
 import hmac
-import urllib.parse
 from dataclasses import replace
 from typing import Any, Optional
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -34,9 +30,9 @@ from qwen_chat.chat_types import (
 from qwen_chat.config import ServiceConfig
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import TooManyImages, check_image_count
+from qwen_chat.web.api.image_urls import decode_data_url, fetch_remote_image
 from qwen_chat.web.api.tools import check_tool_turns, message_tool_calls, tool_settings
 
-REMOTE_FETCH_TIMEOUT_S = 15.0  # seconds for one remote image download (--allow-remote-images)
 NOT_READY_RETRY_AFTER_S = 10  # Retry-After (seconds) of a 503 while the model loads (the 9B takes minutes)
 
 
@@ -120,58 +116,6 @@ def check_key(request: Request, cfg: ServiceConfig) -> None:
         matched |= hmac.compare_digest(given, key.encode("utf-8"))
     if not matched:
         raise APIRequestError("invalid API key", status=401, type="authentication_error", code="invalid_api_key")
-
-
-# ----------------------------------------------------------------------------------------- image URLs
-
-
-def decode_data_url(url: str, max_bytes: int, param: str) -> bytes:
-    """Bytes of a ``data:image/<type>[;base64],<payload>`` URL (base64 or percent-encoded).
-
-    Raises:
-        InvalidImage: not an image MIME type, payload not valid base64, or larger than ``max_bytes`` (bytes).
-    """
-    header, sep, payload = url[len("data:"):].partition(",")
-    if not sep:
-        raise InvalidImage(f"{param}: malformed data URL (expected data:image/png;base64,...)")
-    fields = [f.strip().lower() for f in header.split(";")]
-    mime = fields[0]
-    if mime and not mime.startswith("image/"):
-        raise InvalidImage(f"{param}: data URL type {mime!r} is not an image (expected image/png, image/jpeg, ...)")
-    if "base64" in fields[1:]:
-        compact = "".join(payload.split())
-        if len(compact) * 3 // 4 > max_bytes + 3:
-            raise InvalidImage(f"{param}: image file is too large; max {max_bytes / 2**20:g} MB")
-        try:
-            data = base64.b64decode(compact, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidImage(f"{param}: image data is not valid base64") from None
-    else:
-        data = urllib.parse.unquote_to_bytes(payload)
-    if len(data) > max_bytes:
-        raise InvalidImage(f"{param}: image file is too large; max {max_bytes / 2**20:g} MB")
-    return data
-
-
-def fetch_remote_image(url: str, max_bytes: int, param: str) -> bytes:
-    """Download an http(s) image of at most ``max_bytes`` bytes (only with ``--allow-remote-images``).
-
-    Raises:
-        InvalidImage: network error, non-200 status, or too large.
-    """
-    try:
-        with httpx.stream("GET", url, timeout=REMOTE_FETCH_TIMEOUT_S, follow_redirects=True) as resp:
-            if resp.status_code != 200:
-                raise InvalidImage(f"{param}: fetching the image failed with HTTP {resp.status_code}")
-            chunks, size = [], 0
-            for chunk in resp.iter_bytes():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise InvalidImage(f"{param}: image file is too large; max {max_bytes / 2**20:g} MB")
-                chunks.append(chunk)
-            return b"".join(chunks)
-    except httpx.HTTPError as exc:
-        raise InvalidImage(f"{param}: could not fetch the image ({type(exc).__name__})") from None
 
 
 # ------------------------------------------------------------------------------------------- requests
