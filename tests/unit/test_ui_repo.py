@@ -76,3 +76,11 @@ def test_nothing_points_outside_the_repository():
     found = [f"{p.relative_to(REPO)}:{n}" for p in paths
              for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if outside.search(line)]
     assert not found, found
+
+
+def test_no_product_module_is_over_400_lines():
+    """A newcomer finds each concern in a module small enough to read: none under qwen_chat/ over 400 lines."""
+    sizes = {str(p.relative_to(REPO)): len(p.read_text(encoding="utf-8").splitlines())
+             for p in (REPO / "qwen_chat").rglob("*.py")}
+    assert sizes, "no modules found under qwen_chat/"
+    assert {name: n for name, n in sizes.items() if n > 400} == {}
