@@ -445,8 +445,9 @@ def test_broken_checkpoint_ends_exited_78_after_one_attempt(tmp_path, tiny_check
 @drill
 def test_sigterm_ends_an_open_api_stream_properly(tmp_path, tiny_cache):
     """SIGTERM (what Supervisor's stop and restart send) during a streamed API reply, twice in a row: the client
-    still gets the final chunk with a finish_reason and ``data: [DONE]`` and a complete HTTP response (the engine
-    is closed before the web server, the second signal is ignored), and the service exits with status 0.
+    still gets a final event (a ``service_unavailable`` error saying the reply was cut off by the shutdown) and
+    ``data: [DONE]`` in a complete HTTP response (the engine is closed before the web server, the second signal is
+    ignored), and the service exits with status 0.
     Found by a fresh-user check: the stream used to be cut off (app.py waited with Thread.join, which the
     signal's exception broke; see app.py)."""
     port = free_port()
@@ -468,6 +469,8 @@ def test_sigterm_ends_an_open_api_stream_properly(tmp_path, tiny_cache):
                     signalled = True
         chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert [x for x in lines if x][-1] == "data: [DONE]", lines[-4:]
-        assert chunks[-1]["choices"] and chunks[-1]["choices"][0]["finish_reason"] == "stop", chunks[-1]
+        # The reply was cut by the shutdown, and the client is told so: an OpenAI-shaped error event, then [DONE].
+        assert chunks[-1].get("error", {}).get("code") == "service_unavailable", chunks[-1]
+        assert "shutting down" in chunks[-1]["error"]["message"]
         assert svc.proc.wait(timeout=30) == 0
         assert "SIGTERM: shutting down" in svc.log_text() and "Shutting down" in svc.log_text()  # uvicorn's
