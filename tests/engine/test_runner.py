@@ -15,7 +15,8 @@ from qwen_chat.engine.model.glue import attn_core
 from qwen_chat.engine.serving.requests import PreparedPrompt
 from qwen_chat.engine.model.fusion import fuse_linears
 from qwen_chat.engine.model.options import RunnerOptions
-from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.model.paged import OutOfBlocks
+from qwen_chat.engine.model.runner import Chunk, ModelRunner
 from qwen_chat.engine.parallel.tp_decode import LocalDecode
 from tests.support.small_model import (IMAGE, TOL, VOCAB, LiveBatch, Seq, image_seq, rel_err, small_config,
                                        small_model, text_ids)
@@ -123,33 +124,37 @@ def test_context_limits_raise_clear_errors(model):
 
 
 def test_state_shapes_follow_the_model():
-    """Static state sized from the probed widths: KV [slots+1, kv_heads, max_context, head_dim] in the model
-    dtype for full layers, a conv ring [slots+1, conv_dim, K] and fp32 value-major recurrent state
-    [slots+1, v_heads, dv, dk]."""
+    """State sized from the probed widths: a paged KV cache [blocks + 1 (null block), block_tokens, kv_heads,
+    head_dim] in the model dtype for full layers (default blocks: every slot at max_context), a conv ring
+    [slots+1, conv_dim, K] and fp32 value-major recurrent state [slots+1, v_heads, dv, dk]."""
     torch.manual_seed(0)
     m = Qwen3_5ForConditionalGeneration(small_config()).eval()
-    runner = ModelRunner(m, num_slots=3, max_context=40, device="cpu")
+    runner = ModelRunner(m, num_slots=3, max_context=40, device="cpu", block_tokens=16)
     assert runner.vocab_size == VOCAB
     assert sorted(runner.k_cache) == [3, 7]
-    assert runner.k_cache[3].shape == (4, 2, 40, 32) and runner.k_cache[3].dtype == torch.float32
+    assert runner.num_blocks == 3 * 3  # ceil(40 / 16) blocks per slot
+    assert runner.k_cache[3].shape == (10, 16, 2, 32) and runner.k_cache[3].dtype == torch.float32
+    assert runner.tables.device_table.shape == (4, 3)
     assert runner.conv_state[0].shape == (4, 2 * 2 * 16 + 4 * 16, 4)  # ring of K = 4 conv inputs
     assert runner.rec_state[0].shape == (4, 4, 16, 16) and runner.rec_state[0].dtype == torch.float32
     assert runner.use_cuda_graphs is False
 
 
 def test_fused_decode_attention_matches_sdpa():
-    """glue.attn_core (the compiled GPU path) reads each row's own slot up to its position, like SDPA over
-    the gathered cache with a length mask."""
+    """glue.attn_core (the compiled GPU path) reads each row's own blocks, through its block table, up to its
+    position, like SDPA over that sequence's keys and values with a length mask."""
     gen = torch.Generator().manual_seed(6)
-    slots, nkv, T, hd, G = 5, 2, 40, 16, 3
-    kc, vc = torch.randn(slots, nkv, T, hd, generator=gen), torch.randn(slots, nkv, T, hd, generator=gen)
+    blocks, bt, nkv, hd, G = 9, 8, 2, 16, 3
+    kc, vc = torch.randn(blocks, bt, nkv, hd, generator=gen), torch.randn(blocks, bt, nkv, hd, generator=gen)
     q = torch.randn(3, nkv, G, hd, generator=gen)
-    slot_idx, pos = torch.tensor([4, 0, 2]), torch.tensor([7, 0, 31])
-    ours = attn_core(q, kc, vc, slot_idx, pos, 32, 0.25)
+    table = torch.tensor([[4, 0, 7, 8], [2, 8, 8, 8], [5, 1, 3, 6]])  # 8 = unused (the null block)
+    pos = torch.tensor([17, 0, 31])
+    ours = attn_core(q, kc, vc, table, pos, 0.25)
     for b in range(3):
         n = int(pos[b]) + 1
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q[b:b + 1], kc[slot_idx[b:b + 1], :, :n], vc[slot_idx[b:b + 1], :, :n], scale=0.25)
+        keys = kc[table[b]].flatten(0, 1)[:n].transpose(0, 1)[None]   # [1, nkv, n, hd]
+        vals = vc[table[b]].flatten(0, 1)[:n].transpose(0, 1)[None]
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], keys, vals, scale=0.25)
         assert torch.allclose(ours[b], ref[0], atol=1e-5)
 
 
@@ -196,7 +201,7 @@ def test_options_default_to_production_and_refuse_what_cannot_work(model):
     Triton), with the identity tensor-parallel path at world size 1; asking for CUDA-only paths on CPU fails."""
     runner = ModelRunner(model, num_slots=1, max_context=32, device="cpu")
     assert runner.options == RunnerOptions(cuda_graphs=False, compile_glue=False, fast_gemv=False, gdn_kernel=False)
-    assert runner.graphs is None and runner.prefill_bucket(10) is None
+    assert runner.graphs is None
     assert isinstance(runner.tp, LocalDecode) and runner.impl["tp_all_reduce"] is None
     for bad in (RunnerOptions(cuda_graphs=True), RunnerOptions(fast_gemv=True)):
         with pytest.raises(ValueError, match="CUDA"):
@@ -206,42 +211,112 @@ def test_options_default_to_production_and_refuse_what_cannot_work(model):
 def test_graph_ladder_and_context_buckets(model):
     runner = ModelRunner(model, num_slots=5, max_context=3000, device="cpu")
     assert runner.graph_batch_sizes() == [1, 2, 4, 8]
-    assert runner.context_buckets() == [512, 1024, 2048, 3000]
-    assert runner.context_bucket(513) == 1024 and runner.context_bucket(2049) == 3000
+    assert runner.context_buckets() == [512, 1024, 2048, 3008]  # the last one in whole 64-token blocks
+    assert runner.context_bucket(513) == 1024 and runner.context_bucket(2049) == 3008
     assert runner.capture_all() == 0  # CPU: no graphs, nothing to capture
 
 
-@pytest.mark.parametrize("make_seq, pad_to", [
-    (lambda gen: Seq(text_ids(gen, 37)), 64),
-    (lambda gen: Seq(text_ids(gen, 37)), 130),   # padding longer than the 64-token chunk of the delta rule
-    (lambda gen: Seq(text_ids(gen, 2)), 128),    # shorter than the conv window (K - 1 = 3)
-    (image_seq, 100),
+def decode_both(runner, model, seqs: dict, gen, steps: int) -> list[float]:
+    """``steps`` batched decode steps of every slot in ``seqs`` ({slot: Seq}) with random tokens; errors."""
+    errs = []
+    for _ in range(steps):
+        slots = list(seqs)
+        toks = torch.randint(0, 290, (len(slots),), generator=gen)
+        for s, t in zip(slots, toks.tolist()):
+            seqs[s].ids.append(t)
+        out = runner.decode(slots, toks)
+        errs += [rel_err(out[r], seqs[s].reference(model)) for r, s in enumerate(slots)]
+    return errs
+
+
+@pytest.mark.parametrize("cuts", [
+    [37],              # whole
+    [5, 20, 37],       # three chunks, boundaries inside the KV blocks and the delta rule's 64-token chunks
+    [2, 3, 37],        # chunks shorter than the conv window (K - 1 = 3)
+    [16, 32, 37],      # boundaries on the 16-token KV blocks
 ])
-def test_padded_prefill_keeps_no_trace_of_the_padding(model, make_seq, pad_to):
-    """The CUDA-graph prefill runs a prompt padded at the end to its bucket.  The padded forward (forced here
-    with ``pad_to``) must give the reference's last-position logits and leave the slot's KV, conv and recurrent
-    state such that 8 decode steps still match the reference."""
+def test_chunked_prefill_matches_the_whole_prompt(model, cuts):
+    """A prompt prefilled in chunks (each continuing the slot's KV blocks, conv ring and recurrent state) gives
+    the reference's last-position logits, and 8 decode steps still match, next to a live neighbour."""
     gen = torch.Generator().manual_seed(11)
-    seq, other = make_seq(gen), Seq(text_ids(gen, 20))
-    runner = ModelRunner(model, num_slots=2, max_context=160, device="cpu")
+    seq, other = Seq(text_ids(gen, cuts[-1])), Seq(text_ids(gen, 20))
+    runner = ModelRunner(model, num_slots=2, max_context=160, device="cpu", block_tokens=16)
     runner.prefill(1, other.prompt())  # a live neighbour: its state must not be touched
-    errs = [rel_err(runner.prefill(0, seq.prompt(), pad_to=pad_to), seq.reference(model))]
+    prompt, start = seq.prompt(), 0
+    for end in cuts:
+        logits = runner.prefill_batch([Chunk(0, prompt, start, end)])
+        assert (logits is None) == (end < cuts[-1])
+        start = end
+    errs = [rel_err(logits[0], seq.reference(model))]
     assert runner.lengths[0] == len(seq.ids)
-    for _ in range(8):
-        toks = torch.randint(0, 290, (2,), generator=gen)
-        seq.ids.append(int(toks[0]))
-        other.ids.append(int(toks[1]))
-        out = runner.decode([0, 1], toks)
-        errs += [rel_err(out[0], seq.reference(model)), rel_err(out[1], other.reference(model))]
+    errs += decode_both(runner, model, {0: seq, 1: other}, gen, 8)
     assert max(errs) <= TOL, errs
 
 
-def test_pad_to_outside_the_prompt_and_context_is_refused(model):
-    runner = ModelRunner(model, num_slots=1, max_context=64, device="cpu")
+def test_chunk_boundary_inside_an_image(model):
+    """The image's features are computed once and its rows taken by whichever chunk holds them: a boundary in
+    the middle of the image's tokens gives the same logits and decode as the reference."""
+    gen = torch.Generator().manual_seed(12)
+    seq = image_seq(gen)  # 5 text, vision start, 6 image tokens (positions 6..11), vision end, 7 text
+    runner = ModelRunner(model, num_slots=1, max_context=96, device="cpu", block_tokens=16)
+    prompt = seq.prompt()
+    assert runner.prefill_batch([Chunk(0, prompt, 0, 9)]) is None
+    logits = runner.prefill_batch([Chunk(0, prompt, 9, prompt.num_tokens)])
+    assert runner.rope_deltas[0] == -3
+    errs = [rel_err(logits[0], seq.reference(model))] + decode_both(runner, model, {0: seq}, gen, 6)
+    assert max(errs) <= TOL, errs
+
+
+def test_batched_prefill_of_different_lengths_matches_each_alone(model):
+    """Several prompts of different lengths (text, an image prompt, a later chunk of a long one, one whose
+    logits are not wanted) in one packed prefill: each gets the reference's logits, and all decode on
+    together correctly."""
+    gen = torch.Generator().manual_seed(13)
+    a, b, c, d = Seq(text_ids(gen, 3)), image_seq(gen), Seq(text_ids(gen, 50)), Seq(text_ids(gen, 21))
+    runner = ModelRunner(model, num_slots=4, max_context=128, device="cpu", block_tokens=16)
+    runner.prefill_batch([Chunk(2, c.prompt(), 0, 30)])
+    logits = runner.prefill_batch([Chunk(0, a.prompt()), Chunk(1, b.prompt()), Chunk(2, c.prompt(), 30),
+                                   Chunk(3, d.prompt(), logits=False)])
+    assert logits.shape == (3, VOCAB)
+    errs = [rel_err(logits[i], s.reference(model)) for i, s in enumerate((a, b, c))]
+    errs += decode_both(runner, model, {0: a, 1: b, 2: c, 3: d}, gen, 5)
+    assert max(errs) <= TOL, errs
+
+
+def test_chunks_that_do_not_continue_their_slot_are_refused(model):
+    runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
     prompt = PreparedPrompt(input_ids=torch.arange(10))
-    for bad in (9, 65):
-        with pytest.raises(ValueError, match="pad_to must be in 10..64"):
-            runner.prefill(0, prompt, pad_to=bad)
+    with pytest.raises(ValueError, match="does not continue slot 0"):
+        runner.prefill_batch([Chunk(0, prompt, 4, 10)])
+    with pytest.raises(ValueError, match="twice"):
+        runner.prefill_batch([Chunk(0, prompt), Chunk(0, prompt)])
+    with pytest.raises(ValueError, match="outside the prompt"):
+        runner.prefill_batch([Chunk(1, prompt, 0, 11)])
+
+
+def test_blocks_follow_the_length_and_come_back_on_free(model):
+    """A sequence holds ceil(length / block_tokens) blocks; decode takes one when it crosses into a new block;
+    copy_slot gives the copy blocks of its own; a decode that needs a block when none is free is refused
+    before anything runs; free gives every block back."""
+    runner = ModelRunner(model, num_slots=3, max_context=64, num_blocks=4, device="cpu", block_tokens=16)
+    runner.prefill(0, PreparedPrompt(input_ids=torch.arange(15)))
+    assert len(runner.tables.blocks(0)) == 1 and runner.tables.free_blocks == 3
+    runner.decode([0], torch.tensor([5]))                  # position 15: still the first block
+    assert len(runner.tables.blocks(0)) == 1
+    runner.decode([0], torch.tensor([5]))                  # position 16: a second block
+    assert len(runner.tables.blocks(0)) == 2 and runner.tables.free_blocks == 2
+    runner.prefill(1, PreparedPrompt(input_ids=torch.arange(32)))
+    assert runner.tables.free_blocks == 0
+    before = list(runner.lengths)
+    with pytest.raises(OutOfBlocks):
+        runner.decode([0, 1], torch.tensor([1, 2]))        # slot 0 fits its block, slot 1 needs a third
+    with pytest.raises(OutOfBlocks):
+        runner.copy_slot(0, 2)
+    assert runner.lengths == before
+    runner.free(1)
+    assert runner.tables.free_blocks == 2 and runner.tables.blocks(1) == ()
+    runner.decode([0], torch.tensor([3]))
+    assert int(runner.tables.device_table[1].min()) == runner.tables.null_block
 
 
 def test_projections_are_fused_without_extra_memory():

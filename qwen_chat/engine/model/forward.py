@@ -1,27 +1,46 @@
-"""The model maths of the runner: the prefill forward of one (padded) prompt and one batched decode step,
-over the slot state (``state.SlotState``).
+"""The model maths of the runner: the prefill forward of a batch of prompt chunks packed into one sequence of
+tokens, and one batched decode step, over the slot state (``state.SlotState``: paged KV cache, Gated DeltaNet
+state slots).
 
-Both are tensor ops only, so ``graphs.CudaGraphs`` can capture them.  Formulas: transformers
-``models/qwen3_5/modeling_qwen3_5.py`` (Qwen3_5Attention, Qwen3_5GatedDeltaNet, Qwen3_5MLP,
-Qwen3_5DecoderLayer); every projection, norm and MLP is called through the model's own submodules, or, for the
-projections that read one input, through their fused weight (``fusion``).  In decode the single projections go
-through ``qwen_chat.engine.parallel.tp_decode`` (local weight, then the tensor-parallel completion) and the
-element-wise glue through ``glue`` (compiled on CUDA); prefill calls the modules themselves.
+Formulas: transformers ``models/qwen3_5/modeling_qwen3_5.py`` (Qwen3_5Attention, Qwen3_5GatedDeltaNet,
+Qwen3_5MLP, Qwen3_5DecoderLayer); every projection, norm and MLP is called through the model's own submodules,
+or, for the projections that read one input, through their fused weight (``fusion``).  In decode the single
+projections go through ``qwen_chat.engine.parallel.tp_decode`` (local weight, then the tensor-parallel
+completion) and the element-wise glue through ``glue`` (compiled on CUDA); prefill calls the modules
+themselves.  The decode step is tensor ops only, so ``graphs.CudaGraphs`` can capture it.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers.activations import ACT2FN
 
 from qwen_chat.engine.model import gdn, gemv
 from qwen_chat.engine.model.fusion import Fused, Groups
-from qwen_chat.engine.model.glue import apply_rotary, conv_ring_from_tail, l2norm
+from qwen_chat.engine.model.glue import apply_rotary, l2norm
 from qwen_chat.engine.model.options import RunnerOptions
+from qwen_chat.engine.model.paged import BlockTables
 from qwen_chat.engine.model.state import SlotState
 from qwen_chat.engine.parallel.tp_decode import LocalDecode
+
+
+@dataclass
+class PackedSeq:
+    """One prompt chunk inside a packed prefill: ``slot``; ``start``: positions already in the slot's cache
+    (0 for a new prompt); ``n``: tokens of this chunk (positions start..start+n-1); ``offset``: its first row
+    in the packed tokens; ``rows``: int64 [start + n] flat KV-cache rows of positions 0..start+n-1 (device);
+    ``logits``: whether the logits of its last token are wanted."""
+
+    slot: int
+    start: int
+    n: int
+    offset: int
+    rows: torch.Tensor
+    logits: bool
 
 
 class ModelForward:
@@ -30,17 +49,20 @@ class ModelForward:
     Args:
         model: the model (its text decoder's layers, final norm and lm_head are used).
         state: the slot state the forward reads and writes.
+        tables: the KV block tables (``paged.BlockTables``; decode reads its ``device_table``).
         groups, fused: each layer's projection groups and fused weights (``fusion.fuse_layers``).
         options: the runner's resolved ``RunnerOptions`` (``fast_gemv``, ``compile_glue``, ``gdn_kernel``).
         glue: the glue functions (``glue.glue_functions``).
         tp: the decode projections (``tp_decode.decode_projections``).
         chunk_rule: the chunked gated delta rule for prefill (fla's kernel or transformers' reference).
-        max_context: tokens per slot; device, dtype: of the activations.
+        varlen: ``chunk_rule`` takes packed sequences (``cu_seqlens``, fla); else it runs once per sequence.
+        max_context: tokens per sequence; device, dtype: of the activations.
     """
 
-    def __init__(self, model, *, state: SlotState, groups: Sequence[Groups], fused: Sequence[dict[str, Fused]],
-                 options: RunnerOptions, glue: dict[str, Callable], tp: LocalDecode, chunk_rule: Callable,
-                 max_context: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model, *, state: SlotState, tables: BlockTables, groups: Sequence[Groups],
+                 fused: Sequence[dict[str, Fused]], options: RunnerOptions, glue: dict[str, Callable],
+                 tp: LocalDecode, chunk_rule: Callable, varlen: bool, max_context: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
         lm = model.model.language_model
         tc = model.config.text_config
         self._layers = list(lm.layers)
@@ -48,8 +70,11 @@ class ModelForward:
         self._kinds, self._geo = state.kinds, state.geo
         self.k_cache, self.v_cache = state.k_cache, state.v_cache
         self.conv_state, self.rec_state = state.conv_state, state.rec_state
+        self.tables = tables
+        self._bt = tables.block_tokens
         self._groups, self._fused = groups, fused
         self._opts, self._glue, self.tp, self._chunk_rule = options, glue, tp, chunk_rule
+        self._varlen = varlen
         self.dtype = dtype
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
@@ -59,37 +84,37 @@ class ModelForward:
         probe = torch.zeros(1, 1, tc.hidden_size, device=device, dtype=dtype)
         cos, sin = lm.rotary_emb(probe, pos)
         self.cos_table, self.sin_table = cos[0].contiguous(), sin[0].contiguous()  # [T, rotary_dim]
-        self._ctx_range = torch.arange(max_context, device=device)
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_t: torch.Tensor,
-                n_t: torch.Tensor) -> torch.Tensor:
-        """The prefill forward of one prompt, padded or not, with tensor ops only (capturable in a CUDA graph).
+    def prefill(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seqs: Sequence[PackedSeq]) -> Optional[torch.Tensor]:
+        """The prefill forward of prompt chunks packed one after the other (no padding).
 
-        emb: [1, P, hidden] input embeddings (model dtype); cos/sin: [1, P, rotary_dim]; slot_t: int64 [1], the
-        slot to fill; n_t: int64 [1], the real prompt length n <= P.  Positions n..P-1 are padding and leave no
-        trace in what the slot keeps: the Gated DeltaNet layers see them with beta = 0 and log-decay g = 0, so
-        S_t = S_{t-1} exactly (the delta rule's update is scaled by beta, its decay is exp(g)); the conv state
-        ring is filled from the last real positions (glue.conv_ring_from_tail); attention is causal, so real
-        positions never see padding, and the padding's KV entries (positions >= n) are overwritten by decode
-        before any query reaches them.
-        Returns fp32 logits [1, vocab_size] of position n - 1.
+        emb: [T, hidden] input embeddings (model dtype), T = sum of the chunks' n; cos/sin: [T, rotary_dim] of
+        each token's (M-RoPE) position.  Each chunk continues its slot from position ``start``: attention reads
+        the slot's cached keys and values of positions < start, the Gated DeltaNet layers start from the slot's
+        conv and recurrent state (zeros when start is 0).  Writes each chunk's KV into its rows and leaves each
+        slot's conv and recurrent state at its last token.
+        Returns fp32 logits [m, vocab_size] of the last token of the m chunks with ``logits``, in order (None
+        when m is 0).
         """
-        P = emb.shape[1]
-        valid = (self._ctx_range[:P] < n_t).to(self.dtype)  # [P]
-        h = emb
+        h = emb[None]
+        cos, sin = cos[None], sin[None]
         for i, layer in enumerate(self._layers):
             x = layer.input_layernorm(h)
             if self._kinds[i] == "linear":
-                x = self._linear_prefill(i, layer.linear_attn, slot_t, n_t, valid, x)
+                x = self._linear_prefill(i, layer.linear_attn, seqs, x)
             else:
-                x = self._attn_prefill(i, layer.self_attn, slot_t, x, cos, sin)
+                x = self._attn_prefill(i, layer.self_attn, seqs, x, cos, sin)
             h = h + x
             mlp = layer.mlp
             gate, up = self._project(i, "mlp", layer.post_attention_layernorm(h))
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
-        last = h.index_select(1, n_t - 1)  # [1, 1, hidden]
-        return self._lm_head(self._final_norm(last)).reshape(1, -1).float()
+        last = [s.offset + s.n - 1 for s in seqs if s.logits]
+        if not last:
+            return None
+        rows = h[0, torch.tensor(last, device=h.device)]  # [m, hidden]
+        return self._lm_head(self._final_norm(rows)).float()
 
     def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of layer ``i``'s projection group ``group`` ("mix": the token mixer's input projections,
@@ -102,39 +127,79 @@ class ModelForward:
         w, sizes = fused
         return (gemv.linear(x, w) if self._opts.fast_gemv else F.linear(x, w)).split(sizes, dim=-1)
 
-    def _attn_prefill(self, i, at, slot_t, x, cos, sin):
+    def _attn_prefill(self, i, at, seqs, x, cos, sin):
         g = self._geo[i]
-        B, P, _ = x.shape
-        hd = g["hd"]
+        _, T, _ = x.shape
+        hd, nkv = g["hd"], g["nkv"]
         qg, kx, vx = self._project(i, "mix", x)
-        q, gate = torch.chunk(qg.reshape(B, P, -1, 2 * hd), 2, dim=-1)
-        gate = gate.reshape(B, P, -1)
-        q = at.q_norm(q).transpose(1, 2)                                     # [1, nq, P, hd]
-        k = at.k_norm(kx.reshape(B, P, -1, hd)).transpose(1, 2)             # [1, nkv, P, hd]
-        v = vx.reshape(B, P, -1, hd).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        self.k_cache[i][slot_t, :, :P] = k.to(self.k_cache[i].dtype)
-        self.v_cache[i][slot_t, :, :P] = v.to(self.v_cache[i].dtype)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=g["scale"], enable_gqa=True)
-        o = o.transpose(1, 2).reshape(B, P, -1) * torch.sigmoid(gate)
+        q, gate = torch.chunk(qg.reshape(1, T, -1, 2 * hd), 2, dim=-1)
+        gate = gate.reshape(1, T, -1)
+        q = at.q_norm(q).transpose(1, 2)                                     # [1, nq, T, hd]
+        k = at.k_norm(kx.reshape(1, T, -1, hd)).transpose(1, 2)             # [1, nkv, T, hd]
+        v = vx.reshape(1, T, -1, hd).transpose(1, 2)
+        c, s = cos[:, None], sin[:, None]
+        q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
+        kc, vc = self.k_cache[i].view(-1, nkv, hd), self.v_cache[i].view(-1, nkv, hd)
+        outs = []
+        for sq in seqs:
+            lo, hi = sq.offset, sq.offset + sq.n
+            new_rows = sq.rows[sq.start:]
+            kc[new_rows] = k[0, :, lo:hi].transpose(0, 1).to(kc.dtype)
+            vc[new_rows] = v[0, :, lo:hi].transpose(0, 1).to(vc.dtype)
+            qi = q[:, :, lo:hi]
+            if sq.start == 0:
+                o = F.scaled_dot_product_attention(qi, k[:, :, lo:hi], v[:, :, lo:hi], is_causal=True,
+                                                   scale=g["scale"], enable_gqa=True)
+            else:  # a later chunk: the slot's cached positions, then this chunk's, causal from the bottom right
+                keys = kc[sq.rows].transpose(0, 1)[None].to(q.dtype)          # [1, nkv, start + n, hd]
+                vals = vc[sq.rows].transpose(0, 1)[None].to(q.dtype)
+                mask = causal_lower_right(sq.n, sq.start + sq.n)
+                o = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=g["scale"],
+                                                   enable_gqa=True)
+            outs.append(o)
+        o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        o = o.transpose(1, 2).reshape(1, T, -1) * torch.sigmoid(gate)
         return at.o_proj(o)
 
-    def _linear_prefill(self, i, la, slot_t, n_t, valid, x):
+    def _conv_prefill(self, i, la, seqs, qkv):
+        """Causal depthwise conv of packed chunks, each continuing from its slot's conv ring.  qkv: [T, C]
+        (in_proj_qkv output).  Each chunk is laid out after the K-1 inputs before it (from the ring; zeros at
+        the start of a prompt), one conv without padding runs over all, and each token takes the window that
+        ends at it.  Stores each slot's new ring (its last K inputs at column p % K).  Returns [T, C]
+        pre-activation outputs."""
+        K = self._geo[i]["K"]
+        ring_buf = self.conv_state[i]
+        dev = qkv.device
+        parts, take = [], []
+        e = 0
+        for sq in seqs:
+            seg = qkv[sq.offset:sq.offset + sq.n].t().to(ring_buf.dtype)            # [C, n]
+            if sq.start == 0:
+                prev = seg.new_zeros(seg.shape[0], K - 1)
+            else:
+                cols = torch.remainder(torch.arange(sq.start - K + 1, sq.start, device=dev), K)
+                prev = ring_buf[sq.slot].index_select(1, cols)
+            ext = torch.cat([prev, seg], dim=1)                                      # [C, n + K - 1]
+            p = torch.arange(sq.start + sq.n - K, sq.start + sq.n, device=dev)
+            ring = torch.zeros_like(ext[:, :K]).index_copy_(1, torch.remainder(p, K), ext[:, -K:])
+            ring_buf[sq.slot].copy_(ring)
+            parts.append(ext)
+            take.append(torch.arange(e, e + sq.n))
+            e += sq.n + K - 1
+        ext = torch.cat(parts, dim=1)[None]                                          # [1, C, sum(n + K - 1)]
+        w = la.conv1d.weight
+        out = F.conv1d(ext.to(w.dtype), w, la.conv1d.bias, groups=w.shape[0])  # window j: ext[j .. j + K - 1]
+        return out[0, :, torch.cat(take).to(dev)].t()
+
+    def _linear_prefill(self, i, la, seqs, x):
         g = self._geo[i]
-        B, P, _ = x.shape
-        K = g["K"]
+        _, T, _ = x.shape
         qkv, z, b, a = self._project(i, "mix", x)
-        qkv = qkv.transpose(1, 2)  # [1, C, P]
-        # conv state: the ring of the last real inputs (zeros before the first token)
-        ring = conv_ring_from_tail(qkv[0], n_t, K)                                     # [C, K]
-        self.conv_state[i].index_copy_(0, slot_t, ring[None].to(self.conv_state[i].dtype))
-        mixed = ACT2FN[la.activation](la.conv1d(qkv.to(la.conv1d.weight.dtype))[..., :P]).to(x.dtype)
-        mixed = mixed.transpose(1, 2)
+        mixed = ACT2FN[la.activation](self._conv_prefill(i, la, seqs, qkv[0])).to(x.dtype)[None]   # [1, T, C]
         q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
-        q = q.reshape(B, P, -1, g["dk"])
-        k = k.reshape(B, P, -1, g["dk"])
-        v = v.reshape(B, P, -1, g["dv"])
+        q = q.reshape(1, T, -1, g["dk"])
+        k = k.reshape(1, T, -1, g["dk"])
+        v = v.reshape(1, T, -1, g["dv"])
         # q, k l2-normalised here rather than inside fla's kernel: fla's l2norm kernel is autotuned per
         # ceil(L * heads / 65536), so every further 2,048 tokens of prompt cost seconds of one-off tuning
         # (measured: docs/performance.md); this is the same formula (glue.l2norm, fp32) at no such cost.
@@ -143,31 +208,54 @@ class ModelForward:
         rep = g["nv"] // g["nk"]
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        mask = valid[None, :, None]
-        beta = b.sigmoid() * mask.to(b.dtype)
-        gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias) * mask.float()
-        out, state = self._chunk_rule(q, k, v, g=gdecay, beta=beta, initial_state=None,
-                                      output_final_state=True, use_qk_l2norm_in_kernel=False)
-        # [1, HV, dk, dv] -> value-major [1, HV, dv, dk]
-        self.rec_state[i].index_copy_(0, slot_t, state.float().transpose(-1, -2).contiguous())
+        beta = b.sigmoid()
+        gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
+        dev = x.device
+        slots = torch.tensor([sq.slot for sq in seqs], device=dev)
+        rec = self.rec_state[i]
+        starts = torch.tensor([sq.start > 0 for sq in seqs], device=dev)
+        h0 = torch.where(starts[:, None, None, None], rec.index_select(0, slots), 0.0)
+        h0 = h0.transpose(-1, -2).contiguous()
+        if self._varlen:
+            cu_cpu = torch.tensor([0] + [sq.offset + sq.n for sq in seqs], dtype=torch.long)
+            out, state = self._chunk_rule(q, k, v, g=gdecay, beta=beta, initial_state=h0,
+                                          output_final_state=True, use_qk_l2norm_in_kernel=False,
+                                          cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu)
+        else:
+            outs, states = [], []
+            for j, sq in enumerate(seqs):
+                sl = slice(sq.offset, sq.offset + sq.n)
+                o, st = self._chunk_rule(q[:, sl], k[:, sl], v[:, sl], g=gdecay[:, sl], beta=beta[:, sl],
+                                         initial_state=h0[j:j + 1], output_final_state=True,
+                                         use_qk_l2norm_in_kernel=False)
+                outs.append(o)
+                states.append(st)
+            out, state = torch.cat(outs, dim=1), torch.cat(states, dim=0)
+        # [N, HV, dk, dv] -> value-major [N, HV, dv, dk]
+        rec.index_copy_(0, slots, state.float().transpose(-1, -2).contiguous())
         core = la.norm(out.reshape(-1, g["dv"]).to(x.dtype), z.reshape(-1, g["dv"]))
-        return la.out_proj(core.reshape(B, P, -1))
+        return la.out_proj(core.reshape(1, T, -1))
 
     # ------------------------------------------------------------------ decode
     def decode(self, slot_idx, tokens, pos, rope_pos, ctx: int) -> torch.Tensor:
         """One batched decode forward.  slot_idx/tokens/pos/rope_pos: int64 [B] on device; ctx: attention
-        window (static per graph).  Returns fp32 logits [B, V].  Only tensor ops: safe to capture."""
+        window in tokens, a multiple of the block size (static per graph).  Each row's KV blocks come from the
+        block table (``tables.device_table[slot]``).  Returns fp32 logits [B, V].  Only tensor ops: safe to
+        capture."""
         tp = self.tp
         tp.begin_step(tokens.shape[0])
         try:
             h, x = tp.embed(tokens)                                          # [B, H] each
             cos, sin = self.cos_table[rope_pos], self.sin_table[rope_pos]  # [B, rot]
+            table = self.tables.device_table[slot_idx]                       # [B, max_blocks]
+            kv_row = table.gather(1, (pos // self._bt)[:, None])[:, 0] * self._bt + pos % self._bt
+            blocks = table[:, :ctx // self._bt]                              # [B, nb]
             n = len(self._layers)
             for i, layer in enumerate(self._layers):
                 if self._kinds[i] == "linear":
                     x = self._linear_decode(i, layer.linear_attn, slot_idx, pos, x)
                 else:
-                    x = self._attn_decode(i, layer.self_attn, slot_idx, pos, x, cos, sin, ctx)
+                    x = self._attn_decode(i, layer.self_attn, kv_row, blocks, pos, x, cos, sin)
                 h, x = tp.add_norm(h, x, layer.post_attention_layernorm)
                 x = self._mlp_decode(i, layer.mlp, x)
                 nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
@@ -193,18 +281,20 @@ class ModelForward:
             gate, up = self._project(i, "mlp", x)
         return self.tp.linear(mlp.down_proj, self._glue["swiglu"](gate, up, mlp.act_fn))
 
-    def _attn_decode(self, i, at, slot_idx, pos, x, cos, sin, ctx):
+    def _attn_decode(self, i, at, kv_row, blocks, pos, x, cos, sin):
         g = self._geo[i]
         B = x.shape[0]
         kc, vc = self.k_cache[i], self.v_cache[i]
         qg, kx, vx = self._project(i, "mix", x)
-        q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, slot_idx, pos,
+        q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, kv_row,
                                          g["hd"], g["nkv"])
         if self._opts.compile_glue:
-            o = self._glue["attn_core"](q, kc, vc, slot_idx, pos, ctx, g["scale"])
+            o = self._glue["attn_core"](q, kc, vc, blocks, pos, g["scale"])
         else:  # eager: gathered copy + SDPA (cheaper than the broadcast form without a compiler)
-            keys, vals = kc[slot_idx, :, :ctx], vc[slot_idx, :, :ctx]              # [B, nkv, ctx, hd]
-            mask = (self._ctx_range[:ctx][None, :] <= pos[:, None]).view(B, 1, 1, ctx)
+            keys = kc[blocks].flatten(1, 2).transpose(1, 2)                   # [B, nkv, ctx, hd]
+            vals = vc[blocks].flatten(1, 2).transpose(1, 2)
+            ctx = keys.shape[2]
+            mask = (torch.arange(ctx, device=pos.device)[None, :] <= pos[:, None]).view(B, 1, 1, ctx)
             # The query heads of one KV group act as that group's "query positions": no KV head expansion.
             o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"])
         return self.tp.linear(at.o_proj, self._glue["attn_post"](o, gate))

@@ -42,12 +42,12 @@ def add_norm(h: torch.Tensor, x: torch.Tensor, norm: torch.nn.Module) -> tuple[t
 
 def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
              k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_idx: torch.Tensor, pos: torch.Tensor, head_dim: int, kv_heads: int):
+             v_cache: torch.Tensor, kv_row: torch.Tensor, head_dim: int, kv_heads: int):
     """Split the gated query, apply q/k RMSNorm and rotary for one decode token per row, and write k, v into
-    the KV cache at (slot_idx[b], :, pos[b]) in place.
+    the paged KV cache at flat row kv_row[b] (block * block_tokens + offset) in place.
 
     qg: [B, 2 * nq * hd] (q_proj output: per head [query | gate]); kx, vx: [B, nkv * hd]; cos/sin: [B, rot];
-    k_cache/v_cache: [slots, nkv, T, hd]; slot_idx, pos: int64 [B].
+    k_cache/v_cache: [blocks, block_tokens, nkv, hd]; kv_row: int64 [B].
     Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head) and gate [B, nq * hd].
     """
     B = qg.shape[0]
@@ -55,26 +55,27 @@ def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch
     c, s = cos[:, None], sin[:, None]
     q = apply_rotary(q_norm(q), c, s)
     k = apply_rotary(k_norm(kx.view(B, -1, head_dim)), c, s)
-    heads = torch.arange(kv_heads, device=qg.device)
-    k_cache[slot_idx[:, None], heads[None, :], pos[:, None]] = k.to(k_cache.dtype)
-    v_cache[slot_idx[:, None], heads[None, :], pos[:, None]] = vx.view(B, -1, head_dim).to(v_cache.dtype)
+    k_cache.view(-1, kv_heads, head_dim)[kv_row] = k.to(k_cache.dtype)
+    v_cache.view(-1, kv_heads, head_dim)[kv_row] = vx.view(B, -1, head_dim).to(v_cache.dtype)
     return q.reshape(B, kv_heads, -1, head_dim), gate.reshape(B, -1)
 
 
-def attn_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_idx: torch.Tensor,
-              pos: torch.Tensor, ctx: int, scale: float) -> torch.Tensor:
-    """Decode attention of each row over its own slot's cache positions 0..pos[b], read in place.
+def attn_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
+              pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention of each row over its own sequence's positions 0..pos[b], read from the paged cache.
 
-    q: [B, nkv, G, hd] (G query heads share a KV head); caches [slots, nkv, T, hd]; ctx: static window
-    (>= max(pos) + 1).  Written as broadcast-multiply-and-sum so that, compiled, the cache rows are loaded
-    indirectly by slot (no gathered copy of the cache).  fp32 scores and softmax.  Returns [B, nkv, G, hd].
+    q: [B, nkv, G, hd] (G query heads share a KV head); caches [blocks, block_tokens, nkv, hd]; blocks: int64
+    [B, nb], the first nb entries of each row's block table (nb * block_tokens >= max(pos) + 1, static per
+    graph).  Written as broadcast-multiply-and-sum so that, compiled, the cache blocks are loaded indirectly
+    through the table (no gathered copy of the cache).  fp32 scores and softmax.  Returns [B, nkv, G, hd].
     """
-    keys = k_cache[slot_idx, :, :ctx]                                   # [B, nkv, ctx, hd]
-    vals = v_cache[slot_idx, :, :ctx]
-    scores = (q.float()[:, :, :, None, :] * keys[:, :, None].float()).sum(-1) * scale   # [B, nkv, G, ctx]
-    future = torch.arange(ctx, device=q.device)[None, :] > pos[:, None]               # [B, ctx]
-    probs = torch.softmax(scores.masked_fill(future[:, None, None, :], float("-inf")), dim=-1)
-    return (probs[..., None] * vals[:, :, None].float()).sum(-2).to(q.dtype)
+    keys = k_cache[blocks].flatten(1, 2)                                # [B, ctx, nkv, hd]
+    vals = v_cache[blocks].flatten(1, 2)
+    ctx = keys.shape[1]
+    scores = (q.float()[:, None] * keys[:, :, :, None].float()).sum(-1) * scale          # [B, ctx, nkv, G]
+    future = torch.arange(ctx, device=q.device)[None, :] > pos[:, None]                 # [B, ctx]
+    probs = torch.softmax(scores.masked_fill(future[:, :, None, None], float("-inf")), dim=1)
+    return (probs[..., None] * vals[:, :, :, None].float()).sum(1).to(q.dtype)
 
 
 def attn_post(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

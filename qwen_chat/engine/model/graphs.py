@@ -1,13 +1,13 @@
-"""CUDA graphs of the runner's decode step and bucketed prefill, and the buckets they are captured for.
+"""CUDA graphs of the runner's decode step, and the buckets they are captured for.
 
-``CudaGraphs`` is handed the two step functions (tensor ops only, so capturable) and owns everything around
-them: static input buffers, one graph per shape, one memory pool, warm-up before capture.
-
-- Decode: one graph per (padded batch size of ``BATCH_LADDER``, context bucket).  A batch of B rows runs in the
-  smallest ladder size >= B; the extra rows point at the scratch slot.  Inputs (slot, token, position, rope
-  position per row) are written on the host into a pinned buffer and sent with one asynchronous copy per step.
-- Prefill: one graph per prompt bucket (``PREFILL_BUCKETS``).  A prompt of L tokens is copied into static
-  buffers zero-padded to the smallest bucket >= L (the prefill step masks the padding out of the slot's state).
+``CudaGraphs`` is handed the decode step function (tensor ops only, so capturable) and owns everything around
+it: static input buffers, one graph per (padded batch size of ``BATCH_LADDER``, context bucket), one memory
+pool, warm-up before capture.  A batch of B rows runs in the smallest ladder size >= B; the extra rows point at
+the scratch slot (whose block table row is all null block).  Inputs (slot, token, position, rope position per
+row) are written on the host into a pinned buffer and sent with one asynchronous copy per step; the block
+tables are read on the device (``paged.BlockTables.device_table``).  Prefill runs eagerly: it packs the
+step's prompt chunks into one sequence of tokens (``forward.ModelForward.prefill``), whose shape changes every
+step.
 """
 from __future__ import annotations
 
@@ -15,22 +15,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from qwen_chat.engine.model.paged import BLOCK_TOKENS
+
 #: Batch sizes for which a decode graph is captured; a batch of B runs in the smallest size >= B.
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 #: Smallest context bucket (tokens) of the decode attention; buckets double up to ``max_context``.
 MIN_CONTEXT_BUCKET = 512
-#: Prompt lengths (tokens) for which the prefill is captured in a CUDA graph; a prompt of L tokens runs padded to
-#: the smallest bucket >= L (buckets above ``max_context`` are dropped; longer prompts run eagerly).  Steps of
-#: at most 1.5x above 256 tokens bound the padding's extra GPU work.  None above 2048: from there on a padded
-#: graph is no faster than the eager prefill (measured: docs/performance.md, "TTFT, prefill graphs against
-#: eager").
-PREFILL_BUCKETS = (128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 #: ``decode_step(slot_idx, tokens, pos, rope_pos, ctx) -> fp32 logits [B, V]`` (int64 [B] each; ctx static).
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
-#: ``prefill_step(emb [1, P, hidden], cos [1, P, rot], sin [1, P, rot], slot int64 [1], n int64 [1])
-#: -> fp32 logits [1, V]``.
-PrefillStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def graph_batch_sizes(num_slots: int) -> list[int]:
@@ -43,47 +36,47 @@ def graph_batch_sizes(num_slots: int) -> list[int]:
     return out
 
 
-def context_bucket(n: int, max_context: int) -> int:
-    """Smallest bucket (MIN_CONTEXT_BUCKET doubling, capped at max_context) holding n positions."""
+def _top(max_context: int, block_tokens: int) -> int:
+    """The largest window: max_context rounded up to whole blocks."""
+    return -(-max_context // block_tokens) * block_tokens
+
+
+def context_bucket(n: int, max_context: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Smallest bucket (MIN_CONTEXT_BUCKET doubling, capped at max_context rounded up to whole blocks) holding
+    n positions; always a multiple of ``block_tokens``."""
     b = MIN_CONTEXT_BUCKET
     while b < n:
         b *= 2
-    return min(b, max_context)
+    return min(b, _top(max_context, block_tokens))
 
 
-def context_buckets(max_context: int) -> list[int]:
-    """Attention windows of the decode graphs: MIN_CONTEXT_BUCKET doubling, the last one max_context."""
+def context_buckets(max_context: int, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """Attention windows of the decode graphs: MIN_CONTEXT_BUCKET doubling, the last one max_context rounded up
+    to whole blocks."""
+    top = _top(max_context, block_tokens)
     out, b = [], MIN_CONTEXT_BUCKET
     while True:
-        out.append(min(b, max_context))
-        if b >= max_context:
+        out.append(min(b, top))
+        if b >= top:
             return out
         b *= 2
 
 
 class CudaGraphs:
-    """Decode and prefill graphs of one runner (captured on first use or by ``capture_decode``/``capture_prefill``).
+    """Decode graphs of one runner (captured on first use or by ``capture_decode``).
 
     Args:
         device: the runner's CUDA device.
         scratch_slot: the slot that padding rows and capture runs write into (no live sequence is touched).
-        decode_step, prefill_step: the runner's step functions (``DecodeStep``, ``PrefillStep``).
-        prefill_buckets: the prompt buckets this runner captures (the static prefill buffers hold the largest).
-        hidden: embedding width; dtype: of the embeddings; rope_dtypes: (cos dtype, sin dtype); rot: rotary dim.
+        decode_step: the runner's decode step (``DecodeStep``).
     """
 
-    def __init__(self, *, device: torch.device, scratch_slot: int, decode_step: DecodeStep,
-                 prefill_step: PrefillStep, prefill_buckets: Sequence[int], hidden: int, dtype: torch.dtype,
-                 rope_dtypes: tuple[torch.dtype, torch.dtype], rot: int) -> None:
+    def __init__(self, *, device: torch.device, scratch_slot: int, decode_step: DecodeStep) -> None:
         self._device, self._scratch = device, scratch_slot
-        self._decode_step, self._prefill_step = decode_step, prefill_step
-        self._prefill_buckets = list(prefill_buckets)
-        self._prefill_shape = (hidden, dtype, rope_dtypes, rot)
+        self._decode_step = decode_step
         self._pool = None
         self._decode: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._decode_out: dict[tuple[int, int], torch.Tensor] = {}
-        self._prefill: dict[int, torch.cuda.CUDAGraph] = {}
-        self._prefill_out: dict[int, torch.Tensor] = {}
         n = BATCH_LADDER[-1]
         # Graph inputs, rows: slot, token, position, rope position.  Filled on the host in a pinned buffer and
         # sent with one asynchronous copy per step; the event guards the pinned buffer against reuse too early.
@@ -92,16 +85,11 @@ class CudaGraphs:
         self._h_in = torch.zeros(4, n, dtype=torch.long, pin_memory=True)
         self._h_in_np = self._h_in.numpy()
         self._in_copied = torch.cuda.Event()
-        self._p_in: Optional[tuple[torch.Tensor, ...]] = None  # prefill inputs, allocated at the first capture
 
     # ------------------------------------------------------------------ what is held
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(padded batch size, context bucket) of every captured decode graph, sorted."""
         return sorted(self._decode)
-
-    def prefill_lengths(self) -> list[int]:
-        """Prompt buckets with a captured prefill graph, sorted."""
-        return sorted(self._prefill)
 
     def decode_graph(self, batch: int, ctx: int) -> torch.cuda.CUDAGraph:
         """The captured decode graph of padded batch ``batch`` and context bucket ``ctx`` (replaying it runs one
@@ -109,8 +97,8 @@ class CudaGraphs:
         return self._decode[(batch, ctx)]
 
     def count(self) -> int:
-        """Graphs held: decode plus prefill."""
-        return len(self._decode) + len(self._prefill)
+        """Decode graphs held."""
+        return len(self._decode)
 
     # ------------------------------------------------------------------ capture
     def _warm_and_capture(self, fn: Callable, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -141,29 +129,6 @@ class CudaGraphs:
         args = (self._s_slots[:batch], self._s_tokens[:batch], self._s_pos[:batch], self._s_rope[:batch], ctx)
         self._decode[(batch, ctx)], self._decode_out[(batch, ctx)] = self._warm_and_capture(self._decode_step, args)
 
-    def _prefill_inputs(self) -> tuple[torch.Tensor, ...]:
-        """(emb, cos, sin, slot, n): static prefill inputs for the largest bucket, allocated once."""
-        if self._p_in is None:
-            P = max(self._prefill_buckets)
-            hidden, dtype, (cos_dtype, sin_dtype), rot = self._prefill_shape
-            dev = self._device
-            self._p_in = (torch.zeros(1, P, hidden, device=dev, dtype=dtype),
-                          torch.zeros(1, P, rot, device=dev, dtype=cos_dtype),
-                          torch.zeros(1, P, rot, device=dev, dtype=sin_dtype),
-                          torch.zeros(1, dtype=torch.long, device=dev),
-                          torch.ones(1, dtype=torch.long, device=dev))
-        return self._p_in
-
-    def capture_prefill(self, P: int) -> None:
-        """Capture the prefill step padded to P tokens unless held (run into the scratch slot while capturing)."""
-        if P in self._prefill:
-            return
-        emb, cos, sin, slot, n = self._prefill_inputs()
-        slot.fill_(self._scratch)
-        n.fill_(P)
-        args = (emb[:, :P], cos[:, :P], sin[:, :P], slot, n)
-        self._prefill[P], self._prefill_out[P] = self._warm_and_capture(self._prefill_step, args)
-
     # ------------------------------------------------------------------ replay
     def decode(self, slots: Sequence[int], tokens: Optional[torch.Tensor], pos: Sequence[int], rope: Sequence[int],
                ctx: int, token_table: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -191,18 +156,3 @@ class CudaGraphs:
             self._s_tokens[:B].copy_(tokens.reshape(-1))
         self._decode[key].replay()
         return self._decode_out[key][:B].clone()
-
-    def prefill(self, slot: int, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n: int,
-                P: int) -> torch.Tensor:
-        """Copy one prompt's emb [1, n, hidden] and cos/sin [1, n, rot] into the static buffers (zero padding up
-        to P), replay bucket P's graph (captured on first use) for ``slot``.  Returns fp32 logits [1, V] (a
-        copy)."""
-        self.capture_prefill(P)
-        p_emb, p_cos, p_sin, p_slot, p_n = self._prefill_inputs()
-        for buf, src in ((p_emb, emb), (p_cos, cos), (p_sin, sin)):
-            buf[:, :n].copy_(src)
-            buf[:, n:P].zero_()
-        p_slot.fill_(slot)
-        p_n.fill_(n)
-        self._prefill[P].replay()
-        return self._prefill_out[P].clone()

@@ -1,0 +1,121 @@
+"""Paged KV cache bookkeeping: fixed-size blocks of ``BLOCK_TOKENS`` positions and one block table per slot.
+
+The KV cache of each full-attention layer is one tensor of ``num_blocks + 1`` blocks (``state.SlotState``); a
+sequence holds only the blocks its length needs (``blocks_for``), taken from a free list when a prefill or a
+decode step first writes into them, and given back when its slot is freed or preempted.  Block
+``num_blocks`` is the *null block*: unused table entries and the padding rows of graph-padded decode batches
+point at it, so nothing live is ever overwritten by them.
+
+Allocation is deterministic (the same calls give the same block ids), so under tensor parallelism every rank,
+running the same plans, holds the same tables without any ids in the plan; the scheduler on rank 0 only counts
+blocks (``blocks_for``) to admit, grow and preempt sequences.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+#: Positions (tokens) per KV block.  64 keeps the last, partly filled block of each sequence small (at most 63
+#: unused positions, 2 MiB across the 8 attention layers of the 9B in bf16) while each block is a contiguous
+#: 32 KiB read per layer for the decode attention.
+BLOCK_TOKENS = 64
+
+
+def blocks_for(n_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """KV blocks that hold ``n_tokens`` positions: ceil(n_tokens / block_tokens) (0 for 0 tokens)."""
+    return -(-int(n_tokens) // int(block_tokens))
+
+
+class OutOfBlocks(RuntimeError):
+    """A slot needed a KV block and none was free (the scheduler admits and preempts so that this never
+    happens; seeing it means its accounting and the runner's disagree)."""
+
+
+class BlockTables:
+    """Free list of KV blocks and the block table of every slot, on the host and mirrored on the device.
+
+    Args:
+        num_slots: live slots; the device table has one more row (the scratch slot, all null).
+        num_blocks: usable blocks; id ``num_blocks`` is the null block.
+        max_blocks: table width (blocks of the longest sequence: ``blocks_for(max_context)``).
+        device: where the device table lives.
+        block_tokens: positions per block.
+
+    Attributes:
+        device_table: int64 [num_slots + 1, max_blocks] on ``device``; row s lists slot s's blocks in position
+            order, the null block after them.  Read by the forward (decode graphs hold it as a static input);
+            written only by ``flush``.
+        null_block: the id of the null block.
+    """
+
+    def __init__(self, *, num_slots: int, num_blocks: int, max_blocks: int, device: torch.device,
+                 block_tokens: int = BLOCK_TOKENS) -> None:
+        if num_blocks < 1 or max_blocks < 1:
+            raise ValueError(f"num_blocks and max_blocks must be >= 1 (got {num_blocks}, {max_blocks})")
+        self.block_tokens = int(block_tokens)
+        self.num_blocks = int(num_blocks)
+        self.max_blocks = int(max_blocks)
+        self.null_block = self.num_blocks
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self._owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
+        self.device_table = torch.full((num_slots + 1, self.max_blocks), self.null_block, dtype=torch.long,
+                                       device=device)
+        self._updates: list[tuple[int, int, int]] = []  # (slot, table index, block id) not yet on the device
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks on the free list."""
+        return len(self._free)
+
+    def blocks(self, slot: int) -> Sequence[int]:
+        """Block ids of ``slot`` in position order (read-only view)."""
+        return tuple(self._owned[slot])
+
+    def ensure(self, slot: int, n_tokens: int) -> None:
+        """Give ``slot`` the blocks for positions 0..n_tokens-1 (it keeps those it has).
+
+        Raises OutOfBlocks when the free list runs dry (nothing is allocated then), ValueError past
+        ``max_blocks``."""
+        need = blocks_for(n_tokens, self.block_tokens)
+        owned = self._owned[slot]
+        if need <= len(owned):
+            return
+        if need > self.max_blocks:
+            raise ValueError(f"{n_tokens} tokens need {need} KV blocks; a table holds {self.max_blocks}")
+        extra = need - len(owned)
+        if extra > len(self._free):
+            raise OutOfBlocks(f"slot {slot} needs {extra} more KV block(s) but {len(self._free)} are free")
+        for _ in range(extra):
+            block = self._free.pop()
+            self._updates.append((slot, len(owned), block))
+            owned.append(block)
+
+    def release(self, slot: int) -> None:
+        """Return all of ``slot``'s blocks to the free list and point its table row at the null block."""
+        owned = self._owned[slot]
+        if not owned:
+            return
+        self._updates.extend((slot, i, self.null_block) for i in range(len(owned)))
+        self._free.extend(reversed(owned))
+        self._owned[slot] = []
+
+    def positions(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Flat cache rows (block * block_tokens + offset) of ``slot``'s positions start..end-1: int64
+        [end - start] on the host.  The slot must own the blocks (``ensure``)."""
+        pos = torch.arange(start, end, dtype=torch.long)
+        owned = torch.tensor(self._owned[slot], dtype=torch.long)
+        return owned[pos // self.block_tokens] * self.block_tokens + pos % self.block_tokens
+
+    def flush(self) -> None:
+        """Write the table changes since the last flush into ``device_table`` (queued on the current stream, so
+        steps launched after it see them)."""
+        if not self._updates:
+            return
+        last = {(slot, i): block for slot, i, block in self._updates}  # a later change of one entry wins
+        self._updates = []
+        upd = torch.tensor([(slot, i, block) for (slot, i), block in last.items()], dtype=torch.long)
+        dev = self.device_table.device
+        if dev.type == "cuda":
+            upd = upd.pin_memory().to(dev, non_blocking=True)
+        self.device_table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(dev)

@@ -1,0 +1,105 @@
+"""Input embeddings and M-RoPE positions of prompt chunks, with each prompt's image features kept between its
+chunks.
+
+A prompt prefilled in several chunks (a long prompt under the per-step token budget) runs the vision tower once,
+at its first chunk, over all its images; later chunks take their image rows from the kept features, so a chunk
+boundary may fall anywhere, inside an image's tokens too.  Positions: ``model.model.get_rope_index`` over the
+whole prompt when it has images (its delta is kept for the slot's decode positions), else 0..L-1 on all three
+M-RoPE axes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from qwen_chat.chat_types import InvalidInput
+from qwen_chat.engine.serving.requests import PreparedPrompt
+
+
+@dataclass
+class _ImagePrompt:
+    """What the later chunks of an image prompt need: features [n_image_tokens, hidden] (model dtype), the
+    whole prompt's positions int64 [3, L], the count of image tokens before each position int64 [L + 1], and
+    the M-RoPE delta."""
+
+    feats: torch.Tensor
+    pos: torch.Tensor
+    before: torch.Tensor
+    delta: int
+
+
+class PromptInputs:
+    """Embeds prompt chunks for one runner (see the module docstring).
+
+    Args: model (``Qwen3_5ForConditionalGeneration``), device, dtype (of the embeddings).
+    """
+
+    def __init__(self, model, *, device: torch.device, dtype: torch.dtype) -> None:
+        self._core = model.model
+        self._embed = model.model.language_model.embed_tokens
+        self._rotary = model.model.language_model.rotary_emb
+        self.image_token_id = int(model.config.image_token_id)
+        self.device, self.dtype = device, dtype
+        self._images: dict[int, _ImagePrompt] = {}
+
+    def check(self, prompt: PreparedPrompt) -> None:
+        """Refuse what the forward cannot take, before any state changes.  Raises InvalidInput: an empty prompt,
+        token ids outside the embedding table, pixel_values without image_grid_thw."""
+        ids = prompt.input_ids.reshape(-1)
+        if ids.numel() == 0:
+            raise InvalidInput("empty prompt")
+        lo, hi = int(ids.min()), int(ids.max())  # an out-of-range id would be a device-side assert on CUDA
+        if lo < 0 or hi >= self._embed.num_embeddings:
+            raise InvalidInput(f"prompt token ids must be in 0..{self._embed.num_embeddings - 1} (got {lo}..{hi})")
+        if prompt.pixel_values is not None and prompt.image_grid_thw is None:
+            raise InvalidInput("pixel_values given without image_grid_thw")
+
+    def start(self, slot: int, prompt: PreparedPrompt) -> int:
+        """A prompt's first chunk: run the vision tower over its images (kept for its later chunks) and return
+        its M-RoPE delta (0 without images).  Raises InvalidInput when the image-pad count does not match the
+        images' features."""
+        self._images.pop(slot, None)
+        if prompt.pixel_values is None:
+            return 0
+        ids = prompt.input_ids.to(self.device, torch.long).reshape(-1)
+        grid = prompt.image_grid_thw.to(self.device, torch.long)
+        out = self._core.get_image_features(prompt.pixel_values.to(self.device), grid)
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        if isinstance(feats, (list, tuple)):
+            feats = torch.cat(list(feats), dim=0)
+        mask = ids == self.image_token_id
+        if int(mask.sum()) != feats.shape[0]:
+            raise InvalidInput(f"prompt has {int(mask.sum())} image-pad tokens but the images give "
+                               f"{feats.shape[0]} features")
+        mm = prompt.mm_token_type_ids
+        mm = mask.long() if mm is None else mm.to(self.device, torch.long).reshape(-1)
+        pos, deltas = self._core.get_rope_index(ids[None], mm_token_type_ids=mm[None], image_grid_thw=grid)
+        before = torch.zeros(ids.numel() + 1, dtype=torch.long, device=self.device)
+        before[1:] = mask.long().cumsum(0)
+        delta = int(deltas.reshape(-1)[0])
+        self._images[slot] = _ImagePrompt(feats.to(self.dtype), pos[:, 0].to(self.device), before, delta)
+        return delta
+
+    def chunk(self, slot: int, prompt: PreparedPrompt, start: int,
+              end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(emb [n, hidden], cos [n, rot], sin [n, rot]) of the prompt's tokens start..end-1 (n = end - start).
+        ``start`` must have been called for this slot's prompt first when it has images."""
+        ids = prompt.input_ids.reshape(-1)[start:end].to(self.device, torch.long)
+        emb = self._embed(ids).to(self.dtype)
+        img: Optional[_ImagePrompt] = self._images.get(slot)
+        if img is not None:
+            mask = ids == self.image_token_id
+            if bool(mask.any()):
+                first = int(img.before[start])
+                emb[mask] = img.feats[first:first + int(mask.sum())]
+            pos = img.pos[:, start:end]
+        else:
+            pos = torch.arange(start, end, device=self.device).view(1, -1).expand(3, -1)
+        cos, sin = self._rotary(emb[None], pos[:, None, :])
+        return emb, cos[0], sin[0]
+
+    def done(self, slot: int) -> None:
+        """Forget what was kept for ``slot``'s prompt (its last chunk ran, or the slot was freed)."""
+        self._images.pop(slot, None)
