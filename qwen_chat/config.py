@@ -104,7 +104,10 @@ class ServiceConfig:
     """Every start-up setting of the service.
 
     Units: ``port`` TCP port; ``image_token_budget`` visual tokens per image (1 token = one 32x32 px block);
-    ``max_context`` tokens per sequence (None: the model's own limit, capped by ``engine_max_context``);
+    ``max_context`` tokens per sequence (None: the model's own limit as far as the memory budget holds it);
+    ``max_batch`` sequences at once (None: what the budget holds, up to 128); ``gpu_memory_utilization`` a
+    fraction of each GPU's memory; ``memory_budget_gib`` GiB (1 GiB = 2**30 bytes); ``prefill_chunk_tokens``
+    tokens per engine step;
     ``max_upload_mb`` megabytes per file; ``collective_timeout_s`` seconds a worker rank waits for the next
     request on the gloo control group before it considers rank 0 gone.  ``tp_allreduce`` and ``tp_fused`` pick
     the tensor-parallel all-reduce kernels (``qwen_chat.engine.parallel.collectives.TensorParallelComm``).
@@ -126,9 +129,22 @@ class ServiceConfig:
     image_token_budget: int = 1024
     max_images_per_turn: int = 8
     max_upload_mb: float = 20.0
-    max_context: Optional[int] = None
+    max_context: Optional[int] = _opt(
+        None, help="tokens per sequence at most (prompt + reply); default: the model's own limit, as far as the "
+                   "memory budget holds it")
     max_queue: int = 64
-    max_batch: int = 8
+    max_batch: Optional[int] = _opt(
+        None, help="sequences decoded together at most; default: as many as the memory budget holds, up to 128")
+    gpu_memory_utilization: float = _opt(
+        0.90, help="fraction of each GPU's memory the service may use in all (weights, activations, KV cache and "
+                   "state); what the weights and activations leave is the memory budget of the sequences")
+    memory_budget_gib: Optional[float] = _opt(
+        None, help="GiB for the sequences' state (KV blocks + Gated DeltaNet slots) instead of what "
+                   "--gpu-memory-utilization leaves; default on CPU: 0.25")
+    prefill_chunk_tokens: Optional[int] = _opt(
+        None, help="prompt tokens prefilled in one engine step at most (longer prompts go in chunks, mixed with "
+                   "the running streams' decode steps, which each chunk delays); default: 4096, less on a GPU "
+                   "with little memory left after the weights")
     device: Optional[str] = _opt(None, choices=("cpu", "cuda"))  # None: cuda if available
     users_file: Optional[Path] = None
     login: Optional[bool] = _opt(None, off="--no-login")  # None: on when bound beyond loopback
@@ -165,7 +181,8 @@ class ServiceConfig:
         """Return self, or raise ``ConfigError`` (one line) for a setting the service cannot start with.
 
         Checks the ranges (``--port`` 1..65535, ``--image-token-budget`` 64..16384, ``--max-queue`` and
-        ``--max-batch`` >= 1, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
+        ``--max-batch`` >= 1, ``--gpu-memory-utilization`` 0.05..1, ``--memory-budget-gib`` > 0,
+        ``--prefill-chunk-tokens`` >= 16, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
         ``--collective-timeout-s`` > 0), the choices, login and API-key requirements, that ``--ds-config``
         exists, that ``--adapter`` is a folder with ``adapter_config.json``, when login is on, that the users
         file can be read and parsed (``auth.UserDB.from_file``), and last that ``--history-dir`` is a writable
@@ -175,8 +192,14 @@ class ServiceConfig:
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
         if not (64 <= self.image_token_budget <= 16384):
             raise ConfigError(f"--image-token-budget must be 64..16384, got {self.image_token_budget}")
-        if self.max_queue < 1 or self.max_batch < 1:
+        if self.max_queue < 1 or (self.max_batch is not None and self.max_batch < 1):
             raise ConfigError("--max-queue and --max-batch must be >= 1")
+        if not (0.05 <= self.gpu_memory_utilization <= 1.0):
+            raise ConfigError(f"--gpu-memory-utilization must be 0.05..1.0, got {self.gpu_memory_utilization:g}")
+        if self.memory_budget_gib is not None and not (0 < self.memory_budget_gib < math.inf):
+            raise ConfigError(f"--memory-budget-gib must be > 0, got {self.memory_budget_gib:g}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 16:
+            raise ConfigError(f"--prefill-chunk-tokens must be >= 16, got {self.prefill_chunk_tokens}")
         if not (math.isfinite(self.max_upload_mb) and self.max_upload_mb * 1024 * 1024 >= 1):
             raise ConfigError(f"--max-upload-mb must be > 0 (at least one byte), got {self.max_upload_mb:g}")
         if self.max_context is not None and self.max_context < 1:

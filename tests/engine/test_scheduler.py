@@ -46,11 +46,26 @@ class FakeRunner:
             logits[EOS] = 50.0
         return logits
 
-    def prefill(self, slot: int, prompt: PreparedPrompt) -> torch.Tensor:
-        assert slot not in self.seqs, f"slot {slot} prefilled without free"
-        self.seqs[slot] = [int(t) for t in prompt.input_ids]
-        self.prompt_lens[slot] = len(self.seqs[slot])
-        return self._logits(self.seqs[slot], 0)
+    def check(self, prompt: PreparedPrompt) -> None:
+        """Where the real runner refuses a prompt (before any state changes); tests replace it."""
+
+    def prefill_batch(self, chunks) -> torch.Tensor | None:
+        for c in chunks:
+            if c.start == 0:
+                self.check(c.prompt)
+        rows = []
+        for c in chunks:
+            ids = [int(t) for t in c.prompt.input_ids[:c.stop()]]
+            if c.start == 0:
+                assert c.slot not in self.seqs, f"slot {c.slot} prefilled without free"
+                if c.logits:  # not a preempted sequence recomputing its cache: its prompt starts here
+                    self.prompt_lens[c.slot] = c.prompt.num_tokens
+            else:
+                assert self.seqs[c.slot] == ids[:c.start], "a chunk that does not continue its slot"
+            self.seqs[c.slot] = ids
+            if c.stop() == c.prompt.num_tokens and c.logits:
+                rows.append(self._logits(ids, len(ids) - self.prompt_lens[c.slot]))
+        return torch.stack(rows) if rows else None
 
     def decode(self, slots: list[int], tokens, token_table=None) -> torch.Tensor:
         if tokens is None:  # overlap mode: the last sampled token of each slot, as the real runner reads it
@@ -336,14 +351,12 @@ def test_refused_prompt_fails_only_that_request(cleanup):
     gate = threading.Event()
     sched, ex, runner = make(num_slots=2, gate=gate)
     cleanup(sched)
-    original = runner.prefill
 
-    def refusing_prefill(slot, p):
+    def refusing_check(p):
         if p.input_ids.tolist() == [66]:
             raise InvalidInput("prompt refused by the runner")
-        return original(slot, p)
 
-    runner.prefill = refusing_prefill
+    runner.check = refusing_check
     fatal = []
     sched.on_fatal = fatal.append
     h1 = sched.submit(prompt(1, 2), params(max_new=12), CancelToken())
@@ -386,7 +399,11 @@ def test_real_runner_batched_streams_equal_solo_streams():
         sched.shutdown()
 
 
-def test_prefill_budget_spreads_long_prompts_over_steps(cleanup):
+def test_prefill_budget_splits_long_prompts_into_chunks(cleanup):
+    """With a budget of 10 prompt tokens per step, prompts of 8 and 25 tokens go in chunks (the long one over
+    several steps, next to the running decode), no step prefills more than 10 tokens, and every stream equals
+    its solo run."""
+    refs = [solo(prompt(*range(n)), params(max_new=4))[0] for n in (8, 25)]
     gate = threading.Event()
     runner = FakeRunner(3)
     ex = SpyExecutor(runner, FakeSampler(3, VOCAB), gate=gate)
@@ -394,13 +411,15 @@ def test_prefill_budget_spreads_long_prompts_over_steps(cleanup):
     cleanup(sched)
     h0 = sched.submit(prompt(1), params(max_new=30), CancelToken())
     assert ex.step_started.wait(10)
-    handles = [sched.submit(prompt(*range(8)), params(max_new=3), CancelToken()) for _ in range(2)]
+    handles = [sched.submit(prompt(*range(n)), params(max_new=4), CancelToken()) for n in (8, 25)]
     gate.set()
-    for h in [h0] + handles:
-        list(h)
-    sizes = [len(p.prefills) for p in ex.plans if p.prefills]
-    assert sizes == [1, 1, 1]  # 8 + 8 tokens exceed the budget of 10: one long prompt per step
-    assert all(h.finish_reason == "length" for h in handles)
+    list(h0)
+    assert [list(h) for h in handles] == refs
+    sizes = [sum(i.stop() - i.start for i in p.prefills) for p in ex.plans if p.prefills]
+    assert max(sizes) <= 10 and sum(sizes) == 1 + 8 + 25
+    chunks = [(i.start, i.stop()) for p in ex.plans for i in p.prefills if i.prompt.num_tokens == 25]
+    assert chunks == [(0, 2), (2, 12), (12, 22), (22, 25)]
+    assert any(p.prefills and p.decode_slots for p in ex.plans)
 
 
 def test_twenty_stop_cycles_leave_no_slot_or_state_behind(cleanup):

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from qwen_chat.chat_types import ChatError, NotReady
+from qwen_chat.engine.model.runner import Chunk
 from qwen_chat.engine.serving.requests import SampledTokens, StepPlan
 from qwen_chat.lifecycle import die, install_worker_stop_signals
 
@@ -108,8 +109,10 @@ class LocalExecutor:
 
     def launch(self, plan: StepPlan) -> "Launched":
         """Queue one plan on the device and return without waiting for its result: free ``plan.free_slots``;
-        prefill each ``plan.prefills`` item, copy its state into the slots of its ``copies`` (the other choices of
-        the request, ``ModelRunner.copy_slot``) and sample each one's first token; then one batched decode over
+        prefill the ``plan.prefills`` chunks together (``ModelRunner.prefill_batch``); for each chunk that ends its
+        prompt, copy its state into the slots of its ``copies`` (the other choices of the request,
+        ``ModelRunner.copy_slot``) and sample each one's first token (not for a ``resume``); then one batched
+        decode over
         ``plan.decode_slots`` and sample.  The decode feeds ``plan.decode_tokens``, or with
         ``plan.tokens_on_device`` the last token sampled for each slot (``Sampler.last_tokens``), so a plan can
         be launched before the previous one's tokens reached the host.  At most two launched plans may await
@@ -131,6 +134,8 @@ class LocalExecutor:
         if overlap:
             raise ValueError(f"slots {sorted(overlap)} are both prefilled and decoded in one step")
 
+        for batch, ctx in plan.capture:
+            self.runner.capture_all(batch_sizes=[batch], context_buckets=[ctx])
         for slot in plan.free_slots:
             self.runner.free(slot)
 
@@ -138,16 +143,25 @@ class LocalExecutor:
         parts: list[torch.Tensor] = []
         logprobs: list = []  # sampling_rules.LogprobRows of the draws that asked for them
         with torch.no_grad():
-            for item in plan.prefills:
-                self.sampler.start(item.slot, item.sampling)
-                logits = self.runner.prefill(item.slot, item.prompt)  # fp32 [V]
-                for slot, sampling in item.copies:
-                    self.runner.copy_slot(item.slot, slot)
-                    self.sampler.start(slot, sampling)
-                group = [item.slot] + [slot for slot, _ in item.copies]
-                rows = logits.view(1, -1).repeat(len(group), 1) if item.copies else logits.view(1, -1)
-                parts.append(self._sample(group, rows, logprobs))
-                slots.extend(group)
+            if plan.prefills:
+                for item in plan.prefills:
+                    if item.start == 0 and not item.resume:
+                        self.sampler.start(item.slot, item.sampling)
+                chunks = [Chunk(item.slot, item.prompt, item.start, item.end, logits=not item.resume)
+                          for item in plan.prefills]
+                logits = self.runner.prefill_batch(chunks)  # fp32 [m, V]: the last chunks that sample
+                row = 0
+                for item in plan.prefills:
+                    if not item.last or item.resume:
+                        continue
+                    for slot, sampling in item.copies:
+                        self.runner.copy_slot(item.slot, slot)
+                        self.sampler.start(slot, sampling)
+                    group = [item.slot] + [slot for slot, _ in item.copies]
+                    rows = logits[row:row + 1].repeat(len(group), 1) if item.copies else logits[row:row + 1]
+                    row += 1
+                    parts.append(self._sample(group, rows, logprobs))
+                    slots.extend(group)
             if plan.decode_slots:
                 decode_slots = list(plan.decode_slots)
                 if plan.tokens_on_device:

@@ -6,9 +6,15 @@ under one condition variable, ``Batch.cond``:
 
 - admission (``submit``): the context check, the queue bound (``Busy``), one ``RequestHandle`` per request, one
   per choice for a request with n > 1 (the n choices queue as n requests, one after the other);
-- planning (``next_plan``): requests whose consumer went away leave, running sequences decode one token, waiting
-  ones are prefilled into free slots within the prefill token budget; the later choices of a request that get
-  a free slot in the same step share its prefill (``PrefillItem.copies``), the others get their own later;
+- planning (``next_plan``): requests whose consumer went away leave; running sequences decode one token, each
+  taking a new KV block when it needs one, and when the blocks run out the newest sequences are preempted
+  (their blocks given back, their slot and sampler state kept) and later recomputed from their prompt and the
+  tokens they were fed; then prompt chunks are planned under the per-step token budget: prompts already being
+  prefilled continue first, then preempted sequences, then the waiting queue, first come first served, each
+  admitted only when a state slot and the KV blocks of its whole prompt are free (``kv_budget``); a long prompt
+  goes in chunks over several steps, so running streams are delayed by at most one chunk; the later choices of
+  a request whose whole prompt is prefilled in one step share its prefill (``PrefillItem.copies``) when slots
+  allow, the others get their own later;
 - delivery (``deliver``): each sampled token goes to the request that owns the slot; a stop id or a limit ends it;
 - retirement (``retire``, ``fail``, ``drain``): a finished request gives its slot back; the runner state of that
   slot is released by the next plan (``StepPlan.free_slots``).
@@ -27,20 +33,34 @@ import time
 from collections import deque
 from typing import Iterable, Optional
 
+import torch
+
 from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, FinishReason, NotReady
+from qwen_chat.engine.model.paged import BLOCK_TOKENS
 from qwen_chat.engine.serving.handles import RequestHandle
+from qwen_chat.engine.serving.kv_budget import BlockBudget
 from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
+
+#: Seconds with nothing to do after which the engine captures one more decode graph (``idle_captures``).
+IDLE_S = 0.5
 
 
 class Request:
     """One submitted request as the scheduler tracks it: its handle, prompt, sampling, stop ids (int), the slot it
     holds (None while waiting or after it finished), the last token sampled for it, ``siblings``: the later
     choices of the same request (n > 1), which may share its prefill, and ``constraint``: its grammar state
-    (``constraints.Constraint``) or None."""
+    (``constraints.Constraint``) or None.
 
-    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings", "constraint")
+    Progress: ``order`` (admission order: the newest is preempted first), ``target`` (the prompt being prefilled:
+    the prompt, or after a preemption the prompt and the tokens it was fed; None while preempted), ``cached``
+    (tokens planned into its cache so far), ``blocks`` (KV blocks charged, ``kv_budget``), ``generated`` (every
+    token delivered), ``resume`` (the target recomputes a preempted sequence).
+    """
+
+    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings", "constraint",
+                 "order", "target", "cached", "blocks", "generated", "resume")
 
     def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids,
                  constraint=None):
@@ -52,6 +72,37 @@ class Request:
         self.last_token: Optional[int] = None
         self.siblings: list["Request"] = []
         self.constraint = constraint
+        self.order = 0
+        self.target: Optional[PreparedPrompt] = None
+        self.cached = 0
+        self.blocks = 0
+        self.generated: list[int] = []
+        self.resume = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted and its target prompt not fully planned yet."""
+        return self.target is not None and self.cached < self.target.num_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt (or recomputation) is planned through: it decodes from now on."""
+        return self.target is not None and self.cached >= self.target.num_tokens
+
+    def recompute_prompt(self) -> PreparedPrompt:
+        """The prompt and every token fed to the model so far (all generated but the last, which is fed next):
+        what a preempted sequence prefills to get its cache back."""
+        fed = self.generated[:-1]
+        if not fed:
+            return self.prompt
+        p = self.prompt
+        extra = torch.tensor(fed, dtype=p.input_ids.dtype)
+        mm = p.mm_token_type_ids
+        if mm is not None:
+            mm = torch.cat([mm.reshape(-1), torch.zeros(len(fed), dtype=mm.dtype)])
+        return PreparedPrompt(input_ids=torch.cat([p.input_ids.reshape(-1), extra]), pixel_values=p.pixel_values,
+                              image_grid_thw=p.image_grid_thw, mm_token_type_ids=mm,
+                              max_new_tokens=p.max_new_tokens)
 
 
 class Batch:
@@ -59,9 +110,10 @@ class Batch:
 
     Args: as ``Scheduler``: ``num_slots`` (sequences decoded together), ``max_queue`` (requests that may wait),
     ``eos_ids`` (token ids that end every request), ``max_context`` (tokens per sequence, or None),
-    ``prefill_token_budget`` (prompt tokens prefilled in one step at most, one prompt always), ``constraints``
-    (the ``constraints.ConstraintTable`` the sampler masks with, or None: a constrained request's slot is bound
-    to its ``Constraint`` while it runs).
+    ``prefill_token_budget`` (prompt tokens prefilled in one step at most), ``constraints`` (the
+    ``constraints.ConstraintTable`` the sampler masks with, or None: a constrained request's slot is bound to
+    its ``Constraint`` while it runs), ``num_blocks`` and ``block_tokens`` (the runner's KV blocks; None: enough
+    for every slot at ``max_context``).
 
     Attributes read by the scheduler: ``cond`` (the lock of everything here), ``stopping`` (no new work; the
     loop ends), ``waiting`` (deque of ``Request``), ``running`` ({slot: Request}), ``totals`` (counters, see
@@ -69,8 +121,16 @@ class Batch:
     """
 
     def __init__(self, *, num_slots: int, max_queue: int, eos_ids: Iterable[int], max_context: Optional[int],
-                 prefill_token_budget: int, constraints=None) -> None:
+                 prefill_token_budget: int, constraints=None, num_blocks: Optional[int] = None,
+                 block_tokens: int = BLOCK_TOKENS, idle_captures: Optional[list] = None) -> None:
+        if prefill_token_budget < 1:
+            raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.num_slots = num_slots
+        if num_blocks is None:
+            num_blocks = num_slots * -(-(max_context or 2 ** 30) // block_tokens)
+        self.kv = BlockBudget(num_blocks, block_tokens)
+        self._idle_captures = list(idle_captures or ())
+        self._order = itertools.count()
         self.constraints = constraints
         self.max_queue = max_queue
         self.eos_ids = frozenset(int(t) for t in eos_ids)
@@ -86,7 +146,7 @@ class Batch:
         self.totals = {
             "requests": 0, "rejected_busy": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
             "step_seconds": 0.0,
-            "decode_steps": 0, "max_decode_batch": 0,
+            "decode_steps": 0, "max_decode_batch": 0, "preemptions": 0, "prefill_chunks": 0,
             "finished": {"stop": 0, "length": 0, "cancelled": 0, "error": 0},
         }
 
@@ -153,7 +213,11 @@ class Batch:
         ``tokens_on_device`` instead of ``decode_tokens``."""
         with self.cond:
             while ahead is None and not (self.stopping or self.waiting or self.running or self._to_free):
-                self.cond.wait()
+                if self._idle_captures and not self.cond.wait(IDLE_S) and not (
+                        self.stopping or self.waiting or self.running or self._to_free):
+                    return StepPlan(capture=[self._idle_captures.pop(0)]), [], []
+                if not self._idle_captures:
+                    self.cond.wait()
             if self.stopping:
                 return None, [], []
             # Requests whose consumer cancelled or went away leave now, before this step runs.
@@ -165,43 +229,109 @@ class Batch:
                 self.retire(req, "cancelled")
             plan = StepPlan(free_slots=self._to_free, tokens_on_device=overlap)
             self._to_free = []
-            # Running sequences decode one token; waiting ones are prefilled into free slots.
-            decoded = list(self.running.values())
-            if ahead is not None:
-                ids = {id(r) for r in ahead}
-                decoded = [r for r in decoded if id(r) not in ids or not self.at_limit(r, 1)]
-            plan.decode_slots = [r.slot for r in decoded]
-            if not overlap:
-                plan.decode_tokens = [int(r.last_token) for r in decoded]
-            prefilled: list[Request] = []
-            budget = self.prefill_token_budget
-            while self.waiting and self._free_slots:
-                # At least one prefill per step; more only while they fit the budget, so that a burst of long
-                # prompts does not stall the running streams for many prefills in a row.
-                if prefilled and self.waiting[0].prompt.num_tokens > budget:
-                    break
-                req = self.waiting.popleft()
-                budget -= req.prompt.num_tokens
-                req.slot = self._free_slots.pop(0)
-                self.running[req.slot] = req
-                self._bind(req)
-                prefilled.append(req)
-                item = PrefillItem(req.slot, req.prompt, req.sampling)
-                for sib in req.siblings:  # later choices of the request start from this prefill, as slots allow
-                    if not self._free_slots or sib not in self.waiting:
-                        break
-                    self.waiting.remove(sib)
-                    sib.slot = self._free_slots.pop(0)
-                    self.running[sib.slot] = sib
-                    self._bind(sib)
-                    prefilled.append(sib)
-                    item.copies.append((sib.slot, sib.sampling))
-                plan.prefills.append(item)
+            in_flight = {id(r) for r in ahead} if ahead is not None else set()
+            decoded = self._plan_decode(plan, in_flight, overlap)
+            prefilled = self._plan_prefill(plan, in_flight)
             self.totals["steps"] += 1
+            self.totals["prefill_chunks"] += len(plan.prefills)
             if decoded:
                 self.totals["decode_steps"] += 1
                 self.totals["max_decode_batch"] = max(self.totals["max_decode_batch"], len(decoded))
             return plan, prefilled, decoded
+
+    def _plan_decode(self, plan: StepPlan, in_flight: set, overlap: bool) -> list[Request]:
+        """Every decoding sequence feeds one token, except those whose token in flight reaches a limit.  Those
+        that enter a new KV block take one; when too few are free the newest sequences are preempted until the
+        rest fit (caller holds ``cond``).  Returns the decoded requests, in slot order of ``running``."""
+        decoded = [r for r in self.running.values() if r.decoding
+                   and not (id(r) in in_flight and self.at_limit(r, 1))]
+        kv = self.kv
+        while True:
+            growing = [r for r in decoded if kv.blocks(r.cached + 1) > r.blocks]
+            if len(growing) <= kv.free:
+                break
+            victim = max((r for r in self.running.values() if r.target is not None), key=lambda r: r.order)
+            self._preempt(victim, plan)
+            decoded = [r for r in decoded if r is not victim]
+        for r in growing:
+            kv.charge(r, 1)
+        for r in decoded:
+            r.cached += 1
+        plan.decode_slots = [r.slot for r in decoded]
+        if not overlap:
+            plan.decode_tokens = [int(r.last_token) for r in decoded]
+        return decoded
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        """Take ``req``'s KV blocks back; it keeps its slot (and so its sampler and grammar state) and is
+        recomputed later (``Request.recompute_prompt``).  Caller holds ``cond``."""
+        self.kv.release(req)
+        req.target, req.cached = None, 0
+        if req.slot not in plan.free_slots:
+            plan.free_slots.append(req.slot)
+        self.kv.preemptions += 1
+        self.totals["preemptions"] += 1
+        log.info("request %d preempted (KV blocks ran out); it resumes when blocks are free",
+                 req.handle.request_id)
+
+    def _plan_prefill(self, plan: StepPlan, in_flight: set) -> list[Request]:
+        """Prompt chunks under the token budget: prompts in progress first, then preempted sequences, then the
+        waiting queue, first come first served (caller holds ``cond``).  Returns the requests with a chunk in
+        this step."""
+        budget = self.prefill_token_budget
+        kv = self.kv
+        prefilled: list[Request] = []
+
+        def chunk(req: Request) -> None:
+            nonlocal budget
+            start = req.cached
+            end = min(req.target.num_tokens, start + budget)
+            budget -= end - start
+            req.cached = end
+            plan.prefills.append(PrefillItem(req.slot, req.target, req.sampling, start=start, end=end,
+                                             resume=req.resume))
+            prefilled.append(req)
+
+        for req in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.order):
+            if budget <= 0:
+                return prefilled
+            chunk(req)
+        for req in sorted((r for r in self.running.values() if r.target is None), key=lambda r: r.order):
+            if budget <= 0 or id(req) in in_flight:
+                return prefilled
+            target = req.recompute_prompt()
+            if not kv.can_admit(target.num_tokens + 1):
+                return prefilled  # first come first served: nobody overtakes a preempted sequence
+            req.target, req.cached, req.resume = target, 0, bool(req.generated)
+            kv.charge(req, kv.blocks(target.num_tokens))
+            chunk(req)
+        while self.waiting and self._free_slots and budget > 0:
+            req = self.waiting[0]
+            if not kv.can_admit(req.prompt.num_tokens):
+                break
+            self.waiting.popleft()
+            whole = req.prompt.num_tokens <= budget
+            self._admit(req)
+            chunk(req)
+            item = plan.prefills[-1]
+            for sib in req.siblings if whole else ():  # later choices start from this prefill, as slots allow
+                if not self._free_slots or sib not in self.waiting or not kv.can_admit(req.prompt.num_tokens):
+                    break
+                self.waiting.remove(sib)
+                self._admit(sib)
+                sib.cached = sib.target.num_tokens
+                prefilled.append(sib)
+                item.copies.append((sib.slot, sib.sampling))
+        return prefilled
+
+    def _admit(self, req: Request) -> None:
+        """Give ``req`` a slot and charge its prompt's blocks (caller holds ``cond``)."""
+        req.slot = self._free_slots.pop(0)
+        req.order = next(self._order)
+        req.target, req.cached, req.resume = req.prompt, 0, False
+        self.kv.charge(req, self.kv.blocks(req.prompt.num_tokens))
+        self.running[req.slot] = req
+        self._bind(req)
 
     def _bind(self, req: Request) -> None:
         """A request got its slot: its draws follow its constraint from now on (when it has one)."""
@@ -232,7 +362,10 @@ class Batch:
             for req in reqs:
                 if req.slot is None or self.running.get(req.slot) is not req:
                     continue
+                if req.slot not in tokens:  # a prompt chunk that is not its last: no token yet
+                    continue
                 token = int(tokens[req.slot])
+                req.generated.append(token)
                 h = req.handle
                 h.completion_tokens += 1
                 self.totals["generated_tokens"] += 1
@@ -250,6 +383,7 @@ class Batch:
         """Finish a request and release its slot (caller holds ``cond``)."""
         if req.slot is not None and self.running.get(req.slot) is req:
             del self.running[req.slot]
+            self.kv.release(req)
             if self.constraints is not None:
                 self.constraints.unbind(req.slot)
             self._to_free.append(req.slot)

@@ -15,7 +15,7 @@ Steps, identical on every rank:
 3. loading (the checkpoint checked: ``checkpoints.layout``), the ``--adapter`` merged into the weights
    (``checkpoints.adapters``), sharding, then one report line per rank (rank, device, parameters held, GPU memory);
    rank 0 adds the sharding mode and the kernel each Gated DeltaNet op resolved to;
-4. runner + sampler (``chat_engine.build_runner``), the start-up self-check (``selfcheck.run_self_check``) run
+4. runner + sampler sized from the memory budget (``runner_setup.build_runner``), the start-up self-check (``selfcheck.run_self_check``) run
    on every rank and compared across ranks (a mismatch stops the start-up: ``StartupError``, exit code 78,
    before the engine answers any request);
 5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor`` (``chat_engine.build_engine``) and hands
@@ -155,7 +155,9 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     from qwen_chat.engine.checkpoints.adapters import describe_merge, merge_adapter, read_adapter
     from qwen_chat.engine.checkpoints.layout import CheckpointError, inspect_checkpoint
     from qwen_chat.engine.checkpoints.loading import describe_kernels, load_model
-    from qwen_chat.engine.serving.chat_engine import build_engine, build_runner
+    from qwen_chat.engine.model.memory import MemoryBudgetError
+    from qwen_chat.engine.serving.chat_engine import build_engine
+    from qwen_chat.engine.serving.runner_setup import build_runner
 
     path = _resolve_checkpoint_in_order(cfg, info, groups)
     try:  # the folder and the adapter are checked before any weight loads; each refusal is one line
@@ -190,7 +192,10 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
             log.info("kernel: %s -> %s", op, impl)
 
     if not info.is_main:
-        local = LocalExecutor(*build_runner(loaded, cfg))
+        try:
+            local = LocalExecutor(*build_runner(loaded, cfg)[:2])
+        except MemoryBudgetError as exc:
+            raise StartupError(str(exc)) from exc
         _self_check_across_ranks(local, run_self_check(local, loaded.tokenizer), groups, info)
         qdist.unlink_deepspeed_shm(info.rank)
         log.info("rank %d: ready, waiting for plans from rank 0", info.rank)
@@ -209,4 +214,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
         install_rank0_sigterm(executor.close)
         return executor
 
-    return build_engine(loaded, cfg, executor_factory=executor_factory)
+    try:
+        return build_engine(loaded, cfg, executor_factory=executor_factory)
+    except MemoryBudgetError as exc:
+        raise StartupError(str(exc)) from exc

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 import weakref
 from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sequence
@@ -44,16 +43,12 @@ from qwen_chat.engine.text.prompt import build_prompt
 from qwen_chat.engine.serving.constraints import StructuredOutput, reply_constraints
 from qwen_chat.engine.serving.replies import stream_replies
 from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
+from qwen_chat.engine.serving.runner_setup import build_runner, idle_captures
 from qwen_chat.engine.serving.scheduler import Scheduler
 from qwen_chat.engine.serving.selfcheck import run_self_check
 from qwen_chat.lifecycle import exit_process_soon
 
 log = logging.getLogger(__name__)
-
-#: Context (tokens per sequence) the engine allocates when ``--max-context`` is not given: the model's own limit
-#: capped here, because the KV cache is preallocated for every slot (32 KiB per token per slot on the 9B in
-#: bf16, docs/facts.md, "Per-token cost (batch 1 decode, bf16)": 8 slots x 32768 tokens = 8 GiB).
-ENGINE_MAX_CONTEXT = 32768
 
 #: A step (one prefill batch + one decode) running longer than this makes ``health()`` report the engine stuck.
 #: Generous: ZeRO-3 decodes at 2.7 tok/s on two H200s (docs/facts.md, "Sharding with DeepSpeed: ZeRO-3"), and
@@ -98,6 +93,9 @@ class ChatEngine:
         info: what the UI shows; default ``loaded.info`` with ``context_length = max_context``.
         on_fatal: called with the reason after an engine failure (see ``Scheduler``); ``build_engine`` passes
             ``lifecycle.exit_process_soon`` so that Supervisor restarts a broken engine.  None: stay up, unhealthy.
+        memory: the ``memory.MemoryPlan`` the runner was sized by (reported by ``stats`` and ``memory_report``),
+            or None.  prefill_chunk_tokens: prompt tokens per step (``Scheduler`` ``prefill_token_budget``).
+        idle_captures: decode graphs to capture while idle (``Scheduler``).
         overlap: launch each step before the previous one's tokens are back (``Scheduler`` ``overlap``);
             None = on for a ``LocalExecutor`` (one process) and for a ``DistributedExecutor`` whose ranks share rank
             0's sampled tokens on the device (its ``tokens_on_device``: ``build_runner`` sets the sampler's
@@ -123,6 +121,9 @@ class ChatEngine:
         info: Optional[ModelInfo] = None,
         on_fatal: Optional[Callable[[str], None]] = None,
         overlap: Optional[bool] = None,
+        memory=None,
+        prefill_chunk_tokens: int = 4096,
+        idle_captures: Optional[list] = None,
     ) -> None:
         if runner is not None and max_context > runner.max_context:
             raise ValueError(f"max_context {max_context} exceeds the runner's {runner.max_context}")
@@ -147,9 +148,13 @@ class ChatEngine:
             sampler.constraints = self.structure.table
         if overlap is None:
             overlap = isinstance(executor, LocalExecutor) or bool(getattr(executor, "tokens_on_device", False))
+        self.memory = memory
         self.scheduler = Scheduler(executor, num_slots=num_slots, max_queue=max_queue, eos_ids=self.eos_ids,
                                    max_context=self.max_context, on_fatal=on_fatal, overlap=overlap,
-                                   constraints=self.structure.table if self.structure is not None else None)
+                                   constraints=self.structure.table if self.structure is not None else None,
+                                   prefill_token_budget=prefill_chunk_tokens,
+                                   num_blocks=getattr(runner, "num_blocks", None),
+                                   block_tokens=getattr(runner, "block_tokens", 64), idle_captures=idle_captures)
         log.info("scheduler: %s", "steps launched ahead (overlap)" if overlap else "each step waited for")
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure
@@ -229,17 +234,23 @@ class ChatEngine:
     def stats(self) -> dict:
         """Flat numbers for /metrics (``qwen_chat.web.ops`` reads them at scrape time).
 
-        Keys: ``queue_depth`` and ``running`` (requests now), ``num_slots``, ``max_queue``, ``*_total``
-        counters since start (requests, rejected_busy, prompt_tokens, generated_tokens, decode_steps,
-        step_seconds: wall seconds the engine spent inside steps, and finished_<reason>), ``max_decode_batch``
+        Keys: ``queue_depth`` and ``running`` (requests now), ``num_slots`` (state slots: the most concurrent
+        sequences), ``max_queue``, ``kv_blocks``/``kv_blocks_used``/``kv_block_tokens``/``kv_tokens`` (the paged KV
+        cache: blocks, blocks charged now, tokens per block, tokens in all), ``max_context`` (the longest
+        context), ``*_total`` counters since start (requests, rejected_busy, prompt_tokens, generated_tokens,
+        decode_steps, step_seconds: wall seconds the engine spent inside steps, preemptions, prefill_chunks,
+        and finished_<reason>), ``max_decode_batch``
         (largest decode batch seen), ``step_running_s`` (seconds the step in progress has been running, 0 when
         idle), and ``gpu_memory_bytes`` (list with this process's allocated CUDA bytes; only on CUDA).
         """
         s = self.scheduler.stats()
         t = s["totals"]
         out = {"queue_depth": s["queued"], "running": s["active"], "num_slots": s["num_slots"],
-               "max_queue": s["max_queue"]}
-        for key in ("requests", "rejected_busy", "prompt_tokens", "generated_tokens", "decode_steps", "step_seconds"):
+               "max_queue": s["max_queue"], "kv_blocks": s["kv_blocks"], "kv_blocks_used": s["kv_blocks_used"],
+               "kv_block_tokens": s["block_tokens"], "kv_tokens": s["kv_blocks"] * s["block_tokens"],
+               "max_context": self.max_context}
+        for key in ("requests", "rejected_busy", "prompt_tokens", "generated_tokens", "decode_steps", "step_seconds",
+                    "preemptions", "prefill_chunks"):
             out[f"{key}_total"] = t[key]
         out.update(max_decode_batch=t["max_decode_batch"], step_running_s=s["step_running_s"])
         for reason, n in t["finished"].items():
@@ -312,51 +323,6 @@ class ChatEngine:
         self.close()
 
 
-def build_runner(loaded, config: ServiceConfig):
-    """The ``ModelRunner`` and ``Sampler`` for ``loaded`` as ``config`` asks (every rank builds the same).
-
-    Slots: ``config.max_batch``.  Context: ``config.max_context`` or the model's own limit capped at
-    ``ENGINE_MAX_CONTEXT``.  Device: the device of the model's parameters.  Implementation: production's
-    ``RunnerOptions`` with the tensor-parallel all-reduce of ``config.tp_allreduce`` and ``config.tp_fused``.
-
-    Returns: ``(runner, sampler)``.
-    """
-    from qwen_chat.engine.model.options import RunnerOptions
-    from qwen_chat.engine.model.runner import ModelRunner
-    from qwen_chat.engine.model.sampling import Sampler
-    from qwen_chat.engine.parallel.collectives import broadcast_from_rank0
-
-    device = next(loaded.model.parameters()).device
-    max_context = engine_context(loaded, config)
-    options = RunnerOptions(tp_allreduce=config.tp_allreduce, tp_fused=config.tp_fused)
-    runner = ModelRunner(loaded.model, num_slots=config.max_batch, max_context=max_context, device=device,
-                         options=options)
-    sampler = Sampler(config.max_batch, runner.vocab_size, device)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        # every rank records rank 0's tokens on its device, so steps can be launched ahead on every rank
-        sampler.token_sync = broadcast_from_rank0
-    if runner.use_cuda_graphs:
-        # Capture the decode graphs for every batch size and the short-context buckets and the prefill graphs
-        # before the port says ready, so the first requests do not pay ~30 s of compile + capture each (longer
-        # contexts are captured on first use).  Every rank runs this with the same arguments.
-        t0 = time.monotonic()
-        short = [c for c in runner.context_buckets() if c <= 4096] or None
-        held = runner.capture_all(context_buckets=short)
-        log.info("captured %d decode and prefill graphs in %.1f s", held, time.monotonic() - t0)
-    t0 = time.monotonic()
-    sampler.warm_up()  # compiles the fused top-k sampler on CUDA (also without graphs, e.g. ZeRO-3); CPU: nothing
-    if sampler.device.type == "cuda":
-        log.info("compiled the sampler in %.1f s", time.monotonic() - t0)
-    return runner, sampler
-
-
-def engine_context(loaded, config: ServiceConfig) -> int:
-    """Tokens per sequence: ``--max-context`` if given, else min(model limit, ``ENGINE_MAX_CONTEXT``)."""
-    if config.max_context is not None:
-        return int(config.max_context)
-    return int(min(loaded.info.context_length, ENGINE_MAX_CONTEXT))
-
-
 def build_engine(
     loaded,
     config: ServiceConfig,
@@ -364,7 +330,8 @@ def build_engine(
     *,
     exit_on_failure: bool = True,
 ) -> ChatEngine:
-    """Compose the engine app.py serves: runner + sampler (``build_runner``), a ``LocalExecutor``, the start-up
+    """Compose the engine app.py serves: runner + sampler sized from the memory budget
+    (``runner_setup.build_runner``), a ``LocalExecutor``, the start-up
     self-check on it (``selfcheck.run_self_check``), the executor the scheduler drives
     (``executor_factory(local_executor, self_check_result)``, default the ``LocalExecutor`` itself; bootstrap's
     compares the result across ranks and wraps the executor in a ``DistributedExecutor``), then the
@@ -373,13 +340,15 @@ def build_engine(
     With ``exit_on_failure`` (default) an engine failure ends the process with code 1
     (``lifecycle.exit_process_soon``).  Raises whatever the self-check or the factory raise.
     """
-    local = LocalExecutor(*build_runner(loaded, config))
+    runner, sampler, plan, chunk = build_runner(loaded, config)
+    local = LocalExecutor(runner, sampler)
     result = run_self_check(local, loaded.tokenizer)
     executor = executor_factory(local, result) if executor_factory is not None else local
     engine = ChatEngine(
-        loaded, local.runner, executor, image_token_budget=config.image_token_budget,
-        max_context=local.runner.max_context, max_queue=config.max_queue, num_slots=config.max_batch,
-        on_fatal=exit_process_soon if exit_on_failure else None,
+        loaded, runner, executor, image_token_budget=config.image_token_budget,
+        max_context=runner.max_context, max_queue=config.max_queue, num_slots=runner.num_slots,
+        on_fatal=exit_process_soon if exit_on_failure else None, memory=plan, prefill_chunk_tokens=chunk,
+        idle_captures=idle_captures(runner),
     )
     engine.self_check(result)
     return engine

@@ -65,17 +65,33 @@ class SamplingParams:
 
 @dataclass
 class PrefillItem:
-    """One new sequence of a step: the slot it takes (0 .. num_slots-1), its prompt and its sampling settings.
+    """One prompt chunk of a step: the slot it goes into (0 .. num_slots-1), the prompt, its sampling settings,
+    and which tokens: ``start``..``end``-1 (``end`` None: to the end of the prompt).
 
-    ``copies``: ``(slot, sampling)`` of sibling sequences (the other choices of a request with n > 1) that
-    start from this prefill: the slot's state is copied into theirs (``ModelRunner.copy_slot``) and each draws
-    its own first token from the same logits.
+    A chunk with ``start == 0`` starts the sequence (its sampler state too); later chunks continue it.  The
+    chunk that ends the prompt samples the sequence's first token.  ``copies``: ``(slot, sampling)`` of sibling
+    sequences (the other choices of a request with n > 1) that start from this prefill, on its last chunk: the
+    slot's state is copied into theirs (``ModelRunner.copy_slot``) and each draws its own first token from the
+    same logits.  ``resume``: a preempted sequence recomputing its cache (``prompt`` = its prompt and the
+    tokens it was fed); its sampler state is kept and nothing is sampled.
     """
 
     slot: int
     prompt: PreparedPrompt
     sampling: SamplingParams
     copies: list[tuple[int, SamplingParams]] = field(default_factory=list)
+    start: int = 0
+    end: Optional[int] = None
+    resume: bool = False
+
+    def stop(self) -> int:
+        """The end position of the chunk (``end``, or the prompt's length)."""
+        return self.prompt.num_tokens if self.end is None else int(self.end)
+
+    @property
+    def last(self) -> bool:
+        """True when this chunk ends the prompt."""
+        return self.stop() == self.prompt.num_tokens
 
 
 @dataclass(frozen=True)
@@ -104,13 +120,17 @@ class StepPlan:
 
     op: "step" (free, then prefill, then one decode over ``decode_slots``); the distributed layer adds "ping"
     (heartbeat, no work) and "exit" (the workers leave; ``qwen_chat.engine.parallel.executors``).
-    ``free_slots``: sequences that finished or were cancelled; their state is released first.
-    ``prefills``: new sequences that join this step (their first token is sampled from the prefill logits).
+    ``free_slots``: sequences that finished, were cancelled or are preempted; their state and KV blocks are
+    released first.
+    ``prefills``: prompt chunks of this step, prefilled together (a sequence's first token is sampled from the
+    logits of its prompt's last chunk).
     ``decode_slots``/``decode_tokens``: running sequences and the token each feeds in (int64 lists, same length).
     ``tokens_on_device``: each decoded slot feeds the last token sampled for it, read on the device
     (``decode_tokens`` is then ignored): the scheduler launches a step before the previous step's tokens
     reached the host.  Broadcast to other ranks only when every rank's sampler records rank 0's tokens
     (``Sampler.token_sync``; ``DistributedExecutor.tokens_on_device``), so that all ranks read equal tables.
+    ``capture``: (padded batch, context bucket) decode graphs to capture first (``ModelRunner.capture_all``), sent
+    while the engine is idle so that later steps find them ready.
     """
 
     op: str = "step"
@@ -119,3 +139,4 @@ class StepPlan:
     decode_slots: list[int] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
     tokens_on_device: bool = False
+    capture: list[tuple[int, int]] = field(default_factory=list)

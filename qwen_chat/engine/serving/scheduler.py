@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from qwen_chat.chat_types import CancelToken, ChatError, NotReady
+from qwen_chat.engine.model.paged import BLOCK_TOKENS
 from qwen_chat.engine.serving.batch import Batch, Request
 from qwen_chat.engine.serving.handles import RequestHandle
 from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams, StepPlan
@@ -61,8 +62,10 @@ class Scheduler:
         eos_ids: token ids that end every request (Qwen3.5: ``<|endoftext|>`` 248044, ``<|im_end|>`` 248046,
             docs/facts.md, "Tokens"); each request's ``SamplingParams.stop_token_ids`` are added to them.
         max_context: tokens a sequence may hold (prompt + generated; the runner's ``max_context``), or None.
-        prefill_token_budget: prompt tokens prefilled in one step at most (one prompt always goes, however
-            long); running streams wait for the step's prefills, so this bounds their stall.
+        prefill_token_budget: prompt tokens prefilled in one step at most: longer prompts go in chunks over
+            several steps; running streams wait for the step's prefill, so this bounds their stall.
+        num_blocks, block_tokens: the runner's KV blocks (``ModelRunner.num_blocks``/``block_tokens``): admission
+            and preemption keep the sequences within them (``kv_budget``).  None: every slot at max_context.
         on_fatal: called once, with the reason, on the scheduler thread after an engine failure (a step
             raised something other than a ``ChatError``, or the loop itself broke) once the affected streams
             have ended; the service uses it to exit the process so that Supervisor restarts it.
@@ -77,6 +80,8 @@ class Scheduler:
             sampler reads each one's previous token when it masks (``qwen_chat.engine.serving.constraints``).
         constraints: the ``constraints.ConstraintTable`` the sampler masks with (rank 0), or None (requests
             with constraints are then refused).
+        idle_captures: (padded batch, context bucket) decode graphs to capture, one per step, whenever the
+            engine has had nothing to do for ``batch.IDLE_S`` seconds (``StepPlan.capture``).
     """
 
     def __init__(
@@ -87,10 +92,13 @@ class Scheduler:
         max_queue: int,
         eos_ids: Iterable[int],
         max_context: Optional[int] = None,
-        prefill_token_budget: int = 8192,
+        prefill_token_budget: int = 4096,
+        num_blocks: Optional[int] = None,
+        block_tokens: int = BLOCK_TOKENS,
         on_fatal: Optional[Callable[[str], None]] = None,
         overlap: bool = False,
         constraints=None,
+        idle_captures: Optional[list[tuple[int, int]]] = None,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -101,7 +109,9 @@ class Scheduler:
             raise ValueError("overlap needs an executor with launch() and collect() (LocalExecutor, "
                              "DistributedExecutor)")
         self._batch = Batch(num_slots=num_slots, max_queue=max_queue, eos_ids=eos_ids, max_context=max_context,
-                            prefill_token_budget=prefill_token_budget, constraints=constraints)
+                            prefill_token_budget=prefill_token_budget, constraints=constraints,
+                            num_blocks=num_blocks, block_tokens=block_tokens,
+                            idle_captures=idle_captures)
         self._last_collect_at = 0.0
         self._fatal_reported = False
         self._step_started_at: Optional[float] = None  # time.monotonic() when the running step began
@@ -133,10 +143,11 @@ class Scheduler:
         """Counters for metrics: active/queued now, slots, totals since start, health.
 
         Keys: ``active`` (running sequences), ``queued`` (waiting for a slot), ``num_slots``, ``max_queue``,
+        ``kv_blocks`` and ``kv_blocks_used`` (KV blocks of the runner, charged to sequences now), ``block_tokens``,
         ``healthy`` (bool), ``reason`` (why unhealthy), ``step_running_s`` (seconds the step in progress has
         been running, 0.0 when idle), ``totals`` {requests, rejected_busy, prompt_tokens,
         generated_tokens, steps, step_seconds (wall seconds spent inside the executor's steps), decode_steps,
-        max_decode_batch, finished {stop, length, cancelled, error}}.
+        max_decode_batch, preemptions, prefill_chunks, finished {stop, length, cancelled, error}}.
         """
         started = self._step_started_at
         batch = self._batch
@@ -148,6 +159,9 @@ class Scheduler:
                 "queued": len(batch.waiting),
                 "num_slots": batch.num_slots,
                 "max_queue": batch.max_queue,
+                "kv_blocks": batch.kv.num_blocks,
+                "kv_blocks_used": batch.kv.used,
+                "block_tokens": batch.kv.block_tokens,
                 "healthy": self._healthy,
                 "reason": self._unhealthy_reason,
                 "step_running_s": 0.0 if started is None else time.monotonic() - started,
@@ -175,7 +189,7 @@ class Scheduler:
                 if plan is None:
                     return
                 launched = failure = None
-                if plan.free_slots or plan.prefills or plan.decode_slots:
+                if plan.free_slots or plan.prefills or plan.decode_slots or plan.capture:
                     if self.overlap:
                         launched, failure = self._launch(plan, prefilled, decoded, inflight)
                     else:

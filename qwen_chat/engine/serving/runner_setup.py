@@ -1,0 +1,123 @@
+"""Build the runner and sampler the service runs: size them from the memory budget, capture the first graphs.
+
+``build_runner(loaded, config)`` is called on every rank (the sizes are agreed across ranks: each rank measures
+its own budget and all take the smallest, so every rank holds the same slots and blocks).  The budget
+(``size_memory``): ``--memory-budget-gib`` when given; on CUDA what ``--gpu-memory-utilization`` leaves after the
+weights and the activation reserve (``memory.gpu_memory``, ``memory.activation_reserve``); on CPU
+``CPU_BUDGET_GIB``.  Its split into state slots, KV blocks and the longest context is ``memory.plan_memory``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from qwen_chat.config import ServiceConfig
+from qwen_chat.engine.model import memory
+from qwen_chat.engine.model.memory import GIB, MemoryPlan
+from qwen_chat.engine.model.state import probe_geometry
+
+log = logging.getLogger(__name__)
+
+#: Memory budget of the sequences on CPU when ``--memory-budget-gib`` is not given (GiB).
+CPU_BUDGET_GIB = 0.25
+#: Context buckets (tokens) whose decode graphs are captured, for every batch size, before the service says
+#: ready; the longer ones are captured while the engine is idle, or on first use (``idle_captures``).
+READY_CONTEXTS = (512, 1024)
+#: Context buckets captured while idle after start-up (up to this many tokens).
+IDLE_CONTEXT_LIMIT = 8192
+
+
+def _agree(value: int) -> int:
+    """The smallest ``value`` over every rank (the identity without several ranks)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[MemoryPlan, int, str]:
+    """(the memory plan, prefill tokens per step, how the budget was found) for ``loaded`` on ``device``.
+
+    Collective under several ranks (all call it together).  Raises ``memory.MemoryBudgetError`` (one line) when
+    the budget cannot hold one sequence.
+    """
+    model = loaded.model
+    tc = model.config.text_config
+    lm = model.model.language_model
+    dtype = lm.embed_tokens.weight.dtype
+    geometry = probe_geometry(list(lm.layers), hidden_size=tc.hidden_size, device=device, dtype=dtype)
+    chunk = config.prefill_chunk_tokens
+    if config.memory_budget_gib is not None:
+        budget, how = int(config.memory_budget_gib * GIB), "--memory-budget-gib"
+        chunk = chunk or memory.CHUNK_CHOICES[0]
+    elif device.type == "cuda":
+        usable, held, how = memory.gpu_memory(device, utilization=config.gpu_memory_utilization)
+        chunk = chunk or memory.prefill_chunk(tc, geometry, free_after_weights=usable - held)
+        reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk,
+                                            max_slots=config.max_batch or memory.DEFAULT_MAX_SLOTS)
+        budget = usable - held - reserve
+        how += f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
+    else:
+        budget, how = int(CPU_BUDGET_GIB * GIB), f"CPU default ({CPU_BUDGET_GIB} GiB)"
+        chunk = chunk or memory.CHUNK_CHOICES[0]
+    budget = _agree(budget)
+    plan = memory.plan_memory(geometry, budget_bytes=budget, model_context=int(loaded.info.context_length),
+                              max_slots=config.max_batch, max_context=config.max_context)
+    return plan, _agree(int(chunk)), how
+
+
+def idle_captures(runner) -> list[tuple[int, int]]:
+    """(batch, context) decode graphs still to capture while idle, shortest context first, up to
+    ``IDLE_CONTEXT_LIMIT`` tokens (empty without CUDA graphs)."""
+    if not runner.use_cuda_graphs:
+        return []
+    held = set(runner.graphs.decode_shapes())
+    return [(b, c) for c in runner.context_buckets() if c <= IDLE_CONTEXT_LIMIT
+            for b in runner.graph_batch_sizes() if (b, c) not in held]
+
+
+def build_runner(loaded, config: ServiceConfig, plan: Optional[MemoryPlan] = None):
+    """The ``ModelRunner`` and ``Sampler`` for ``loaded`` as ``config`` asks (every rank builds the same).
+
+    Sizes: ``plan`` or ``size_memory``.  Device: the device of the model's parameters.  Implementation:
+    production's ``RunnerOptions`` with the tensor-parallel all-reduce of ``config.tp_allreduce`` and
+    ``config.tp_fused``.  With CUDA graphs, the decode graphs of ``READY_CONTEXTS`` are captured for every batch
+    size before this returns.
+
+    Returns: ``(runner, sampler, plan, prefill tokens per step)``.  Raises ``memory.MemoryBudgetError``.
+    """
+    from qwen_chat.engine.model.options import RunnerOptions
+    from qwen_chat.engine.model.runner import ModelRunner
+    from qwen_chat.engine.model.sampling import Sampler
+    from qwen_chat.engine.parallel.collectives import broadcast_from_rank0
+
+    device = next(loaded.model.parameters()).device
+    chunk = config.prefill_chunk_tokens or memory.CHUNK_CHOICES[0]
+    if plan is None:
+        plan, chunk, how = size_memory(loaded, config, device)
+        log.info("%s (budget: %s)", plan.describe(), how)
+    options = RunnerOptions(tp_allreduce=config.tp_allreduce, tp_fused=config.tp_fused)
+    runner = ModelRunner(loaded.model, num_slots=plan.num_slots, max_context=plan.max_context,
+                         num_blocks=plan.num_blocks, block_tokens=plan.block_tokens, device=device, options=options)
+    sampler = Sampler(plan.num_slots, runner.vocab_size, device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # every rank records rank 0's tokens on its device, so steps can be launched ahead on every rank
+        sampler.token_sync = broadcast_from_rank0
+    if runner.use_cuda_graphs:
+        t0 = time.monotonic()
+        ready = [c for c in runner.context_buckets() if c in READY_CONTEXTS] or runner.context_buckets()[:1]
+        held = runner.capture_all(context_buckets=ready)
+        log.info("captured %d decode graphs in %.1f s (the rest while idle or on first use)", held,
+                 time.monotonic() - t0)
+    t0 = time.monotonic()
+    sampler.warm_up()  # compiles the fused top-k sampler on CUDA (also without graphs, e.g. ZeRO-3); CPU: nothing
+    if sampler.device.type == "cuda":
+        log.info("compiled the sampler in %.1f s", time.monotonic() - t0)
+    log.info("prefill: up to %d prompt tokens per step", chunk)
+    return runner, sampler, plan, chunk

@@ -1,0 +1,240 @@
+"""The pure pieces of the service benchmark (bench/serve_*.py): statistics, prompt calibration, SSE timing,
+the result document's key layout, the table and plot, the start-up error line and the allocator-capping
+sitecustomize.  The end-to-end check is ``python bench/serve_bench.py --smoke`` (minutes; not run here)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import serve_http as H  # noqa: E402
+import serve_proc as P  # noqa: E402
+import serve_report as R  # noqa: E402
+
+
+def test_percentile_interpolates_like_numpy():
+    assert H.percentile([], 50) is None
+    assert H.percentile([7.0], 99) == 7.0
+    assert H.percentile([4, 1, 3, 2], 50) == 2.5
+    assert H.percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
+    assert H.percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert H.percentile([1.0, None, 3.0], 50) == 2.0
+
+
+@pytest.mark.parametrize("overhead,per_word", [(17, 1.0), (25, 1.3)])
+def test_calibration_hits_the_target_token_count(overhead, per_word):
+    def count(words):  # what usage.prompt_tokens would say for a prompt of that many words
+        return round(overhead + per_word * words)
+
+    samples = [(n, count(n)) for n in (200, 4000)]
+    a, b = H.fit_tokens_per_word(samples)
+    for target in (1000, 8000, 32000, 128000):
+        assert abs(count(H.words_for(target, a, b)) - target) <= 2
+    assert H.words_for(5, 17, 1.0) == 1  # never an empty prompt
+    assert H.fit_tokens_per_word([(100, 120)]) == (20.0, 1.0)
+    with pytest.raises(ValueError):
+        H.fit_tokens_per_word([])
+
+
+def test_random_prompts_are_words_of_the_list_and_differ():
+    rng = random.Random(0)
+    a, b = H.random_prompt(50, rng), H.random_prompt(50, rng)
+    assert len(a.split()) == 50 and set(a.split()) <= set(H.WORDS) and a != b
+    assert len(set(H.WORDS)) == len(H.WORDS) > 300
+
+
+def _sse(*events) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+
+def _chunk(**delta):
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def _run_stream(handler) -> H.StreamResult:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await H.stream_chat(client, "http://x", "hello world", 8, model="m")
+    return asyncio.run(go())
+
+
+def test_stream_chat_times_text_chunks_and_reads_usage():
+    seen = {}
+
+    def handler(request):
+        seen.update(json.loads(request.content))
+        body = _sse(_chunk(role="assistant", content=""), _chunk(reasoning_content="think"), _chunk(content="hi"),
+                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+                    {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 8}}, "[DONE]")
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    r = _run_stream(handler)
+    assert seen["stream"] is True and seen["stream_options"] == {"include_usage": True}
+    assert seen["max_tokens"] == 8 and seen["model"] == "m" and "ignore_eos" not in seen
+    assert r.ok and r.status == 200 and r.error is None
+    assert r.text_chunks == 2  # the role chunk's empty content is not a token
+    assert 0 <= r.ttft_s <= r.t_last <= r.end_s
+    assert (r.prompt_tokens, r.completion_tokens, r.finish_reason) == (12, 8, "length")
+    d = H.result_dict(r)
+    assert d["decode_tok_s"] == r.decode_tok_s and json.dumps(d)
+
+
+def test_stream_chat_reports_refusals_and_error_events():
+    refused = _run_stream(lambda request: httpx.Response(
+        429, json={"error": {"message": "the service is busy", "type": "busy"}}))
+    assert refused.status == 429 and not refused.ok and refused.error == "HTTP 429: the service is busy"
+    cut = _run_stream(lambda request: httpx.Response(200, content=_sse(
+        _chunk(content="a"), {"error": {"message": "the reply was cut off"}}, "[DONE]")))
+    assert not cut.ok and cut.error == "the reply was cut off" and cut.ttft_s is not None
+    no_done = _run_stream(lambda request: httpx.Response(200, content=_sse(_chunk(content="a"))))
+    assert not no_done.ok and "DONE" in no_done.error
+
+
+def test_summarize_counts_tokens_over_the_wall_time_of_the_burst():
+    ok = [H.StreamResult(status=200, ttft_s=t, t_last=t + 1.0, end_s=t + 1.1, prompt_tokens=600,
+                         completion_tokens=256) for t in (0.1, 0.2, 0.3)]
+    refused = H.StreamResult(status=429, error="HTTP 429: busy")
+    s = H.summarize(ok + [refused], wall_s=2.0)
+    assert (s["streams"], s["ok"], s["refused"], s["failed"]) == (4, 3, 1, 1)
+    assert s["completion_tokens"] == 768 and s["aggregate_tok_s"] == pytest.approx(384.0)
+    assert s["ttft_ms_p50"] == pytest.approx(200.0) and s["ttft_ms_p99"] == pytest.approx(298.0)
+    assert s["decode_tok_s_p50"] == pytest.approx(255.0) and s["error"] == "HTTP 429: busy"
+    assert H.summarize([refused], 1.0)["aggregate_tok_s"] is None
+
+
+def _fake_doc(cap_started=True):
+    bursts = {str(c): {"aggregate_tok_s": 100.0 * c, "ttft_ms_p50": 40.0 + c, "ttft_ms_p99": 50.0 + c,
+                       "ok": c, "streams": c} for c in (1, 8, 32, 64, 128)}
+    cap = {"started": cap_started, "bursts": {k: bursts[k] for k in ("8", "32")} if cap_started else {},
+           "error": None if cap_started else "exit 78: app.py: cannot start the engine: CUDA out of memory",
+           "fraction": 0.16}
+    prompts = {"1k": {"p50": 45.0, "p99": 50.0}, "8k": {"p50": 320.0, "p99": 330.0}, "32k": {"p50": 1500.0,
+                                                                                              "p99": 1600.0},
+               "128k": None}
+    context = {"date": "2026-12-01", "gpu": "NVIDIA-H200", "versions": {"torch": "2.13.0"}, "command": "python x",
+               "peak_gpu_memory_gib": 30.5, "models": {"data": [{"id": "ckpt"}]},
+               "detail": {"bursts": bursts, "prompts": {"128k": {"error": "HTTP 400: context_length_exceeded"}}}}
+    return R.result_doc(batch1=210.0, bursts=bursts, prompts=prompts, cap24=cap, startup_s=84.0, context=context)
+
+
+def test_result_document_has_the_published_keys():
+    doc = _fake_doc()
+    json.dumps(doc)
+    assert list(doc)[:7] == ["batch1_tok_s", "aggregate_tok_s", "ttft_ms_p50", "ttft_ms_p99", "prompt_ttft_ms",
+                             "cap24", "startup_s"]
+    for key in ("aggregate_tok_s", "ttft_ms_p50", "ttft_ms_p99"):
+        assert list(doc[key]) == ["1", "8", "32", "64", "128"]
+    assert doc["aggregate_tok_s"]["32"] == 3200.0 and doc["ttft_ms_p99"]["128"] == 178.0
+    assert list(doc["prompt_ttft_ms"]) == ["1k", "8k", "32k", "128k"]
+    assert doc["prompt_ttft_ms"]["8k"] == {"p50": 320.0, "p99": 330.0} and doc["prompt_ttft_ms"]["128k"] is None
+    cap = doc["cap24"]
+    assert cap["started"] is True and "bursts" not in cap
+    for key in ("aggregate_tok_s", "ttft_ms_p50", "ttft_ms_p99"):
+        assert list(cap[key]) == ["8", "32"]
+    assert cap["aggregate_tok_s"]["8"] == 800.0 and doc["startup_s"] == 84.0
+    for key in ("date", "gpu", "versions", "command", "peak_gpu_memory_gib", "models"):
+        assert key in doc
+    failed = _fake_doc(cap_started=False)["cap24"]
+    assert failed["started"] is False and failed["aggregate_tok_s"] == {"8": None, "32": None}
+    assert "out of memory" in failed["error"]
+
+
+def test_table_and_plot(tmp_path):
+    doc = _fake_doc()
+    text = R.table(doc)
+    assert "batch-1 decode (tok/s)" in text and "210.0" in text and "context_length_exceeded" in text
+    assert "128 streams" in text and "24 GB cap,  8 streams" in text
+    assert "cannot start the engine" in R.table(_fake_doc(cap_started=False))
+    from PIL import Image
+
+    R._plot_pillow(doc, tmp_path / "p.png", "title")
+    assert Image.open(tmp_path / "p.png").size == (1100, 440)
+    used = R.plot(doc, tmp_path / "q.png")
+    assert used in ("matplotlib", "pillow") and (tmp_path / "q.png").stat().st_size > 1000
+
+
+def test_startup_error_line_prefers_the_services_own_reason():
+    log = "INFO loading\nTraceback (most recent call last):\nRuntimeError: CUDA out of memory\n" \
+          "app.py: cannot start the engine: rank 0: CUDA out of memory. Tried to allocate 2.00 GiB\nINFO bye\n"
+    assert P.startup_error_line(log).startswith("app.py: cannot start the engine: rank 0: CUDA out of memory")
+    assert P.startup_error_line("x\nTypeError: bad\nINFO done\n") == "TypeError: bad"
+    assert P.startup_error_line("just\nlines\n") == "lines"
+    assert P.startup_error_line("") is None
+
+
+def test_gpu_memory_sampler_keeps_the_peak_and_phase_peaks():
+    values = iter([["1024", "2048"], ["4096", "0"], None] + [["512", "512"]] * 1000)
+    s = H.GpuMemorySampler(interval_s=0.001, probe=lambda: next(values))
+    s.start()
+    while s.peak_gib is None or s.peak_gib < 4.0:
+        pass
+    s.stop()
+    assert s.peak_gib == 4.0 and s.mark() == 4.0 and s.mark() is None
+
+
+FAKE_TORCH = '''
+import sys
+calls = []
+class _Dev:
+    def __init__(self, i): self.i = i
+    def __enter__(self): return self
+    def __exit__(self, *a): return False
+class _Props:
+    total_memory = 144 * 2**30
+class cuda:
+    queued = []
+    @staticmethod
+    def is_available(): return True
+    @staticmethod
+    def device_count(): return 1
+    @staticmethod
+    def device(i): return _Dev(i)
+    @staticmethod
+    def _lazy_call(fn): cuda.queued.append(fn)
+    @staticmethod
+    def set_per_process_memory_fraction(f, d): calls.append((f, d))
+    @staticmethod
+    def get_device_properties(d): return _Props()
+    @staticmethod
+    def init():
+        for fn in cuda.queued: fn()
+'''
+
+
+@pytest.mark.parametrize("argv0,local_rank,capped", [("app.py", None, True), ("launcher.py", None, False),
+                                                      ("launcher.py", "0", True)])
+def test_sitecustomize_caps_only_the_service_processes(tmp_path, argv0, local_rank, capped):
+    site, fake, other = tmp_path / "site", tmp_path / "fake", tmp_path / "other"
+    P.cap_sitecustomize(site)
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import os\nos.environ['CHAINED'] = '1'\n")
+    (tmp_path / argv0).write_text(textwrap.dedent("""
+        import os, torch
+        print(len(torch.cuda.queued), os.environ.get('CHAINED'))
+        torch.cuda.init()
+        print(torch.calls)
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    env.update({"PYTHONPATH": os.pathsep.join(map(str, (site, fake, other))), P.FRACTION_ENV: "0.15625"})
+    if local_rank is not None:
+        env["LOCAL_RANK"] = local_rank
+    out = subprocess.run([sys.executable, argv0], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    queued, calls = out.stdout.splitlines()
+    assert queued == ("1 1" if capped else "0 1")  # the next sitecustomize on the path ran too
+    assert calls == ("[(0.15625, 0)]" if capped else "[]")
+    assert ("capped at 22.50 GiB" in out.stderr) is capped
