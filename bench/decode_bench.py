@@ -8,7 +8,8 @@ Usage (one GPU host, from the repository root):
 Weights are random bf16 built directly on the GPU (the speed of a forward does not depend on weight values).
 In one run it measures: device-to-device copy bandwidth and the batch-1 roofline (bytes of weights read per
 decode step / bandwidth); plain transformers ``generate`` (the baseline); the engine's batch-1 decode tok/s,
-TTFT for 1k- and 8k-token text prompts and for a ~1-megapixel image prompt, aggregate decode tok/s at 1, 4, 16
+TTFT for 1k- and 8k-token text prompts and for a ~1-megapixel image prompt, TTFT of 1 and 8 ~600-token prompts
+prefilled together in one packed ``prefill_batch`` against one by one, aggregate decode tok/s at 1, 4, 16
 and 32 concurrent streams (512-token prompts, 256 new tokens), peak GPU memory; greedy agreement of the first
 32 tokens of 8 prompts with transformers ``generate`` in bf16; the ratios engine/baseline and engine/roofline.
 Timing: CUDA synchronised wall clock around whole steps (what a user sees), medians over repeats.
@@ -33,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams  # noqa: E402
 from qwen_chat.engine.model.options import RunnerOptions  # noqa: E402
-from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
+from qwen_chat.engine.model.runner import Chunk, ModelRunner  # noqa: E402
 from qwen_chat.engine.model.sampling import Sampler  # noqa: E402
 
 CONFIG = Path(__file__).with_name("qwen3_5_9b_config.json")
@@ -211,7 +212,8 @@ def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen, overl
     from qwen_chat.engine.serving.scheduler import Scheduler
 
     sched = Scheduler(LocalExecutor(runner, sampler), num_slots=runner.num_slots, max_queue=4, eos_ids=(),
-                      max_context=runner.max_context, overlap=overlap)
+                      max_context=runner.max_context, overlap=overlap, num_blocks=runner.num_blocks,
+                      block_tokens=runner.block_tokens)
     try:
         prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen), max_new_tokens=new)
         params = SamplingParams(seed=7, max_new_tokens=new, stop_token_ids=(), **PRESET)
@@ -273,30 +275,69 @@ def profile_scheduler(runner, sampler, dev, prompt_len: int, new: int, gen) -> d
 
 
 def first_eager_prefills(runner, dev, lengths, gen) -> list:
-    """Wall time of the first eager prefill at each length (one-off kernel compilation/tuning shows here),
+    """Wall time of the first (eager) prefill at each length (one-off kernel compilation/tuning shows here),
     then a second run of the same length."""
     rows = []
     for n in lengths:
         prompt = PreparedPrompt(input_ids=random_ids(n, gen))
         runner.free(0)
-        first, _ = timed(lambda: runner.prefill(0, prompt, pad_to=n), dev)
+        first, _ = timed(lambda: runner.prefill(0, prompt), dev)
         runner.free(0)
-        second, _ = timed(lambda: runner.prefill(0, prompt, pad_to=n), dev)
+        second, _ = timed(lambda: runner.prefill(0, prompt), dev)
         runner.free(0)
         rows.append({"prompt_tokens": n, "first_ms": first * 1e3, "second_ms": second * 1e3})
     return rows
 
 
-def prefill_graph_vs_eager(runner, sampler, dev, lengths, gen) -> list:
-    """TTFT of text prompts through the prefill graphs (padded to the bucket) and eagerly (``pad_to`` = the
-    prompt length forces the eager path), median of 3 after a warm-up each."""
+def prefill_batched(runner, sampler, dev, counts, prompt_len: int, gen, repeats: int = 3) -> list:
+    """TTFT of ``n`` prompts of ``prompt_len`` tokens (each n of ``counts``) arriving together: prefilled in one
+    packed ``runner.prefill_batch`` call (one forward) and their first tokens sampled in one call, against
+    ``runner.prefill`` + ``sampler.sample`` one prompt after the other.  Together, every prompt gets its first
+    token at the end (``batched_ms``); one by one, prompt i gets it after the first i prefills (``one_by_one_ms``:
+    the last prompt's TTFT, ``one_by_one_mean_ttft_ms``: the mean over the prompts).  Medians of ``repeats``
+    after a warm-up of each."""
     rows = []
-    for n in lengths:
-        prompt = PreparedPrompt(input_ids=random_ids(n, gen))
-        graph = ttft(runner, sampler, dev, prompt, 3)
-        eager = ttft(runner, sampler, dev, prompt, 3, pad_to=n)
-        rows.append({"prompt_tokens": n, "bucket": runner.prefill_bucket(n), "graph_ms": graph["ttft_ms"],
-                     "eager_ms": eager["ttft_ms"]})
+    for n in counts:
+        slots = list(range(n))
+        prompts = [PreparedPrompt(input_ids=random_ids(prompt_len, gen)) for _ in slots]
+
+        def reset():
+            for s in slots:
+                runner.free(s)
+                sampler.start(s, SamplingParams(seed=1 + s, max_new_tokens=8, stop_token_ids=(), **PRESET))
+
+        def together():
+            reset()
+            sync(dev)
+            t0 = time.perf_counter()
+            logits = runner.prefill_batch([Chunk(s, p) for s, p in zip(slots, prompts)])
+            sampler.sample(slots, logits)  # host ints: waits for the device
+            return time.perf_counter() - t0
+
+        def one_by_one():
+            reset()
+            sync(dev)
+            t0, stamps = time.perf_counter(), []
+            for s, p in zip(slots, prompts):
+                sampler.sample([s], runner.prefill(s, p)[None])
+                stamps.append(time.perf_counter() - t0)
+            return stamps
+
+        together()
+        one_by_one()
+        t_tog = [together() for _ in range(repeats)]
+        t_one = [one_by_one() for _ in range(repeats)]
+        for s in slots:
+            runner.free(s)
+        last = statistics.median(x[-1] for x in t_one)
+        batched = statistics.median(t_tog)
+        rows.append({"prompts": n, "prompt_tokens": prompt_len, "batched_ms": batched * 1e3,
+                     "one_by_one_ms": last * 1e3,
+                     "one_by_one_mean_ttft_ms": statistics.median(statistics.mean(x) for x in t_one) * 1e3,
+                     "batched_prefill_tok_s": n * prompt_len / batched,
+                     "one_by_one_prefill_tok_s": n * prompt_len / last,
+                     "speedup": last / batched, "batched_runs_ms": [t * 1e3 for t in t_tog],
+                     "one_by_one_runs_ms": [x[-1] * 1e3 for x in t_one]})
     return rows
 
 
@@ -361,13 +402,13 @@ def profile_prefill(runner, dev, prompt_len: int, gen) -> dict:
             "top_cpu_self": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in cpu[:15]]}
 
 
-def ttft(runner, sampler, dev, prompt: PreparedPrompt, repeats: int, pad_to=None) -> dict:
+def ttft(runner, sampler, dev, prompt: PreparedPrompt, repeats: int) -> dict:
     """Prefill + first sampled token, synchronised; first run is a warm-up."""
     sampler.start(0, SamplingParams(seed=1, max_new_tokens=8, stop_token_ids=(), **PRESET))
 
     def once():
         runner.free(0)
-        return sampler.sample([0], runner.prefill(0, prompt, pad_to=pad_to)[None])
+        return sampler.sample([0], runner.prefill(0, prompt)[None])
 
     once()
     times = [timed(once, dev)[0] for _ in range(repeats)]
@@ -487,8 +528,9 @@ def table(doc) -> str:
         row("engine batch 1 via executor (tok/s)", f"{s['batch1_executor']['decode_tok_s']:.1f}")
     for x in s.get("first_eager_prefills", []):
         row(f"first eager prefill {x['prompt_tokens']} tok: 1st / 2nd ms", f"{x['first_ms']:.0f} / {x['second_ms']:.0f}")
-    for x in s.get("prefill_graph_vs_eager", []):
-        row(f"TTFT {x['prompt_tokens']} tok: graph / eager ms", f"{x['graph_ms']:.1f} / {x['eager_ms']:.1f}")
+    for x in s.get("prefill_batched", []):
+        row(f"TTFT {x['prompts']} x {x['prompt_tokens']} tok: together / one by one ms",
+            f"{x['batched_ms']:.1f} / {x['one_by_one_ms']:.1f}")
     if "greedy" in s:
         g = s["greedy"]
         row("greedy agreement (positions)", f"{g['position_agreement'] * 100:.1f}%")
@@ -541,11 +583,12 @@ def main(argv=None) -> int:
                                                                       (argv if argv is not None else sys.argv[1:]))}
     # Sizes (smoke: tiny, to exercise every path on CPU in seconds)
     P = dict(prompt=512, new=256, base_new=16, b1_new=129, ttft_1k=1024, ttft_8k=8192, img_px=1024,
-             streams=(1, 4, 16, 32), max_context=9216, prefill_cmp=(100, 1000, 1500, 2000, 2500, 4000),
+             streams=(1, 4, 16, 32), max_context=9216, prefill_batch=(1, 8), prefill_batch_len=600,
              first_eager=(2500, 4500, 6500, 8192), greedy_n=8, greedy_len=64, greedy_new=32, bw_bytes=2 << 30)
     if smoke:
         P.update(prompt=24, new=6, base_new=2, b1_new=5, ttft_1k=40, ttft_8k=80, img_px=64, streams=(1, 4),
-                 max_context=256, greedy_n=2, prefill_cmp=(30,), first_eager=(50, 60), greedy_len=10, greedy_new=4, bw_bytes=1 << 20)
+                 max_context=256, greedy_n=2, prefill_batch=(1, 4), prefill_batch_len=30, first_eager=(50, 60),
+                 greedy_len=10, greedy_new=4, bw_bytes=1 << 20)
     run.doc["sizes"] = {k: v for k, v in P.items()}
     gen = torch.Generator().manual_seed(0)
     config = build_config(smoke)
@@ -605,8 +648,7 @@ def main(argv=None) -> int:
                                    [runner.context_bucket(P["prompt"] + P["new"])])
             sampler.warm_up()
             graphs = runner.graphs
-            return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs.decode_shapes()) if graphs else 0,
-                    "prefill_graphs": graphs.prefill_lengths() if graphs else []}
+            return {"capture_s": time.perf_counter() - t0, "graphs": len(graphs.decode_shapes()) if graphs else 0}
 
         run.section(f"capture_{name}", warm)
         res = run.section(f"batch1_{name}", lambda: engine_decode(runner, sampler, dev, 1, P["prompt"],
@@ -627,8 +669,8 @@ def main(argv=None) -> int:
                                                 PreparedPrompt(input_ids=random_ids(P["ttft_8k"], gen)), 2))
             run.section("ttft_image_1mp", lambda: ttft(runner, sampler, dev,
                                                        image_prompt(config, gen, P["img_px"]), 2))
-            run.section("prefill_graph_vs_eager", lambda: prefill_graph_vs_eager(runner, sampler, dev,
-                                                                                 P["prefill_cmp"], gen))
+            run.section("prefill_batched", lambda: prefill_batched(runner, sampler, dev, P["prefill_batch"],
+                                                                   P["prefill_batch_len"], gen))
             run.section("batch1_scheduler", lambda: scheduler_decode(runner, sampler, dev, P["prompt"],
                                                                      P["b1_new"], gen))
             run.section("batch1_scheduler_sync", lambda: scheduler_decode(runner, sampler, dev, P["prompt"],

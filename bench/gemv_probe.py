@@ -145,7 +145,7 @@ def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     t0 = time.perf_counter()
     runner = ModelRunner(model, num_slots=2, max_context=2048, device="cuda",
                          options=RunnerOptions(fast_gemv=fast_gemv))
-    runner.capture_all(batch_sizes=[1], context_buckets=[512], prefill_buckets=[512])
+    runner.capture_all(batch_sizes=[1], context_buckets=[512])
     sampler = Sampler(2, runner.vocab_size, "cuda")
     sampler.warm_up()
     capture_s = time.perf_counter() - t0

@@ -139,7 +139,8 @@ def main(argv=None) -> int:
             doc.setdefault("compile_s", {})[case] = time.perf_counter() - t0
     timer = HookTimer(structure.table)
     sched = Scheduler(LocalExecutor(runner, sampler), num_slots=wide, max_queue=64, eos_ids=EOS,
-                      max_context=runner.max_context, overlap=True, constraints=structure.table)
+                      max_context=runner.max_context, overlap=True, constraints=structure.table,
+                      num_blocks=runner.num_blocks, block_tokens=runner.block_tokens)
     try:
         run_streams(sched, structure, "plain", 1, prompt_len, new, gen)  # warm-up
         for case in CASES:

@@ -175,7 +175,8 @@ def scheduler_tok_s(executor, runner, steps: int, repeats: int = 3) -> list:
     from qwen_chat.engine.serving.scheduler import Scheduler
 
     sched = Scheduler(executor, num_slots=runner.num_slots, max_queue=4, eos_ids=(), max_context=runner.max_context,
-                      overlap=bool(getattr(executor, "tokens_on_device", True)))
+                      overlap=bool(getattr(executor, "tokens_on_device", True)), num_blocks=runner.num_blocks,
+                      block_tokens=runner.block_tokens)
     out = []
     try:
         gen = torch.Generator().manual_seed(9)
@@ -230,7 +231,7 @@ def make_runner(model, device, kind, batches):
     t0 = time.perf_counter()
     options = RunnerOptions(tp_allreduce=kind or "auto", tp_fused=fused_kernels())
     runner = ModelRunner(model, num_slots=16, max_context=2048, device=device, options=options)
-    runner.capture_all(batch_sizes=batches, context_buckets=[512], prefill_buckets=[512])
+    runner.capture_all(batch_sizes=batches, context_buckets=[512])
     sampler = Sampler(16, runner.vocab_size, device)
     if kind is not None:
         sampler.token_sync = broadcast_from_rank0

@@ -129,6 +129,8 @@ class Batch:
         if num_blocks is None:
             num_blocks = num_slots * -(-(max_context or 2 ** 30) // block_tokens)
         self.kv = BlockBudget(num_blocks, block_tokens)
+        if max_context is None or max_context > self.kv.num_blocks * block_tokens:
+            max_context = self.kv.num_blocks * block_tokens  # one sequence may use every block, no more
         self._idle_captures = list(idle_captures or ())
         self._order = itertools.count()
         self.constraints = constraints
@@ -300,14 +302,14 @@ class Batch:
             if budget <= 0 or id(req) in in_flight:
                 return prefilled
             target = req.recompute_prompt()
-            if not kv.can_admit(target.num_tokens + 1):
+            if not kv.can_admit(target.num_tokens + 1, alone=self._alone(req)):
                 return prefilled  # first come first served: nobody overtakes a preempted sequence
             req.target, req.cached, req.resume = target, 0, bool(req.generated)
             kv.charge(req, kv.blocks(target.num_tokens))
             chunk(req)
         while self.waiting and self._free_slots and budget > 0:
             req = self.waiting[0]
-            if not kv.can_admit(req.prompt.num_tokens):
+            if not kv.can_admit(req.prompt.num_tokens, alone=not self.running):
                 break
             self.waiting.popleft()
             whole = req.prompt.num_tokens <= budget
@@ -323,6 +325,10 @@ class Batch:
                 prefilled.append(sib)
                 item.copies.append((sib.slot, sib.sampling))
         return prefilled
+
+    def _alone(self, req: Request) -> bool:
+        """True when no sequence but ``req`` holds KV blocks (it may then use the watermark too)."""
+        return all(r is req or r.blocks == 0 for r in self.running.values())
 
     def _admit(self, req: Request) -> None:
         """Give ``req`` a slot and charge its prompt's blocks (caller holds ``cond``)."""

@@ -259,6 +259,17 @@ class ChatEngine:
             out["gpu_memory_bytes"] = [torch.cuda.memory_allocated()]
         return out
 
+    def memory_report(self) -> dict:
+        """What the memory budget holds, for ``/v1/models``: ``state_slots`` (= ``max_concurrent_sequences``),
+        ``kv_blocks``, ``kv_block_tokens``, ``kv_tokens`` (tokens of KV cache in all), ``max_context`` (tokens),
+        ``memory_budget_gib``; {} when the engine was built without a memory plan."""
+        plan = self.memory
+        if plan is None:
+            return {}
+        return {"state_slots": plan.num_slots, "max_concurrent_sequences": plan.num_slots,
+                "kv_blocks": plan.num_blocks, "kv_block_tokens": plan.block_tokens, "kv_tokens": plan.kv_tokens,
+                "max_context": self.max_context, "memory_budget_gib": round(plan.budget_bytes / 2 ** 30, 3)}
+
     # ---- building blocks (public for the API layer and tests) ----------------------------------------------
     def prepare(self, messages: Sequence[ChatMessage], settings: GenerationSettings) -> PreparedPrompt:
         """The model-ready prompt for ``messages`` (template, images, context policy; see ``prompt.build_prompt``).

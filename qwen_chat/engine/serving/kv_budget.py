@@ -42,10 +42,10 @@ class BlockBudget:
         """Blocks that hold n_tokens positions (``paged.blocks_for``)."""
         return blocks_for(n_tokens, self.block_tokens)
 
-    def can_admit(self, n_tokens: int, *, growing: int = 0) -> bool:
-        """True when a sequence of n_tokens fits and leaves the watermark free, after ``growing`` blocks that
-        this step's decodes take first."""
-        return self.blocks(n_tokens) + self.watermark + growing <= self.free
+    def can_admit(self, n_tokens: int, *, alone: bool = False) -> bool:
+        """True when a sequence of n_tokens fits and leaves the watermark free (all of it when ``alone``: no
+        other sequence holds blocks, so none can need the watermark)."""
+        return self.blocks(n_tokens) + (0 if alone else self.watermark) <= self.free
 
     def charge(self, req, n_blocks: int) -> None:
         """Charge ``req`` (anything with an int attribute ``blocks``) n_blocks more."""

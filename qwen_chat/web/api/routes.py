@@ -24,6 +24,7 @@ from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError
 from qwen_chat.config import ServiceConfig
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import ImageLimits
+from qwen_chat.engine.model.memory import DEFAULT_MAX_SLOTS
 from qwen_chat.web.api.protocol import (
     APIRequestError,
     check_key,
@@ -92,7 +93,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
     # Worker threads of the API, apart from the shared default pool (40 threads) that Starlette and /healthz
     # use: a request holds one while it waits for its next update, so up to every queued and running request
     # can wait here and the engine, not this pool, is what says Busy (429).
-    limiter = anyio.CapacityLimiter(cfg.max_queue + cfg.max_batch + API_SPARE_THREADS)
+    limiter = anyio.CapacityLimiter(cfg.max_queue + (cfg.max_batch or DEFAULT_MAX_SLOTS) + API_SPARE_THREADS)
     run = functools.partial(anyio.to_thread.run_sync, limiter=limiter)
 
     def record_rejection(kind: str) -> None:
@@ -112,6 +113,10 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             card["max_model_len"] = info.context_length
         if cfg.adapter is not None:  # the LoRA adapter merged into the weights (--adapter DIR): its folder name
             card["adapter"] = PurePath(cfg.adapter).name
+        report = getattr(backend, "memory_report", None)
+        engine = report() if callable(report) else None
+        if engine:  # what the memory budget holds: state slots, KV blocks and tokens, the longest context
+            card["engine"] = engine
         return card
 
     @router.get("/models")
