@@ -99,6 +99,10 @@ def _value_type(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
+#: Sequences decoded together at most when ``--max-batch`` is not given: the largest decode batch with a CUDA
+#: graph (``qwen_chat.engine.model.graphs.BATCH_LADDER``); the memory budget may hold fewer.
+DEFAULT_MAX_SLOTS = 128
+
 @dataclass(frozen=True)
 class ServiceConfig:
     """Every start-up setting of the service.

@@ -72,7 +72,51 @@ def test_graph_decode_matches_reference_with_joins_and_leaves(model, compile_glu
     step(5)
     assert len(runner.graphs.decode_shapes()) >= 2
     assert max(errs) <= GPU_TOL, max(errs)
-    assert runner.graphs.prefill_lengths() == [128, 768]  # the joins above ran through prefill graphs
+
+
+def test_packed_and_chunked_prefill_on_cuda_match_the_reference(model):
+    """fla's packed (varlen) chunk kernel, a later chunk through the lower-right causal attention over the
+    slot's cached blocks, an image prompt and a short one in one prefill: all match the reference in fp32, and
+    decode continues correctly."""
+    from qwen_chat.engine.model.runner import Chunk
+
+    gen = torch.Generator().manual_seed(17)
+    img = image_seq(gen)
+    a, b, c = CudaSeq(text_ids(gen, 100)), CudaSeq(img.ids, img.image), CudaSeq(text_ids(gen, 5))
+    runner = ModelRunner(model, num_slots=3, max_context=300, device="cuda", block_tokens=16)
+    first = runner.prefill_batch([Chunk(0, a.prompt(), 0, 37), Chunk(1, b.prompt()), Chunk(2, c.prompt())])
+    last = runner.prefill_batch([Chunk(0, a.prompt(), 37)])
+    errs = [rel_err(first[0], b.reference(model)), rel_err(first[1], c.reference(model)),
+            rel_err(last[0], a.reference(model))]
+    for _ in range(4):
+        toks = torch.randint(0, 290, (3,), generator=gen)
+        for s, t in zip((a, b, c), toks.tolist()):
+            s.ids.append(t)
+        out = runner.decode([0, 1, 2], toks.cuda())
+        errs += [rel_err(out[r], s.reference(model)) for r, s in enumerate((a, b, c))]
+    assert max(errs) <= GPU_TOL, errs
+
+
+def test_chunked_prefill_in_bf16_agrees_with_the_whole_prompt(model):
+    """bf16 (flash attention, fla's kernels): a 300-token prompt in chunks of 130 + 170 gives the logits of the
+    whole prompt and the same decode, up to bf16 rounding."""
+    from qwen_chat.engine.model.runner import Chunk
+
+    gen = torch.Generator().manual_seed(18)
+    m16 = model.to(torch.bfloat16)
+    try:
+        p = Seq(text_ids(gen, 300)).prompt()
+        whole = ModelRunner(m16, num_slots=1, max_context=512, device="cuda")
+        parts = ModelRunner(m16, num_slots=1, max_context=512, device="cuda")
+        ref = whole.prefill(0, p)
+        assert parts.prefill_batch([Chunk(0, p, 0, 130)]) is None
+        errs = [rel_err(ref, parts.prefill_batch([Chunk(0, p, 130)])[0])]
+        for _ in range(4):
+            tok = torch.randint(0, 290, (1,), generator=gen).cuda()
+            errs.append(rel_err(whole.decode([0], tok), parts.decode([0], tok)))
+        assert max(errs) < 2e-2, errs
+    finally:
+        model.to(torch.float32)
 
 
 def test_graph_and_eager_decode_agree_in_bf16(model):

@@ -183,6 +183,13 @@ def test_gpu_memory_sampler_keeps_the_peak_and_phase_peaks():
     assert s.peak_gib == 4.0 and s.mark() == 4.0 and s.mark() is None
 
 
+def test_visible_gpus_follow_start_sh():
+    assert H.visible_gpus({}) is None
+    assert H.visible_gpus({"CUDA_VISIBLE_DEVICES": "1, 0"}) == "1,0"
+    assert H.visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3", "NUM_GPUS": "1"}) == "2"
+    assert H.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) is None
+
+
 FAKE_TORCH = '''
 import sys
 calls = []

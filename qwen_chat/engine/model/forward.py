@@ -33,7 +33,8 @@ class PackedSeq:
     """One prompt chunk inside a packed prefill: ``slot``; ``start``: positions already in the slot's cache
     (0 for a new prompt); ``n``: tokens of this chunk (positions start..start+n-1); ``offset``: its first row
     in the packed tokens; ``rows``: int64 [start + n] flat KV-cache rows of positions 0..start+n-1 (device);
-    ``logits``: whether the logits of its last token are wanted."""
+    ``logits``: whether the logits of its last token are wanted.  ``rows`` may be given on the host: the prefill
+    sends every chunk's rows and its own indexes to the device in one copy (``_pack_meta``)."""
 
     slot: int
     start: int
@@ -98,23 +99,49 @@ class ModelForward:
         Returns fp32 logits [m, vocab_size] of the last token of the m chunks with ``logits``, in order (None
         when m is 0).
         """
+        seqs, meta = self._pack_meta(seqs, emb.device)
         h = emb[None]
         cos, sin = cos[None], sin[None]
         for i, layer in enumerate(self._layers):
             x = layer.input_layernorm(h)
             if self._kinds[i] == "linear":
-                x = self._linear_prefill(i, layer.linear_attn, seqs, x)
+                x = self._linear_prefill(i, layer.linear_attn, seqs, meta, x)
             else:
                 x = self._attn_prefill(i, layer.self_attn, seqs, x, cos, sin)
             h = h + x
             mlp = layer.mlp
             gate, up = self._project(i, "mlp", layer.post_attention_layernorm(h))
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
-        last = [s.offset + s.n - 1 for s in seqs if s.logits]
-        if not last:
+        if not any(s.logits for s in seqs):
             return None
-        rows = h[0, torch.tensor(last, device=h.device)]  # [m, hidden]
+        rows = h[0].index_select(0, meta["last"])  # [m, hidden]
         return self._lm_head(self._final_norm(rows)).float()
+
+    def _pack_meta(self, seqs: Sequence[PackedSeq], device: torch.device) -> tuple[list[PackedSeq], dict]:
+        """Every index the packed prefill needs on the device, sent in one copy (a host tensor sent on its own
+        would make the host wait for the device each time): each chunk's KV rows; ``slots`` int64 [N];
+        ``past`` bool [N] (the chunk continues its slot); ``take`` int64 [T], the conv output column of each token
+        (``_conv_prefill``); ``cu`` int64 [N + 1] (and ``cu_cpu``), the chunks' bounds in the packed tokens;
+        ``last`` int64 [m], the packed row of the last token of each chunk whose logits are wanted."""
+        K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
+        take, e = [], 0
+        for sq in seqs:
+            take.append(torch.arange(e, e + sq.n))
+            e += sq.n + K - 1
+        cu_cpu = torch.tensor([0] + [sq.offset + sq.n for sq in seqs], dtype=torch.long)
+        last = torch.tensor([sq.offset + sq.n - 1 for sq in seqs if sq.logits], dtype=torch.long)
+        parts = [sq.rows.cpu() for sq in seqs] + [
+            torch.tensor([sq.slot for sq in seqs]), torch.tensor([int(sq.start > 0) for sq in seqs]),
+            torch.cat(take), cu_cpu, last]
+        flat = torch.cat(parts).to(torch.long)
+        if device.type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
+        pieces = list(flat.split([p.numel() for p in parts]))
+        seqs = [PackedSeq(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits) for sq, rows in zip(seqs, pieces)]
+        n = len(seqs)
+        meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], cu=pieces[n + 3], cu_cpu=cu_cpu,
+                    last=pieces[n + 4])
+        return seqs, meta
 
     def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of layer ``i``'s projection group ``group`` ("mix": the token mixer's input projections,
@@ -161,7 +188,7 @@ class ModelForward:
         o = o.transpose(1, 2).reshape(1, T, -1) * torch.sigmoid(gate)
         return at.o_proj(o)
 
-    def _conv_prefill(self, i, la, seqs, qkv):
+    def _conv_prefill(self, i, la, seqs, meta, qkv):
         """Causal depthwise conv of packed chunks, each continuing from its slot's conv ring.  qkv: [T, C]
         (in_proj_qkv output).  Each chunk is laid out after the K-1 inputs before it (from the ring; zeros at
         the start of a prompt), one conv without padding runs over all, and each token takes the window that
@@ -170,8 +197,7 @@ class ModelForward:
         K = self._geo[i]["K"]
         ring_buf = self.conv_state[i]
         dev = qkv.device
-        parts, take = [], []
-        e = 0
+        parts = []
         for sq in seqs:
             seg = qkv[sq.offset:sq.offset + sq.n].t().to(ring_buf.dtype)            # [C, n]
             if sq.start == 0:
@@ -184,18 +210,16 @@ class ModelForward:
             ring = torch.zeros_like(ext[:, :K]).index_copy_(1, torch.remainder(p, K), ext[:, -K:])
             ring_buf[sq.slot].copy_(ring)
             parts.append(ext)
-            take.append(torch.arange(e, e + sq.n))
-            e += sq.n + K - 1
         ext = torch.cat(parts, dim=1)[None]                                          # [1, C, sum(n + K - 1)]
         w = la.conv1d.weight
         out = F.conv1d(ext.to(w.dtype), w, la.conv1d.bias, groups=w.shape[0])  # window j: ext[j .. j + K - 1]
-        return out[0, :, torch.cat(take).to(dev)].t()
+        return out[0].index_select(1, meta["take"]).t()
 
-    def _linear_prefill(self, i, la, seqs, x):
+    def _linear_prefill(self, i, la, seqs, meta, x):
         g = self._geo[i]
         _, T, _ = x.shape
         qkv, z, b, a = self._project(i, "mix", x)
-        mixed = ACT2FN[la.activation](self._conv_prefill(i, la, seqs, qkv[0])).to(x.dtype)[None]   # [1, T, C]
+        mixed = ACT2FN[la.activation](self._conv_prefill(i, la, seqs, meta, qkv[0])).to(x.dtype)[None]  # [1, T, C]
         q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
         q = q.reshape(1, T, -1, g["dk"])
         k = k.reshape(1, T, -1, g["dk"])
@@ -210,17 +234,14 @@ class ModelForward:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         beta = b.sigmoid()
         gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
-        dev = x.device
-        slots = torch.tensor([sq.slot for sq in seqs], device=dev)
+        slots = meta["slots"]
         rec = self.rec_state[i]
-        starts = torch.tensor([sq.start > 0 for sq in seqs], device=dev)
-        h0 = torch.where(starts[:, None, None, None], rec.index_select(0, slots), 0.0)
+        h0 = torch.where(meta["past"][:, None, None, None], rec.index_select(0, slots), 0.0)
         h0 = h0.transpose(-1, -2).contiguous()
         if self._varlen:
-            cu_cpu = torch.tensor([0] + [sq.offset + sq.n for sq in seqs], dtype=torch.long)
             out, state = self._chunk_rule(q, k, v, g=gdecay, beta=beta, initial_state=h0,
                                           output_final_state=True, use_qk_l2norm_in_kernel=False,
-                                          cu_seqlens=cu_cpu.to(dev), cu_seqlens_cpu=cu_cpu)
+                                          cu_seqlens=meta["cu"], cu_seqlens_cpu=meta["cu_cpu"])
         else:
             outs, states = [], []
             for j, sq in enumerate(seqs):
@@ -248,14 +269,15 @@ class ModelForward:
             h, x = tp.embed(tokens)                                          # [B, H] each
             cos, sin = self.cos_table[rope_pos], self.sin_table[rope_pos]  # [B, rot]
             table = self.tables.device_table[slot_idx]                       # [B, max_blocks]
-            kv_row = table.gather(1, (pos // self._bt)[:, None])[:, 0] * self._bt + pos % self._bt
+            kv_block = table.gather(1, (pos // self._bt)[:, None])[:, 0]    # [B]
+            kv_offset = pos % self._bt
             blocks = table[:, :ctx // self._bt]                              # [B, nb]
             n = len(self._layers)
             for i, layer in enumerate(self._layers):
                 if self._kinds[i] == "linear":
                     x = self._linear_decode(i, layer.linear_attn, slot_idx, pos, x)
                 else:
-                    x = self._attn_decode(i, layer.self_attn, kv_row, blocks, pos, x, cos, sin)
+                    x = self._attn_decode(i, layer.self_attn, (kv_block, kv_offset), blocks, pos, x, cos, sin)
                 h, x = tp.add_norm(h, x, layer.post_attention_layernorm)
                 x = self._mlp_decode(i, layer.mlp, x)
                 nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
@@ -281,12 +303,12 @@ class ModelForward:
             gate, up = self._project(i, "mlp", x)
         return self.tp.linear(mlp.down_proj, self._glue["swiglu"](gate, up, mlp.act_fn))
 
-    def _attn_decode(self, i, at, kv_row, blocks, pos, x, cos, sin):
+    def _attn_decode(self, i, at, kv_at, blocks, pos, x, cos, sin):
         g = self._geo[i]
         B = x.shape[0]
         kc, vc = self.k_cache[i], self.v_cache[i]
         qg, kx, vx = self._project(i, "mix", x)
-        q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, kv_row,
+        q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, *kv_at,
                                          g["hd"], g["nkv"])
         if self._opts.compile_glue:
             o = self._glue["attn_core"](q, kc, vc, blocks, pos, g["scale"])

@@ -42,12 +42,15 @@ def add_norm(h: torch.Tensor, x: torch.Tensor, norm: torch.nn.Module) -> tuple[t
 
 def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
              k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, kv_row: torch.Tensor, head_dim: int, kv_heads: int):
+             v_cache: torch.Tensor, kv_block: torch.Tensor, kv_offset: torch.Tensor, head_dim: int,
+             kv_heads: int):
     """Split the gated query, apply q/k RMSNorm and rotary for one decode token per row, and write k, v into
-    the paged KV cache at flat row kv_row[b] (block * block_tokens + offset) in place.
+    the paged KV cache at (kv_block[b], kv_offset[b]) in place.  The write indexes the cache tensor itself, not a
+    view of it, so that compiled it stays one small scatter (through a reshaped view Inductor copies the whole
+    cache).
 
     qg: [B, 2 * nq * hd] (q_proj output: per head [query | gate]); kx, vx: [B, nkv * hd]; cos/sin: [B, rot];
-    k_cache/v_cache: [blocks, block_tokens, nkv, hd]; kv_row: int64 [B].
+    k_cache/v_cache: [blocks, block_tokens, nkv, hd]; kv_block, kv_offset: int64 [B].
     Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head) and gate [B, nq * hd].
     """
     B = qg.shape[0]
@@ -55,8 +58,8 @@ def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch
     c, s = cos[:, None], sin[:, None]
     q = apply_rotary(q_norm(q), c, s)
     k = apply_rotary(k_norm(kx.view(B, -1, head_dim)), c, s)
-    k_cache.view(-1, kv_heads, head_dim)[kv_row] = k.to(k_cache.dtype)
-    v_cache.view(-1, kv_heads, head_dim)[kv_row] = vx.view(B, -1, head_dim).to(v_cache.dtype)
+    k_cache[kv_block, kv_offset] = k.to(k_cache.dtype)
+    v_cache[kv_block, kv_offset] = vx.view(B, -1, head_dim).to(v_cache.dtype)
     return q.reshape(B, kv_heads, -1, head_dim), gate.reshape(B, -1)
 
 

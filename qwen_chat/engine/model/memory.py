@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from qwen_chat.config import DEFAULT_MAX_SLOTS
 from qwen_chat.engine.model.paged import BLOCK_TOKENS
 from qwen_chat.engine.model.state import Geometry
 
@@ -28,8 +29,6 @@ GIB = 1024 ** 3
 #: Share of the budget the state slots may take at most: the rest is KV cache, so that the sequences that fit
 #: are not all short.
 STATE_SHARE = 0.5
-#: Sequences at once at most by default: the largest decode batch with a CUDA graph (``graphs.BATCH_LADDER``).
-DEFAULT_MAX_SLOTS = 128
 #: Fixed part of the activation reserve: CUDA graph pool, cuBLAS and compiler workspaces, allocator slack.
 FIXED_RESERVE_BYTES = GIB // 2
 #: Kept below an allocator limit set with ``torch.cuda.set_per_process_memory_fraction`` (a hard limit).

@@ -10,7 +10,7 @@ M-RoPE axes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -82,22 +82,34 @@ class PromptInputs:
         self._images[slot] = _ImagePrompt(feats.to(self.dtype), pos[:, 0].to(self.device), before, delta)
         return delta
 
-    def chunk(self, slot: int, prompt: PreparedPrompt, start: int,
-              end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(emb [n, hidden], cos [n, rot], sin [n, rot]) of the prompt's tokens start..end-1 (n = end - start).
-        ``start`` must have been called for this slot's prompt first when it has images."""
-        ids = prompt.input_ids.reshape(-1)[start:end].to(self.device, torch.long)
-        emb = self._embed(ids).to(self.dtype)
-        img: Optional[_ImagePrompt] = self._images.get(slot)
-        if img is not None:
-            mask = ids == self.image_token_id
-            if bool(mask.any()):
-                first = int(img.before[start])
-                emb[mask] = img.feats[first:first + int(mask.sum())]
-            pos = img.pos[:, start:end]
+    def embed(self, chunks: Sequence[tuple[int, PreparedPrompt, int, int]]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(emb [T, hidden], cos [T, rot], sin [T, rot]) of prompt chunks ``(slot, prompt, start, end)`` packed in
+        order (T = the sum of end - start).  The token ids go to the device in one copy.  ``start`` must have been
+        called for each image prompt's slot first."""
+        ids_host = torch.cat([p.input_ids.reshape(-1)[a:b].to(torch.long) for _, p, a, b in chunks])
+        if self.device.type == "cuda":
+            ids = ids_host.pin_memory().to(self.device, non_blocking=True)
         else:
-            pos = torch.arange(start, end, device=self.device).view(1, -1).expand(3, -1)
-        cos, sin = self._rotary(emb[None], pos[:, None, :])
+            ids = ids_host
+        emb = self._embed(ids).to(self.dtype)
+        pos, offset = [], 0
+        for slot, _, start, end in chunks:
+            n = end - start
+            img: Optional[_ImagePrompt] = self._images.get(slot)
+            if img is None:
+                pos.append(torch.arange(start, end, device=self.device).view(1, -1).expand(3, -1))
+            else:
+                rows = slice(offset, offset + n)
+                mask = ids[rows] == self.image_token_id
+                first = int(img.before[start])
+                count = int(img.before[end]) - first
+                if count:
+                    emb[rows][mask] = img.feats[first:first + count]
+                pos.append(img.pos[:, start:end])
+            offset += n
+        positions = torch.cat(pos, dim=1) if len(pos) > 1 else pos[0]
+        cos, sin = self._rotary(emb[None], positions[:, None, :])
         return emb, cos[0], sin[0]
 
     def done(self, slot: int) -> None:

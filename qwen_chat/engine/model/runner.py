@@ -302,22 +302,18 @@ class ModelRunner:
                 self.lengths[c.slot] = 0
                 self.rope_deltas[c.slot] = deltas[c.slot]
                 self.tables.release(c.slot)
-        seqs, embs, coss, sins = [], [], [], []
+        seqs = []
         offset = 0
         for c in chunks:
             end = c.stop()
             self.tables.ensure(c.slot, end)
-            emb, cos, sin = self._inputs.chunk(c.slot, c.prompt, c.start, end)
-            rows = self.tables.positions(c.slot, 0, end).to(self.device)
+            rows = self.tables.positions(c.slot, 0, end)  # host; the forward sends all indexes in one copy
             last = end == c.prompt.num_tokens
             seqs.append(PackedSeq(c.slot, c.start, end - c.start, offset, rows, last and c.logits))
-            embs.append(emb)
-            coss.append(cos)
-            sins.append(sin)
             offset += end - c.start
         self.tables.flush()
-        cat = (lambda ts: torch.cat(ts) if len(ts) > 1 else ts[0])
-        logits = self._forward.prefill(cat(embs), cat(coss), cat(sins), seqs)
+        emb, cos, sin = self._inputs.embed([(c.slot, c.prompt, c.start, c.stop()) for c in chunks])
+        logits = self._forward.prefill(emb, cos, sin, seqs)
         for c in chunks:
             self.lengths[c.slot] = c.stop()
             if c.stop() == c.prompt.num_tokens:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from qwen_chat.config import ServiceConfig
+from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig
 from qwen_chat.engine.model import memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
 from qwen_chat.engine.model.state import probe_geometry
@@ -60,7 +60,7 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
         usable, held, how = memory.gpu_memory(device, utilization=config.gpu_memory_utilization)
         chunk = chunk or memory.prefill_chunk(tc, geometry, free_after_weights=usable - held)
         reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk,
-                                            max_slots=config.max_batch or memory.DEFAULT_MAX_SLOTS)
+                                            max_slots=config.max_batch or DEFAULT_MAX_SLOTS)
         budget = usable - held - reserve
         how += f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
     else:

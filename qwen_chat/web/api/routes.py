@@ -21,10 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError
-from qwen_chat.config import ServiceConfig
+from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import ImageLimits
-from qwen_chat.engine.model.memory import DEFAULT_MAX_SLOTS
 from qwen_chat.web.api.protocol import (
     APIRequestError,
     check_key,

@@ -1,0 +1,373 @@
+"""Service benchmark: Qwen3.5-9B measured only through HTTP, as a user of the OpenAI-compatible API meets it.
+
+Usage (repository root):
+
+    python bench/serve_bench.py                    # GPU host: random full-config checkpoint, ~9 min on one H200
+    python bench/serve_bench.py --model PATH       # an existing checkpoint folder instead
+    python bench/serve_bench.py --smoke            # CPU: --model tiny, everything scaled down (checks the script)
+    python bench/serve_bench.py --skip-cap24 --skip-long   # partial runs
+    CUDA_VISIBLE_DEVICES=0 python bench/serve_bench.py     # one GPU of a multi-GPU host (start.sh uses every
+                                                           # visible GPU; NUM_GPUS=1 works too)
+
+It builds (once, cached under ``--ckpt-dir``: ``bench/serve_ckpt.py``) a checkpoint of the published config
+``bench/qwen3_5_9b_config.json`` with random bf16 weights, starts the service as the README does
+(``bash start.sh --model CKPT``, default flags; ``--port`` only when 7860 is taken) and measures, with streamed
+``/v1/chat/completions`` requests (``stream_options.include_usage``; the service's default sampling and thinking
+mode; random-word prompts, since the API has no ignore-EOS, so tokens are counted from ``usage``):
+
+- ``startup_s``: seconds from launching start.sh to ``/healthz`` answering 200;
+- ``batch1_tok_s``: one stream alone (100-token prompt, 1,024 tokens out), tokens/s after its first token
+  (median of 2 runs);
+- ``aggregate_tok_s`` / ``ttft_ms_p50`` / ``ttft_ms_p99`` for bursts of 1, 8, 32, 64 and 128 streams sent at
+  once (600-token prompts, 256 tokens out): total completion tokens / wall time of the burst (tokens/s), and
+  time to the first chunk carrying ``content`` or ``reasoning_content`` (ms, streams that finished; a refused
+  stream, HTTP 429, is counted in ``detail.bursts``);
+- ``prompt_ttft_ms``: TTFT p50/p99 (ms) of 1k, 8k, 32k and 128k-token prompts (1,000 / 8,000 / 32,000 / 128,000
+  ``usage.prompt_tokens``, word counts calibrated through ``usage``; 3 / 3 / 2 / 1 repeats), one at a time;
+  null when the service refuses the prompt (its message is in ``detail.prompts``);
+- ``cap24``: the service restarted with its CUDA allocator capped at 22.5 GiB by a ``sitecustomize.py`` on
+  PYTHONPATH (``torch.cuda.set_per_process_memory_fraction``; no flag changed): whether it started, and
+  aggregate tok/s + TTFT at 8 and 32 streams;
+- ``peak_gpu_memory_gib``: the largest nvidia-smi used memory sampled during the run (GiB, all GPUs summed);
+  ``/metrics``' ``qwen_chat_gpu_memory_bytes`` is kept per phase in ``detail``.
+
+Writes ``bench/results/<date>-<gpu>-serve.{json,png,log}`` (the log is the service's output; ``--out PREFIX``
+overrides the prefix, else ``--smoke`` writes ``<date>-cpu-serve-smoke.*``; copies go to ``$OUT`` when set),
+saves the JSON after every phase, prints a table last and a time-stamped progress line per phase on stderr.
+The service is always stopped (its whole process group), on errors, Ctrl-C and SIGTERM too.  ``--smoke`` hides
+the GPUs from the service (``CUDA_VISIBLE_DEVICES=""``), so start.sh runs ``app.py --device cpu``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_http as H  # noqa: E402
+import serve_report as R  # noqa: E402
+from serve_ckpt import DEFAULT_CKPT_DIR  # noqa: E402
+from serve_proc import (FRACTION_ENV, Service, cap_sitecustomize, free_port, kernel_lines, port_is_free,  # noqa: E402
+                        server_versions)
+
+ROOT = Path(__file__).resolve().parents[1]
+CAP_GIB = 22.5
+FULL = dict(calib_words=(200, 4000), warmup_new=32, batch1_prompt=100, batch1_new=1024, batch1_runs=2,
+            burst_prompt=600, burst_new=256, prompt_new=8,
+            prompts={"1k": 1000, "8k": 8000, "32k": 32000, "128k": 128000},
+            repeats={"1k": 3, "8k": 3, "32k": 2, "128k": 1}, startup_timeout_s=420, budget_s=540)
+SMOKE = dict(calib_words=(20, 200), warmup_new=4, batch1_prompt=20, batch1_new=24, batch1_runs=1,
+             burst_prompt=40, burst_new=4, prompt_new=2,
+             prompts={"1k": 60, "8k": 120, "32k": 240, "128k": 40000},
+             repeats={"1k": 2, "8k": 2, "32k": 1, "128k": 1}, startup_timeout_s=300, budget_s=0)
+T0 = time.monotonic()
+
+
+def progress(msg: str) -> None:
+    """One time-stamped progress line on stderr (wall clock and seconds since the start)."""
+    print(f"[{dt.datetime.now():%H:%M:%S} +{time.monotonic() - T0:5.0f}s] serve_bench: {msg}", file=sys.stderr,
+          flush=True)
+
+
+def with_ext(prefix: Path, ext: str) -> Path:
+    """``prefix`` + ``ext`` (a dot inside the prefix's name is kept, unlike ``Path.with_suffix``)."""
+    return Path(str(prefix) + ext)
+
+
+def gpu_label() -> tuple[str, int]:
+    """(name for the result files: nvidia-smi's first GPU name with dashes, "xN" for N > 1 GPUs, or "cpu";
+    number of GPUs)."""
+    names = H.nvidia_smi("name", H.visible_gpus())
+    if not names:
+        return "cpu", 0
+    return names[0].replace(" ", "-") + (f"x{len(names)}" if len(names) > 1 else ""), len(names)
+
+
+def build_checkpoint(ckpt_dir: Path) -> tuple[Path, dict]:
+    """The random full-config checkpoint (``bench/serve_ckpt.py`` in its own process, so this one never holds
+    GPU memory).  Returns (folder, build info).  Raises RuntimeError with the builder's last lines."""
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("serve_ckpt.py")), "--ckpt-dir",
+                          str(ckpt_dir), "--json"], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError("checkpoint build failed: " + " | ".join((out.stderr or out.stdout).splitlines()[-3:]))
+    info = json.loads(out.stdout.strip().splitlines()[-1])
+    return Path(info["folder"]), info
+
+
+class Bench:
+    """The run's measurements, saved to JSON after every phase (a cut-short run still leaves its file)."""
+
+    def __init__(self, args, sizes: dict, prefix: Path, gpu: str, gpus: int, argv: list[str]):
+        self.args, self.P, self.prefix, self.gpu = args, sizes, prefix, gpu
+        self.rng = random.Random(20261201)
+        self.batch1 = None
+        self.bursts: dict = {}
+        self.prompts: dict = {}
+        self.cap24: dict = {"started": False, "error": "not run"}
+        self.startup_s = None
+        self.gpus = gpus
+        # --smoke runs on the CPU even on a GPU host: start.sh then counts no GPU and runs app.py --device cpu.
+        self.env = {"CUDA_VISIBLE_DEVICES": ""} if args.smoke else {}
+        self.sampler = None  # started with the first service (the checkpoint build is not the service's memory)
+        self.calib = (0.0, 1.0)
+        self.context = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"), "gpu": gpu, "gpu_count": gpus,
+                        "command": " ".join(["python", "bench/serve_bench.py", *argv]), "smoke": bool(args.smoke),
+                        "versions": None, "peak_gpu_memory_gib": None, "models": None, "service_command": None,
+                        "checkpoint": None, "sizes": sizes, "errors": [],
+                        "sampling": "the service's defaults (model-card preset of thinking mode), max_tokens set",
+                        "detail": {"calibration": None, "batch1": [], "bursts": {}, "prompts": {}, "phases": {}}}
+        self.detail = self.context["detail"]
+        self.services: list[Service] = []
+
+    def words(self, tokens: int) -> int:
+        return H.words_for(tokens, *self.calib)
+
+    def prompt(self, tokens: int) -> str:
+        return H.random_prompt(self.words(tokens), self.rng)
+
+    def phase_memory(self, name: str, url: str) -> None:
+        self.detail["phases"][name] = {"nvidia_smi_peak_gib": self.sampler.mark() if self.sampler else None,
+                                       "metrics_gpu_gib": H.metrics_gpu_gib(url),
+                                       "t_s": round(time.monotonic() - T0, 1)}
+
+    def doc(self) -> dict:
+        if self.sampler:
+            self.context["peak_gpu_memory_gib"] = self.sampler.peak_gib
+        return R.result_doc(batch1=self.batch1, bursts=self.bursts, prompts=self.prompts, cap24=self.cap24,
+                            startup_s=self.startup_s, context=self.context)
+
+    def save(self) -> dict:
+        doc = self.doc()
+        path = with_ext(self.prefix, ".json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        return doc
+
+    def left_s(self) -> float:
+        budget = self.args.budget_s if self.args.budget_s is not None else self.P["budget_s"]
+        return float("inf") if not budget else budget - (time.monotonic() - T0)
+
+    # --- phases -----------------------------------------------------------------------------------------------
+    def calibrate(self, url: str, model: str) -> None:
+        samples = []
+        for n in self.P["calib_words"]:
+            r = H.one(url, H.random_prompt(n, self.rng), 1, model)
+            if r.prompt_tokens is None:
+                raise RuntimeError(f"calibration request failed: {r.error}")
+            samples.append((n, r.prompt_tokens))
+        self.calib = H.fit_tokens_per_word(samples)
+        self.detail["calibration"] = {"samples_words_tokens": samples, "overhead_tokens": self.calib[0],
+                                      "tokens_per_word": self.calib[1]}
+        progress(f"calibrated: prompt tokens = {self.calib[0]:.1f} + {self.calib[1]:.4f} x words")
+
+    def run_batch1(self, url: str, model: str) -> None:
+        rates = []
+        for _ in range(self.P["batch1_runs"]):
+            r = H.one(url, self.prompt(self.P["batch1_prompt"]), self.P["batch1_new"], model)
+            self.detail["batch1"].append(H.result_dict(r))
+            if r.decode_tok_s is not None:
+                rates.append(r.decode_tok_s)
+            progress(f"batch 1: {r.completion_tokens} tokens, {r.decode_tok_s or 0:.1f} tok/s after the first"
+                     + (f" ({r.error})" if r.error else ""))
+        self.batch1 = statistics.median(rates) if rates else None
+
+    def run_burst(self, url: str, model: str, streams: int, into: dict, label: str) -> None:
+        prompts = [self.prompt(self.P["burst_prompt"]) for _ in range(streams)]
+        s = H.burst(url, prompts, self.P["burst_new"], model)
+        self.phase_memory(f"{label}{streams}", url)
+        s.update(self.detail["phases"][f"{label}{streams}"])
+        into[str(streams)] = s
+        progress(f"{label}{streams} streams: {s['ok']}/{streams} ok ({s['refused']} refused), "
+                 f"{s['aggregate_tok_s'] or 0:.1f} tok/s, TTFT p50 {s['ttft_ms_p50'] or 0:.0f} ms"
+                 + (f"; first error: {s['error'][:120]}" if s["error"] else ""))
+
+    def run_prompts(self, url: str, model: str, svc: Service) -> None:
+        for size, target in self.P["prompts"].items():
+            entry = {"target_tokens": target, "words": self.words(target), "ttft_ms": [], "prompt_tokens": [],
+                     "error": None}
+            self.detail["prompts"][size] = entry
+            if self.args.skip_long and size in ("32k", "128k"):
+                entry["error"] = "skipped (--skip-long)"
+            for _ in range(0 if entry["error"] else self.P["repeats"][size]):
+                r = H.one(url, self.prompt(target), self.P["prompt_new"], model)
+                if not r.ok or r.ttft_s is None:
+                    entry["error"] = r.error or "no text chunk came back"
+                    if not svc.alive():
+                        entry["error"] += f" (the service exited: {svc.error or svc.proc.returncode})"
+                    break
+                entry["ttft_ms"].append(r.ttft_s * 1e3)
+                entry["prompt_tokens"].append(r.prompt_tokens)
+            ok = entry["ttft_ms"] and entry["error"] is None
+            self.prompts[size] = {"p50": H.percentile(entry["ttft_ms"], 50),
+                                  "p99": H.percentile(entry["ttft_ms"], 99)} if ok else None
+            self.phase_memory(f"prompt_{size}", url)
+            progress(f"prompt {size} ({(entry['prompt_tokens'] or ['?'])[0]} tokens): "
+                     + (f"TTFT p50 {self.prompts[size]['p50']:.0f} ms" if ok else f"null: {entry['error'][:160]}"))
+            self.save()
+
+    def main_service(self, model_arg: str, port: int, log: Path) -> bool:
+        args = ["--model", model_arg] + (["--port", str(port)] if port != 7860 else [])
+        svc = Service(args, port, log, self.env)
+        self.context["service_command"] = svc.command
+        self.services.append(svc)
+        progress(f"starting the service: {svc.command}")
+        if self.gpus and self.sampler is None:
+            self.sampler = H.GpuMemorySampler(ids=H.visible_gpus()).start()
+        if not svc.start(self.P["startup_timeout_s"]):
+            self.context["errors"].append(f"service did not start: {svc.error}")
+            progress(f"the service did not start: {svc.error}")
+            return False
+        self.startup_s = svc.startup_s
+        url = svc.base_url
+        progress(f"/healthz 200 after {svc.startup_s:.1f} s")
+        self.context["kernels"] = kernel_lines(svc.log_text())
+        self.context["models"] = httpx.get(url + "/v1/models", timeout=30).json()
+        self.context["healthz"] = httpx.get(url + "/healthz", timeout=30).json()
+        model = self.context["models"]["data"][0]["id"]
+        self.phase_memory("after_startup", url)
+        self.calibrate(url, model)
+        progress("warm-up stream")
+        H.one(url, self.prompt(self.P["burst_prompt"]), self.P["warmup_new"], model)
+        progress("batch-1 decode")
+        self.run_batch1(url, model)
+        self.phase_memory("batch1", url)
+        self.save()
+        for streams in R.CONCURRENCY:
+            self.run_burst(url, model, streams, self.bursts, "")
+            self.detail["bursts"][str(streams)] = self.bursts[str(streams)]
+            self.save()
+        progress("prompt TTFT, one prompt at a time")
+        self.run_prompts(url, model, svc)
+        svc.stop()
+        return True
+
+    def cap_service(self, model_arg: str, port: int, log: Path) -> None:
+        total = H.nvidia_smi("memory.total", H.visible_gpus()) if self.gpus else None
+        # No GPU (--smoke): fraction 1, so the sitecustomize still hooks the service's torch import (the
+        # mechanism is exercised) while CUDA never starts and nothing is capped.
+        fraction = CAP_GIB * 1024 / float(total[0]) if total else 1.0
+        tmp = Path(tempfile.mkdtemp(prefix="serve-bench-cap-"))
+        cap_sitecustomize(tmp)
+        env = {FRACTION_ENV: f"{fraction:.6f}",
+               "PYTHONPATH": str(tmp) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+        svc = Service(["--model", model_arg] + (["--port", str(port)] if port != 7860 else []), port, log,
+                      {**self.env, **env})
+        self.services.append(svc)
+        self.cap24 = {"started": False, "cap_gib": CAP_GIB, "fraction": round(fraction, 6),
+                      "note": None if total else "no GPU: the sitecustomize hooks torch but nothing is capped",
+                      "error": None, "startup_s": None, "bursts": {}}
+        progress(f"starting the service with the allocator capped at {CAP_GIB} GiB (fraction {fraction:.4f}"
+                 + ("" if total else "; no GPU: nothing to cap") + ")")
+        try:
+            if not svc.start(self.P["startup_timeout_s"]):
+                self.cap24["error"] = svc.error
+                progress(f"capped service did not start: {svc.error}")
+                return
+            self.cap24.update(started=True, startup_s=svc.startup_s)
+            progress(f"capped service up after {svc.startup_s:.1f} s")
+            self.phase_memory("cap24_after_startup", svc.base_url)
+            model = httpx.get(svc.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            for streams in R.CAP_CONCURRENCY:
+                self.run_burst(svc.base_url, model, streams, self.cap24["bursts"], "cap24 ")
+                self.save()
+            if not svc.alive():
+                self.cap24["error"] = f"the service exited: {svc.error or svc.proc.returncode}"
+        finally:
+            svc.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="existing checkpoint folder (or hub id, or 'tiny') instead of the random one")
+    ap.add_argument("--ckpt-dir", type=Path, default=DEFAULT_CKPT_DIR, help="cache folder of the random checkpoint")
+    ap.add_argument("--smoke", action="store_true", help="--model tiny on CPU, everything scaled down")
+    ap.add_argument("--out", type=Path, help="results prefix (default bench/results/<date>-<gpu>-serve)")
+    ap.add_argument("--port", type=int, help="service port (default 7860, or a free one when it is taken)")
+    ap.add_argument("--skip-cap24", action="store_true", help="skip the restart under the 24 GB cap")
+    ap.add_argument("--skip-long", action="store_true", help="skip the 32k and 128k-token prompts")
+    ap.add_argument("--budget-s", type=float, help="skip the 24 GB run when fewer seconds are left than its "
+                                                   "start-up needs (default 540 on a GPU host; 0: no budget)")
+    args = ap.parse_args(argv)
+    sizes = SMOKE if args.smoke else FULL
+    gpu, gpus = ("cpu", 0) if args.smoke else gpu_label()
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    prefix = args.out or ROOT / "bench" / "results" / (f"{date}-{gpu}-serve" + ("-smoke" if args.smoke else ""))
+    log = with_ext(prefix, ".log")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    bench = Bench(args, sizes, prefix, gpu, gpus, argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    code = 0
+    try:
+        bench.context["versions"] = server_versions(bench.env)
+        if args.model or args.smoke:
+            model_arg = args.model or "tiny"
+            bench.context["checkpoint"] = {"model": model_arg}
+        else:
+            progress(f"random full-config checkpoint under {args.ckpt_dir} (built once, then reused)")
+            folder, info = build_checkpoint(args.ckpt_dir)
+            model_arg = str(folder)
+            bench.context["checkpoint"] = info
+            progress(f"checkpoint {folder} ({'reused' if info.get('reused') else 'built'})")
+        port = args.port or (7860 if port_is_free(7860) else free_port())
+        if not bench.main_service(model_arg, port, log):
+            code = 1
+        elif args.skip_cap24:
+            bench.cap24 = {"started": False, "error": "skipped (--skip-cap24)"}
+        elif bench.left_s() < (bench.startup_s or 0) + 60:
+            bench.cap24 = {"started": False, "error": f"skipped: {bench.left_s():.0f} s of the budget left"}
+            progress(bench.cap24["error"])
+        else:
+            bench.cap_service(model_arg, port if port_is_free(port) else free_port(), log)
+    except KeyboardInterrupt as exc:
+        bench.context["errors"].append(f"interrupted ({str(exc) or 'Ctrl-C'})")
+        progress("interrupted: stopping the service")
+        code = 130
+    except Exception as exc:  # noqa: BLE001 - recorded, the service is stopped below
+        bench.context["errors"].append(f"{type(exc).__name__}: {exc}"[:600])
+        progress(f"failed: {type(exc).__name__}: {exc}")
+        code = 1
+    finally:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the stop
+        for svc in bench.services:
+            svc.stop()
+        signal.signal(signal.SIGINT, old)
+        if bench.sampler:
+            bench.sampler.stop()
+    doc = bench.save()
+    png = with_ext(prefix, ".png")
+    try:
+        bench.context["plot"] = R.plot(doc, png)
+        doc = bench.save()
+    except Exception as exc:  # noqa: BLE001 - the JSON is what matters
+        progress(f"plot failed: {exc!r}")
+    if os.environ.get("OUT"):
+        for path in (with_ext(prefix, ".json"), png, log):
+            if path.exists():
+                shutil.copy2(path, Path(os.environ["OUT"]) / path.name)
+    progress(f"wrote {with_ext(prefix, '.json')}, {png.name}, {log.name}")
+    print("\n" + R.table(doc), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

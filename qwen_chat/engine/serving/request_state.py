@@ -1,0 +1,67 @@
+"""``Request``: one request as the scheduler tracks it, from the queue to its last token (``batch.Batch``)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from qwen_chat.engine.serving.handles import RequestHandle
+from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
+
+
+class Request:
+    """One submitted request as the scheduler tracks it: its handle, prompt, sampling, stop ids (int), the slot it
+    holds (None while waiting or after it finished), the last token sampled for it, ``siblings``: the later
+    choices of the same request (n > 1), which may share its prefill, and ``constraint``: its grammar state
+    (``constraints.Constraint``) or None.
+
+    Progress: ``order`` (admission order: the newest is preempted first), ``target`` (the prompt being prefilled:
+    the prompt, or after a preemption the prompt and the tokens it was fed; None while preempted), ``cached``
+    (tokens planned into its cache so far), ``blocks`` (KV blocks charged, ``kv_budget``), ``generated`` (every
+    token delivered), ``resume`` (the target recomputes a preempted sequence).
+    """
+
+    __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings", "constraint",
+                 "order", "target", "cached", "blocks", "generated", "resume")
+
+    def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids,
+                 constraint=None):
+        self.handle = handle
+        self.prompt = prompt
+        self.sampling = sampling
+        self.stop_ids = stop_ids
+        self.slot: Optional[int] = None
+        self.last_token: Optional[int] = None
+        self.siblings: list["Request"] = []
+        self.constraint = constraint
+        self.order = 0
+        self.target: Optional[PreparedPrompt] = None
+        self.cached = 0
+        self.blocks = 0
+        self.generated: list[int] = []
+        self.resume = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted and its target prompt not fully planned yet."""
+        return self.target is not None and self.cached < self.target.num_tokens
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt (or recomputation) is planned through: it decodes from now on."""
+        return self.target is not None and self.cached >= self.target.num_tokens
+
+    def recompute_prompt(self) -> PreparedPrompt:
+        """The prompt and every token fed to the model so far (all generated but the last, which is fed next):
+        what a preempted sequence prefills to get its cache back."""
+        fed = self.generated[:-1]
+        if not fed:
+            return self.prompt
+        p = self.prompt
+        extra = torch.tensor(fed, dtype=p.input_ids.dtype)
+        mm = p.mm_token_type_ids
+        if mm is not None:
+            mm = torch.cat([mm.reshape(-1), torch.zeros(len(fed), dtype=mm.dtype)])
+        return PreparedPrompt(input_ids=torch.cat([p.input_ids.reshape(-1), extra]), pixel_values=p.pixel_values,
+                              image_grid_thw=p.image_grid_thw, mm_token_type_ids=mm,
+                              max_new_tokens=p.max_new_tokens)
