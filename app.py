@@ -54,6 +54,10 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: Seconds between the interpreter's thread switches on rank 0 (``sys.setswitchinterval``; see ``main``).
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse and validate the command line, serve the UI + API on ``cfg.host:cfg.port`` (rank 0) and start the
     engine.  Returns the process exit code (module docstring); worker ranks do not return."""
@@ -73,6 +77,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if int(os.environ.get("RANK", "0")) != 0:  # worker rank: no web server, never returns from start_engine
         return _start_engine_or_exit(cfg, None)
 
+    # One process holds the engine's scheduler thread and every stream's web thread.  Under load the web threads
+    # keep the GIL busy, and the scheduler waits up to the switch interval each time it wants it back (Python's
+    # default: 5 ms, longer than a decode step); a 1 ms interval lets it launch the next step in time.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as e:

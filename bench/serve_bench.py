@@ -362,8 +362,9 @@ def main(argv=None) -> int:
         progress(f"plot failed: {exc!r}")
     if os.environ.get("OUT"):
         for path in (with_ext(prefix, ".json"), png, log):
-            if path.exists():
-                shutil.copy2(path, Path(os.environ["OUT"]) / path.name)
+            dest = Path(os.environ["OUT"]) / path.name
+            if path.exists() and path.resolve() != dest.resolve():
+                shutil.copy2(path, dest)
     progress(f"wrote {with_ext(prefix, '.json')}, {png.name}, {log.name}")
     print("\n" + R.table(doc), flush=True)
     return code

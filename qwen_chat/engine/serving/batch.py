@@ -42,8 +42,9 @@ from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, Sampl
 
 log = logging.getLogger(__name__)
 
-#: Seconds with nothing to do after which the engine captures one more decode graph (``idle_captures``).
-IDLE_S = 0.5
+#: Seconds with nothing to do after which the engine captures one more decode graph (``idle_captures``); long
+#: enough that a capture (seconds) rarely lands between the requests of one conversation or burst.
+IDLE_S = 3.0
 
 
 class Batch:

@@ -26,8 +26,8 @@ CPU_BUDGET_GIB = 0.25
 #: Context buckets (tokens) whose decode graphs are captured, for every batch size, before the service says
 #: ready; the longer ones are captured while the engine is idle, or on first use (``idle_captures``).
 READY_CONTEXTS = (512, 1024)
-#: Context buckets captured while idle after start-up (up to this many tokens).
-IDLE_CONTEXT_LIMIT = 8192
+#: Context buckets captured while idle after start-up (up to this many tokens; longer ones on first use).
+IDLE_CONTEXT_LIMIT = 4096
 
 
 def _agree(value: int) -> int:
@@ -39,6 +39,13 @@ def _agree(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
+
+
+def _largest_gathered_parameter(model) -> int:
+    """Bytes of the largest parameter that ZeRO-3 gathers onto the GPU for a forward (its full size; 0 when
+    nothing is partitioned): transient memory the budget must leave free."""
+    sizes = [int(p.ds_numel) * p.element_size() for p in model.parameters() if hasattr(p, "ds_numel")]
+    return max(sizes, default=0)
 
 
 def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[MemoryPlan, int, str]:
@@ -59,10 +66,13 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
     elif device.type == "cuda":
         usable, held, how = memory.gpu_memory(device, utilization=config.gpu_memory_utilization)
         chunk = chunk or memory.prefill_chunk(tc, geometry, free_after_weights=usable - held)
-        reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk,
-                                            max_slots=config.max_batch or DEFAULT_MAX_SLOTS)
-        budget = usable - held - reserve
-        how += f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
+        cap = config.max_batch or DEFAULT_MAX_SLOTS
+        slots = int(min(cap, max(1, (usable - held) * memory.STATE_SHARE // max(geometry.slot_bytes(), 1))))
+        reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots)
+        gathered = _largest_gathered_parameter(model)
+        budget = usable - held - reserve - gathered
+        how += (f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
+                + (f" - {gathered / GIB:.2f} GiB for the largest parameter ZeRO-3 gathers" if gathered else ""))
     else:
         budget, how = int(CPU_BUDGET_GIB * GIB), f"CPU default ({CPU_BUDGET_GIB} GiB)"
         chunk = chunk or memory.CHUNK_CHOICES[0]
