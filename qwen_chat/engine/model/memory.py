@@ -9,7 +9,7 @@ context is the model's own limit, capped by ``--max-context`` and by the KV toke
 sequence may use every block).  A budget that cannot hold one slot and one sequence of ``min_context``
 tokens is refused with one line naming the numbers and the flags to change (``MemoryBudgetError``).
 
-On a GPU (``gpu_budget``) the budget is ``utilization`` x the device's memory, and at most the allocator's
+On a GPU (``gpu_memory``, ``runner_setup.size_memory``) the budget is ``utilization`` x the device's memory, and at most the allocator's
 limit when ``torch.cuda.set_per_process_memory_fraction`` set one (less ``CAP_MARGIN_BYTES``), minus what this
 process holds now (the weights), minus the activation reserve of prefill and decode (``activation_reserve``),
 and at most what the device has free.
@@ -138,7 +138,8 @@ def activation_reserve(text_config, geometry: Geometry, *, prefill_tokens: int, 
 
 
 def gpu_memory(device: torch.device, *, utilization: float) -> tuple[int, int, str]:
-    """(usable bytes, bytes this process holds now, how usable was found) on a CUDA device: ``utilization`` x
+    """(usable bytes, bytes this process holds now (allocated: the weights; after ZeRO-3's loading nearly
+    nothing), how usable was found) on a CUDA device: ``utilization`` x
     its total memory, at most the allocator's limit (``set_per_process_memory_fraction``) less
     ``CAP_MARGIN_BYTES``, at most what is free plus what this process holds."""
     free, total = torch.cuda.mem_get_info(device)
@@ -149,7 +150,7 @@ def gpu_memory(device: torch.device, *, utilization: float) -> tuple[int, int, s
             fraction = float(getter(device))
         except Exception:  # noqa: BLE001 - older torch: no way to read it, the device total applies
             fraction = 1.0
-    held = torch.cuda.memory_reserved(device)
+    held = torch.cuda.memory_allocated(device)  # what the allocator caches beyond this is free for the state
     usable = utilization * total
     how = f"{utilization:.2f} x {total / GIB:.1f} GiB"
     if fraction < 1.0 and fraction * total - CAP_MARGIN_BYTES < usable:
