@@ -9,6 +9,11 @@ point at it, so nothing live is ever overwritten by them.
 Allocation is deterministic (the same calls give the same block ids), so under tensor parallelism every rank,
 running the same plans, holds the same tables without any ids in the plan; the scheduler on rank 0 only counts
 blocks (``blocks_for``) to admit, grow and preempt sequences.
+
+Blocks are reference-counted: a slot's table and any number of holders outside the tables (``hold``: a prefix
+kept for a later prompt that shares it) may own one block; it returns to the free list when the last owner lets
+go (``release``, ``drop``).  A slot that starts from a held prefix takes its blocks with ``share``; blocks
+shared by several owners are read-only for them (a slot copies the block it would write into first).
 """
 from __future__ import annotations
 
@@ -58,6 +63,7 @@ class BlockTables:
         self.max_blocks = int(max_blocks)
         self.null_block = self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
+        self._refs = [0] * self.num_blocks  # owners of each block: slot tables and holders
         self._owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
         self.device_table = torch.full((num_slots + 1, self.max_blocks), self.null_block, dtype=torch.long,
                                        device=device)
@@ -88,17 +94,46 @@ class BlockTables:
             raise OutOfBlocks(f"slot {slot} needs {extra} more KV block(s) but {len(self._free)} are free")
         for _ in range(extra):
             block = self._free.pop()
+            self._refs[block] = 1
             self._updates.append((slot, len(owned), block))
             owned.append(block)
 
     def release(self, slot: int) -> None:
-        """Return all of ``slot``'s blocks to the free list and point its table row at the null block."""
+        """Let go of all of ``slot``'s blocks (each returns to the free list when nothing else owns it) and point
+        its table row at the null block."""
         owned = self._owned[slot]
         if not owned:
             return
         self._updates.extend((slot, i, self.null_block) for i in range(len(owned)))
-        self._free.extend(reversed(owned))
+        self.drop(owned)
         self._owned[slot] = []
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """Own ``blocks`` once more outside any table (they must be allocated)."""
+        for b in blocks:
+            if self._refs[b] < 1:
+                raise ValueError(f"block {b} is free; only allocated blocks can be held")
+            self._refs[b] += 1
+
+    def drop(self, blocks: Sequence[int]) -> None:
+        """Let go of one ownership of each of ``blocks``; a block nobody owns returns to the free list."""
+        for b in reversed(list(blocks)):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def share(self, slot: int, blocks: Sequence[int]) -> None:
+        """Start the empty ``slot`` with ``blocks`` (allocated, in position order) as its first table entries,
+        owning each once more.  Raises ValueError when the slot holds blocks."""
+        if self._owned[slot]:
+            raise ValueError(f"slot {slot} holds blocks; release it first")
+        self.hold(blocks)
+        self._owned[slot] = list(blocks)
+        self._updates.extend((slot, i, b) for i, b in enumerate(blocks))
+
+    def owners(self, block: int) -> int:
+        """How many tables and holders own ``block`` (0: free)."""
+        return self._refs[block]
 
     def positions(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Flat cache rows (block * block_tokens + offset) of ``slot``'s positions start..end-1: int64

@@ -42,6 +42,7 @@ from qwen_chat.engine.model.fusion import Fused, fuse_layers
 from qwen_chat.engine.model.glue import glue_functions
 from qwen_chat.engine.model.options import RunnerOptions, resolve_options
 from qwen_chat.engine.model.paged import BLOCK_TOKENS, BlockTables, OutOfBlocks, blocks_for
+from qwen_chat.engine.model.prefix_cache import PrefixSnapshots
 from qwen_chat.engine.model.prompt_inputs import PromptInputs
 from qwen_chat.engine.model.state import SlotState, probe_geometry
 from qwen_chat.engine.parallel.sharding import is_zero3_partitioned
@@ -106,6 +107,8 @@ class ModelRunner:
         options: implementation switches (``RunnerOptions``; default: what production runs).  Under tensor
             parallelism construction is collective: every rank builds its runner at the same time.
         block_tokens: positions per KV block (``paged.BLOCK_TOKENS``).
+        num_snapshots: prefix states that can be kept for later prompts (``snapshots``:
+            ``prefix_cache.PrefixSnapshots``; 0: none).
 
     Attributes: ``num_slots``, ``max_context``, ``num_blocks``, ``block_tokens``, ``vocab_size`` (logits
     width), ``options`` (resolved: no auto left), ``use_cuda_graphs``, ``graphs`` (``graphs.CudaGraphs``, or
@@ -119,7 +122,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, *, num_slots: int, max_context: int, num_blocks: Optional[int] = None, device,
-                 dtype=None, options: RunnerOptions = RunnerOptions(), block_tokens: int = BLOCK_TOKENS):
+                 dtype=None, options: RunnerOptions = RunnerOptions(), block_tokens: int = BLOCK_TOKENS,
+                 num_snapshots: int = 0):
         if num_slots < 1 or max_context < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"num_slots, max_context and num_blocks must be >= 1 (got {num_slots}, "
                              f"{max_context}, {num_blocks})")
@@ -142,7 +146,7 @@ class ModelRunner:
         groups, self._fused = fuse_layers(layers, enabled=not zero3)
         geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
         state = SlotState(geometry, num_slots=self.num_slots, num_blocks=self.num_blocks,
-                          block_tokens=self.block_tokens, device=self.device)
+                          block_tokens=self.block_tokens, device=self.device, num_snapshots=num_snapshots)
         self.tables = BlockTables(num_slots=self.num_slots, num_blocks=self.num_blocks, max_blocks=max_blocks,
                                   device=self.device, block_tokens=self.block_tokens)
         self.k_cache, self.v_cache = state.k_cache, state.v_cache
@@ -163,6 +167,8 @@ class ModelRunner:
         self.lengths = [0] * (self.num_slots + 1)      # tokens in each slot's cache (python ints)
         self.rope_deltas = [0] * (self.num_slots + 1)  # M-RoPE position shift of each slot
         self._active = [False] * (self.num_slots + 1)  # decodable: its prompt's last chunk ran
+        self._restored: set[int] = set()  # slots started from a kept prefix whose prompt has not started yet
+        self.snapshots = PrefixSnapshots(self, num_snapshots) if num_snapshots else None
         self.graphs: Optional[graphs.CudaGraphs] = None
         if self.use_cuda_graphs:
             self.graphs = graphs.CudaGraphs(device=self.device, scratch_slot=self.num_slots, decode_step=fwd.decode)
@@ -192,6 +198,7 @@ class ModelRunner:
         self.rope_deltas[slot] = 0
         self.tables.release(slot)
         self._inputs.done(slot)
+        self._restored.discard(slot)
 
     @torch.no_grad()
     def copy_slot(self, src: int, dst: int) -> None:
@@ -276,31 +283,32 @@ class ModelRunner:
             if c.slot in seen:
                 raise ValueError(f"slot {c.slot} appears twice in one prefill")
             seen.add(c.slot)
-            if c.start == 0:
+            if c.start == 0 or c.slot in self._restored:
                 self._inputs.check(c.prompt)
                 if L >= self.max_context:
                     raise ContextTooLong(f"prompt of {L} tokens does not fit the context of {self.max_context} "
                                          "tokens (one position is needed for the reply)", L, self.max_context)
-            elif self._active[c.slot] or self.lengths[c.slot] != c.start:
+            if c.start > 0 and (self._active[c.slot] or self.lengths[c.slot] != c.start):
                 raise ValueError(f"chunk {c.start}..{end} does not continue slot {c.slot} (it holds "
                                  f"{self.lengths[c.slot]} tokens)")
             if not c.start < end <= L:
                 raise ValueError(f"chunk {c.start}..{end} is outside the prompt of {L} tokens")
         deltas = {}
+        starting = [c for c in chunks if c.start == 0 or c.slot in self._restored]
         try:
-            for c in chunks:
-                if c.start == 0:
-                    deltas[c.slot] = self._inputs.start(c.slot, c.prompt)
+            for c in starting:
+                deltas[c.slot] = self._inputs.start(c.slot, c.prompt)
         except BaseException:
-            for c in chunks:
-                if c.start == 0:
-                    self._inputs.done(c.slot)
+            for c in starting:
+                self._inputs.done(c.slot)
             raise
+        for c in starting:
+            self._restored.discard(c.slot)
+            self.rope_deltas[c.slot] = deltas[c.slot]
         for c in chunks:
             if c.start == 0:
                 self._active[c.slot] = False
                 self.lengths[c.slot] = 0
-                self.rope_deltas[c.slot] = deltas[c.slot]
                 self.tables.release(c.slot)
         seqs = []
         offset = 0
