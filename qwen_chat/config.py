@@ -138,7 +138,8 @@ class ServiceConfig:
                    "memory budget holds it")
     max_queue: int = 64
     max_batch: Optional[int] = _opt(
-        None, help="sequences decoded together at most; default: as many as the memory budget holds, up to 128")
+        None, help="sequences decoded together at most; default: as many as the memory budget holds, up to 128 "
+                   "(the largest decode batch with a CUDA graph; larger ones run without)")
     gpu_memory_utilization: float = _opt(
         0.90, help="fraction of each GPU's memory the service may use in all (weights, activations, KV cache and "
                    "state); what the weights and activations leave is the memory budget of the sequences")
@@ -197,7 +198,7 @@ class ServiceConfig:
         if not (64 <= self.image_token_budget <= 16384):
             raise ConfigError(f"--image-token-budget must be 64..16384, got {self.image_token_budget}")
         if self.max_queue < 1 or (self.max_batch is not None and self.max_batch < 1):
-            raise ConfigError("--max-queue and --max-batch must be >= 1")
+            raise ConfigError(f"--max-queue and --max-batch must be >= 1, got {self.max_queue} and {self.max_batch}")
         if not (0.05 <= self.gpu_memory_utilization <= 1.0):
             raise ConfigError(f"--gpu-memory-utilization must be 0.05..1.0, got {self.gpu_memory_utilization:g}")
         if self.memory_budget_gib is not None and not (0 < self.memory_budget_gib < math.inf):

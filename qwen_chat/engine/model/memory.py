@@ -39,6 +39,17 @@ CHUNK_CHOICES = (4096, 2048, 1024, 512)
 CHUNK_SHARE = 0.1
 
 
+def size_text(n_bytes: float) -> str:
+    """``n_bytes`` for a person: GiB from 1 GiB up, else MiB (1 GiB = 2**30 bytes)."""
+    return f"{n_bytes / GIB:.2f} GiB" if abs(n_bytes) >= GIB else f"{n_bytes / 2**20:.1f} MiB"
+
+
+#: What to change when a budget holds no sequence, on a GPU and on CPU (``plan_memory``'s ``advice``).
+GPU_ADVICE = ("lower --max-context, raise --gpu-memory-utilization (or --memory-budget-gib), or shard the model "
+              "over more GPUs (tensor parallel) or offload it (ZeRO-3)")
+CPU_ADVICE = "lower --max-context or raise --memory-budget-gib"
+
+
 class MemoryBudgetError(ValueError):
     """The budget cannot hold one sequence; the message (one line) names the numbers and the flags to change."""
 
@@ -63,20 +74,23 @@ class MemoryPlan:
 
     def describe(self) -> str:
         """One line for the start-up log."""
-        return (f"memory budget {self.budget_bytes / GIB:.2f} GiB: {self.num_slots} state slots "
+        return (f"memory budget {size_text(self.budget_bytes)}: {self.num_slots} state slots "
                 f"({self.slot_bytes / 2**20:.1f} MiB each), {self.num_blocks} KV blocks x {self.block_tokens} "
-                f"tokens = {self.kv_tokens} tokens of KV ({self.kv_token_bytes / 1024:.1f} KiB per token); "
-                f"at most {self.num_slots} sequences at once, context up to {self.max_context} tokens")
+                f"tokens = {self.kv_tokens} tokens of KV ({self.kv_token_bytes / 1024:.1f} KiB per token), "
+                f"{size_text(self.scores_bytes)} kept for the decode attention's scores and a later prompt "
+                f"chunk's keys at the longest context; at most {self.num_slots} sequences at once, context up to "
+                f"{self.max_context} tokens")
 
 
 def plan_memory(geometry: Geometry, *, budget_bytes: int, model_context: int, max_slots: Optional[int] = None,
                 max_context: Optional[int] = None, block_tokens: int = BLOCK_TOKENS,
-                min_context: int = 2048) -> MemoryPlan:
+                min_context: int = 2048, advice: str = GPU_ADVICE) -> MemoryPlan:
     """Split ``budget_bytes`` into state slots and KV blocks (see the module docstring).
 
     geometry: the model's local widths (``state.probe_geometry``); model_context: its own limit (tokens);
     max_slots / max_context: the ``--max-batch`` / ``--max-context`` caps (None: ``DEFAULT_MAX_SLOTS`` / the
-    model's limit); min_context: the shortest context worth serving when ``max_context`` is not given.
+    model's limit); min_context: the shortest context worth serving when ``max_context`` is not given;
+    advice: the flags to change, for the error (``GPU_ADVICE``, ``CPU_ADVICE``).
     Raises MemoryBudgetError when not even one slot and one sequence of the asked context fit.
     """
     slot = geometry.slot_bytes()
@@ -99,11 +113,9 @@ def plan_memory(geometry: Geometry, *, budget_bytes: int, model_context: int, ma
     ctx = int(min(ctx, blocks * block_tokens))
     if slots < 1 or ctx < need_ctx:
         raise MemoryBudgetError(
-            f"the memory budget of {budget_bytes / GIB:.2f} GiB holds {max(slots, 0)} state slot(s) of "
+            f"the memory budget of {size_text(budget_bytes)} holds {max(slots, 0)} state slot(s) of "
             f"{slot / 2**20:.1f} MiB and {max(blocks, 0) * block_tokens} tokens of KV cache "
-            f"({per_token / 1024:.1f} KiB per token), not one sequence of {need_ctx} tokens: lower --max-context, "
-            "raise --gpu-memory-utilization (or --memory-budget-gib), or shard the model over more GPUs "
-            "(tensor parallel) or offload it (ZeRO-3)")
+            f"({per_token / 1024:.1f} KiB per token), not one sequence of {need_ctx} tokens: {advice}")
     return MemoryPlan(budget_bytes=int(budget_bytes), num_slots=slots, num_blocks=blocks,
                       block_tokens=block_tokens, max_context=ctx, slot_bytes=slot, kv_token_bytes=per_token,
                       scores_bytes=scores)

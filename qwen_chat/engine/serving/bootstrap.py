@@ -136,8 +136,8 @@ def start_engine(cfg: ServiceConfig):
         groups = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
                                            need_default_group=plan.uses_deepspeed)
         engine_or_none = _start(cfg, info, device, plan, groups)
-    except StartupError:
-        log.error("rank %d: start-up failed", info.rank, exc_info=True)
+    except StartupError as exc:  # its message says what to change: no traceback in the way
+        log.error("rank %d: start-up failed: %s", info.rank, exc)
         raise
     except Exception as exc:  # noqa: BLE001 - turned into a start-up error with the cause in the log
         log.error("rank %d: start-up failed", info.rank, exc_info=True)
@@ -195,7 +195,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
         try:
             local = LocalExecutor(*build_runner(loaded, cfg)[:2])
         except MemoryBudgetError as exc:
-            raise StartupError(str(exc)) from exc
+            raise StartupError(str(exc)) from None
         _self_check_across_ranks(local, run_self_check(local, loaded.tokenizer), groups, info)
         qdist.unlink_deepspeed_shm(info.rank)
         log.info("rank %d: ready, waiting for plans from rank 0", info.rank)
@@ -217,4 +217,4 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     try:
         return build_engine(loaded, cfg, executor_factory=executor_factory)
     except MemoryBudgetError as exc:
-        raise StartupError(str(exc)) from exc
+        raise StartupError(str(exc)) from None

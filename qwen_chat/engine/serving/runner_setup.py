@@ -77,9 +77,14 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
         budget, how = int(CPU_BUDGET_GIB * GIB), f"CPU default ({CPU_BUDGET_GIB} GiB)"
         chunk = chunk or memory.CHUNK_CHOICES[0]
     budget = _agree(budget)
-    plan = memory.plan_memory(geometry, budget_bytes=budget, model_context=int(loaded.info.context_length),
-                              max_slots=config.max_batch, max_context=config.max_context)
-    return plan, _agree(int(chunk)), how
+    model_context = int(loaded.info.context_length)
+    if config.max_context is not None and config.max_context > model_context:
+        log.warning("--max-context %d is above the model's own %d tokens: capped there", config.max_context,
+                    model_context)
+    advice = memory.GPU_ADVICE if device.type == "cuda" else memory.CPU_ADVICE
+    plan = memory.plan_memory(geometry, budget_bytes=budget, model_context=model_context,
+                              max_slots=config.max_batch, max_context=config.max_context, advice=advice)
+    return plan, _agree(int(min(chunk, plan.max_context))), how
 
 
 def idle_captures(runner) -> list[tuple[int, int]]:
