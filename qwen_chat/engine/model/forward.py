@@ -121,8 +121,10 @@ class ModelForward:
         """Every index the packed prefill needs on the device, sent in one copy (a host tensor sent on its own
         would make the host wait for the device each time): each chunk's KV rows; ``slots`` int64 [N];
         ``past`` bool [N] (the chunk continues its slot); ``take`` int64 [T], the conv output column of each token
-        (``_conv_prefill``); ``cu`` int64 [N + 1] (and ``cu_cpu``), the chunks' bounds in the packed tokens;
-        ``last`` int64 [m], the packed row of the last token of each chunk whose logits are wanted."""
+        (``_conv_prefill``); ``prev_cols`` int64 [N, K - 1] and ``ring_cols`` int64 [N, K], the conv ring columns
+        of the K - 1 inputs before each chunk and of its last K inputs (every Gated DeltaNet layer uses the same);
+        ``cu`` int64 [N + 1] (and ``cu_cpu``), the chunks' bounds in the packed tokens; ``last`` int64 [m], the
+        packed row of the last token of each chunk whose logits are wanted."""
         K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
         take, e = [], 0
         for sq in seqs:
@@ -130,9 +132,11 @@ class ModelForward:
             e += sq.n + K - 1
         cu_cpu = torch.tensor([0] + [sq.offset + sq.n for sq in seqs], dtype=torch.long)
         last = torch.tensor([sq.offset + sq.n - 1 for sq in seqs if sq.logits], dtype=torch.long)
+        prev_cols = torch.stack([torch.arange(sq.start - K + 1, sq.start) for sq in seqs]) % K
+        ring_cols = torch.stack([torch.arange(sq.start + sq.n - K, sq.start + sq.n) for sq in seqs]) % K
         parts = [sq.rows.cpu() for sq in seqs] + [
             torch.tensor([sq.slot for sq in seqs]), torch.tensor([int(sq.start > 0) for sq in seqs]),
-            torch.cat(take), cu_cpu, last]
+            torch.cat(take), cu_cpu, last, prev_cols.reshape(-1), ring_cols.reshape(-1)]
         flat = torch.cat(parts).to(torch.long)
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
@@ -140,7 +144,7 @@ class ModelForward:
         seqs = [PackedSeq(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits) for sq, rows in zip(seqs, pieces)]
         n = len(seqs)
         meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], cu=pieces[n + 3], cu_cpu=cu_cpu,
-                    last=pieces[n + 4])
+                    last=pieces[n + 4], prev_cols=pieces[n + 5].view(n, K - 1), ring_cols=pieces[n + 6].view(n, K))
         return seqs, meta
 
     def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -196,19 +200,16 @@ class ModelForward:
         pre-activation outputs."""
         K = self._geo[i]["K"]
         ring_buf = self.conv_state[i]
-        dev = qkv.device
         parts = []
-        for sq in seqs:
+        for j, sq in enumerate(seqs):
             seg = qkv[sq.offset:sq.offset + sq.n].t().to(ring_buf.dtype)            # [C, n]
             if sq.start == 0:
                 prev = seg.new_zeros(seg.shape[0], K - 1)
             else:
-                cols = torch.remainder(torch.arange(sq.start - K + 1, sq.start, device=dev), K)
-                prev = ring_buf[sq.slot].index_select(1, cols)
+                prev = ring_buf[sq.slot].index_select(1, meta["prev_cols"][j])
             ext = torch.cat([prev, seg], dim=1)                                      # [C, n + K - 1]
-            p = torch.arange(sq.start + sq.n - K, sq.start + sq.n, device=dev)
-            ring = torch.zeros_like(ext[:, :K]).index_copy_(1, torch.remainder(p, K), ext[:, -K:])
-            ring_buf[sq.slot].copy_(ring)
+            # the last K inputs (zeros before a prompt's first token) to their ring columns: all K are written
+            ring_buf[sq.slot].index_copy_(1, meta["ring_cols"][j], ext[:, -K:])
             parts.append(ext)
         ext = torch.cat(parts, dim=1)[None]                                          # [1, C, sum(n + K - 1)]
         w = la.conv1d.weight

@@ -95,10 +95,10 @@ def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tenso
 
     qkv: [B, C] (in_proj_qkv output, C = 2 * key_dim + value_dim); z: [B, value_dim]; b, a: [B, HV];
     conv_buf: [slots, C, K] ring of the last inputs (model dtype): ``conv_buf[s, c, p % K]`` is the input at
-    position p (``conv_ring_from_tail``); rec_buf: [slots, HV, dv, dk] fp32 recurrent state S^T (value-major,
-    so each value row is one contiguous reduction: the whole update is one pass); slot_idx: int64 [B] (rows
-    with the same slot, i.e. padding rows, must not matter); pos: int64 [B], this token's position (the
-    slot's length before it); conv_w: [C, K] depthwise taps; A_log, dt_bias: [HV].  Returns core
+    position p (prefill writes it: ``forward.ModelForward._conv_prefill``); rec_buf: [slots, HV, dv, dk] fp32
+    recurrent state S^T (value-major, so each value row is one contiguous reduction: the whole update is one
+    pass); slot_idx: int64 [B] (rows with the same slot, i.e. padding rows, must not matter); pos: int64 [B],
+    this token's position (the slot's length before it); conv_w: [C, K] depthwise taps; A_log, dt_bias: [HV].  Returns core
     [B, value_dim] in the model dtype.
 
     Maths: causal conv1d over [inputs at pos-K+1 .. pos-1, this one] + activation; q, k l2-normalised (fp32),
@@ -131,15 +131,6 @@ def gdn_step(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tenso
     o = (state * q[:, :, None, :]).sum(dim=-1)
     rec_buf[slot_idx] = state
     return norm(o.to(qkv.dtype).reshape(-1, dv), z.reshape(-1, dv)).reshape(B, -1)
-
-
-def conv_ring_from_tail(inputs: torch.Tensor, n: torch.Tensor, K: int) -> torch.Tensor:
-    """The conv ring (see ``gdn_step``) after a prompt: inputs [C, P] (conv inputs at positions 0..P-1, the
-    first n real), n: int64 [1] (1 <= n <= P).  Returns [C, K] holding the inputs at positions n-K..n-1 at
-    column p % K, zeros for positions < 0.  Tensor ops only (capturable)."""
-    idx = n - K + torch.arange(K, device=inputs.device)                                       # [K]
-    tail = inputs.index_select(1, idx.clamp(min=0)) * (idx >= 0).to(inputs.dtype)             # [C, K]
-    return torch.zeros_like(tail).index_copy_(1, torch.remainder(idx, K), tail)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, act: torch.nn.Module) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from qwen_chat.engine.model.paged import BLOCK_TOKENS
+from qwen_chat.engine.model.paged import BLOCK_TOKENS, blocks_for
 
 #: Batch sizes for which a decode graph is captured; a batch of B runs in the smallest size >= B.
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
@@ -38,7 +38,7 @@ def graph_batch_sizes(num_slots: int) -> list[int]:
 
 def _top(max_context: int, block_tokens: int) -> int:
     """The largest window: max_context rounded up to whole blocks."""
-    return -(-max_context // block_tokens) * block_tokens
+    return blocks_for(max_context, block_tokens) * block_tokens
 
 
 def context_bucket(n: int, max_context: int, block_tokens: int = BLOCK_TOKENS) -> int:

@@ -9,8 +9,8 @@ context is the model's own limit, capped by ``--max-context`` and by the KV toke
 sequence may use every block).  A budget that cannot hold one slot and one sequence of ``min_context``
 tokens is refused with one line naming the numbers and the flags to change (``MemoryBudgetError``).
 
-On a GPU (``gpu_memory``, ``runner_setup.size_memory``) the budget is ``utilization`` x the device's memory, and at most the allocator's
-limit when ``torch.cuda.set_per_process_memory_fraction`` set one (less ``CAP_MARGIN_BYTES``), minus what this
+On a GPU (``gpu_memory``, ``runner_setup.size_memory``) the budget is ``utilization`` x the device's memory,
+and at most the allocator's limit when ``torch.cuda.set_per_process_memory_fraction`` set one (less ``CAP_MARGIN_BYTES``), minus what this
 process holds now (the weights), minus the activation reserve of prefill and decode (``activation_reserve``),
 and at most what the device has free.
 """
@@ -82,6 +82,12 @@ class MemoryPlan:
                 f"{self.max_context} tokens")
 
 
+def state_slots(geometry: Geometry, budget_bytes: float, max_slots: Optional[int] = None) -> int:
+    """State slots a budget gives: ``STATE_SHARE`` of it in slots of ``geometry.slot_bytes()``, at most
+    ``max_slots`` (None: ``DEFAULT_MAX_SLOTS``); may be 0."""
+    return int(min(max_slots or DEFAULT_MAX_SLOTS, (budget_bytes * STATE_SHARE) // max(geometry.slot_bytes(), 1)))
+
+
 def plan_memory(geometry: Geometry, *, budget_bytes: int, model_context: int, max_slots: Optional[int] = None,
                 max_context: Optional[int] = None, block_tokens: int = BLOCK_TOKENS,
                 min_context: int = 2048, advice: str = GPU_ADVICE) -> MemoryPlan:
@@ -97,12 +103,9 @@ def plan_memory(geometry: Geometry, *, budget_bytes: int, model_context: int, ma
     per_token = geometry.kv_token_bytes()
     want_ctx = min(model_context, max_context) if max_context else model_context
     need_ctx = min(want_ctx, max_context or min_context)
-    cap = max_slots or DEFAULT_MAX_SLOTS
-    slots = int(min(cap, (budget_bytes * STATE_SHARE) // max(slot, 1)))
+    slots = state_slots(geometry, budget_bytes, max_slots)
     heads = geometry.query_heads()
-    item = torch.empty((), dtype=geometry.dtype).element_size()
-    gather = max((2 * g["nkv"] * g["hd"] * item for k, g in zip(geometry.kinds, geometry.geo) if k == "full"),
-                 default=0)
+    gather = geometry.layer_kv_token_bytes()
     kv_bytes = budget_bytes - slots * slot
     # per token of the longest context: its KV, the fp32 scores and probabilities of every slot's decode step at
     # the top bucket, the keys and values of one layer that a later prompt chunk gathers
@@ -126,8 +129,7 @@ def activation_bytes_per_token(text_config, geometry: Geometry) -> int:
     widths in the model dtype, several alive at once (residual, norm output, projections, conv, fp32 q/k and
     gates, fla's chunk states)."""
     hidden, inter = int(text_config.hidden_size), int(text_config.intermediate_size)
-    conv = max((g["conv_dim"] for k, g in zip(geometry.kinds, geometry.geo) if k == "linear"), default=0)
-    return 2 * (12 * hidden + 4 * inter + 10 * conv)
+    return 2 * (12 * hidden + 4 * inter + 10 * geometry.conv_width())
 
 
 def prefill_chunk(text_config, geometry: Geometry, *, free_after_weights: int) -> int:

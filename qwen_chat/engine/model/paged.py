@@ -78,25 +78,35 @@ class BlockTables:
         """Block ids of ``slot`` in position order (read-only view)."""
         return tuple(self._owned[slot])
 
+    def count(self, slot: int) -> int:
+        """Blocks ``slot`` holds now."""
+        return len(self._owned[slot])
+
     def ensure(self, slot: int, n_tokens: int) -> None:
         """Give ``slot`` the blocks for positions 0..n_tokens-1 (it keeps those it has).
 
         Raises OutOfBlocks when the free list runs dry (nothing is allocated then), ValueError past
         ``max_blocks``."""
-        need = blocks_for(n_tokens, self.block_tokens)
-        owned = self._owned[slot]
-        if need <= len(owned):
-            return
-        if need > self.max_blocks:
-            raise ValueError(f"{n_tokens} tokens need {need} KV blocks; a table holds {self.max_blocks}")
-        extra = need - len(owned)
-        if extra > len(self._free):
-            raise OutOfBlocks(f"slot {slot} needs {extra} more KV block(s) but {len(self._free)} are free")
-        for _ in range(extra):
-            block = self._free.pop()
-            self._refs[block] = 1
-            self._updates.append((slot, len(owned), block))
-            owned.append(block)
+        self.ensure_all([(slot, n_tokens)])
+
+    def ensure_all(self, wants: Sequence[tuple[int, int]]) -> None:
+        """``ensure`` for each (slot, tokens) of ``wants`` (distinct slots), all or nothing: raises OutOfBlocks,
+        allocating nothing, when the free list cannot cover them together; ValueError past ``max_blocks``."""
+        extra = []
+        for slot, n_tokens in wants:
+            need = blocks_for(n_tokens, self.block_tokens)
+            if need > self.max_blocks:
+                raise ValueError(f"{n_tokens} tokens need {need} KV blocks; a table holds {self.max_blocks}")
+            extra.append(max(0, need - len(self._owned[slot])))
+        if sum(extra) > len(self._free):
+            raise OutOfBlocks(f"{sum(extra)} more KV block(s) needed but {len(self._free)} are free")
+        for (slot, _), k in zip(wants, extra):
+            owned = self._owned[slot]
+            for _ in range(k):
+                block = self._free.pop()
+                self._refs[block] = 1
+                self._updates.append((slot, len(owned), block))
+                owned.append(block)
 
     def release(self, slot: int) -> None:
         """Let go of all of ``slot``'s blocks (each returns to the free list when nothing else owns it) and point

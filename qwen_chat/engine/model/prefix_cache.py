@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qwen_chat.engine.model.paged import blocks_for
+
 
 @dataclass
 class _Entry:
@@ -64,7 +66,7 @@ class PrefixSnapshots:
         if n < 1:
             raise ValueError(f"slot {slot} holds no tokens to keep")
         self.forget(entry)
-        blocks = tuple(r.tables.blocks(slot)[:-(-n // r.block_tokens)])
+        blocks = tuple(r.tables.blocks(slot)[:blocks_for(n, r.block_tokens)])
         r.tables.hold(blocks)
         row = self._base + entry
         for state in (r.conv_state, r.rec_state):

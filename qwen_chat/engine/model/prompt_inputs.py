@@ -21,8 +21,8 @@ from qwen_chat.engine.serving.requests import PreparedPrompt
 @dataclass
 class _ImagePrompt:
     """What the later chunks of an image prompt need: features [n_image_tokens, hidden] (model dtype), the
-    whole prompt's positions int64 [3, L], the count of image tokens before each position int64 [L + 1], and
-    the M-RoPE delta."""
+    whole prompt's positions int64 [3, L], the count of image tokens before each position int64 [L + 1] (host),
+    and the M-RoPE delta."""
 
     feats: torch.Tensor
     pos: torch.Tensor
@@ -76,8 +76,8 @@ class PromptInputs:
         mm = prompt.mm_token_type_ids
         mm = mask.long() if mm is None else mm.to(self.device, torch.long).reshape(-1)
         pos, deltas = self._core.get_rope_index(ids[None], mm_token_type_ids=mm[None], image_grid_thw=grid)
-        before = torch.zeros(ids.numel() + 1, dtype=torch.long, device=self.device)
-        before[1:] = mask.long().cumsum(0)
+        before = torch.zeros(ids.numel() + 1, dtype=torch.long)  # on the host: chunks read it without a sync
+        before[1:] = (prompt.input_ids.reshape(-1) == self.image_token_id).long().cumsum(0)
         delta = int(deltas.reshape(-1)[0])
         self._images[slot] = _ImagePrompt(feats.to(self.dtype), pos[:, 0].to(self.device), before, delta)
         return delta

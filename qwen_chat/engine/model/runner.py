@@ -41,10 +41,10 @@ from qwen_chat.engine.model.forward import ModelForward, PackedSeq
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
 from qwen_chat.engine.model.glue import glue_functions
 from qwen_chat.engine.model.options import RunnerOptions, resolve_options
-from qwen_chat.engine.model.paged import BLOCK_TOKENS, BlockTables, OutOfBlocks, blocks_for
+from qwen_chat.engine.model.paged import BLOCK_TOKENS, BlockTables, blocks_for
 from qwen_chat.engine.model.prefix_cache import PrefixSnapshots
 from qwen_chat.engine.model.prompt_inputs import PromptInputs
-from qwen_chat.engine.model.state import SlotState, probe_geometry
+from qwen_chat.engine.model.state import Geometry, SlotState, probe_geometry
 from qwen_chat.engine.parallel.sharding import is_zero3_partitioned
 from qwen_chat.engine.parallel.tp_decode import decode_projections
 from qwen_chat.engine.serving.requests import PreparedPrompt
@@ -109,6 +109,8 @@ class ModelRunner:
         block_tokens: positions per KV block (``paged.BLOCK_TOKENS``).
         num_snapshots: prefix states that can be kept for later prompts (``snapshots``:
             ``prefix_cache.PrefixSnapshots``; 0: none).
+        geometry: the model's local widths when the caller probed them already (``state.probe_geometry``, as
+            the memory budget does); default: probed here.
 
     Attributes: ``num_slots``, ``max_context``, ``num_blocks``, ``block_tokens``, ``vocab_size`` (logits
     width), ``options`` (resolved: no auto left), ``use_cuda_graphs``, ``graphs`` (``graphs.CudaGraphs``, or
@@ -123,7 +125,7 @@ class ModelRunner:
 
     def __init__(self, model, *, num_slots: int, max_context: int, num_blocks: Optional[int] = None, device,
                  dtype=None, options: RunnerOptions = RunnerOptions(), block_tokens: int = BLOCK_TOKENS,
-                 num_snapshots: int = 0):
+                 num_snapshots: int = 0, geometry: Optional[Geometry] = None):
         if num_slots < 1 or max_context < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"num_slots, max_context and num_blocks must be >= 1 (got {num_slots}, "
                              f"{max_context}, {num_blocks})")
@@ -144,7 +146,8 @@ class ModelRunner:
         self._embed = lm.embed_tokens
         chunk_rule, chunk_name, varlen = _resolve_chunk_rule(self.device)
         groups, self._fused = fuse_layers(layers, enabled=not zero3)
-        geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
+        if geometry is None:
+            geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
         state = SlotState(geometry, num_slots=self.num_slots, num_blocks=self.num_blocks,
                           block_tokens=self.block_tokens, device=self.device, num_snapshots=num_snapshots)
         self.tables = BlockTables(num_slots=self.num_slots, num_blocks=self.num_blocks, max_blocks=max_blocks,
@@ -310,11 +313,11 @@ class ModelRunner:
                 self._active[c.slot] = False
                 self.lengths[c.slot] = 0
                 self.tables.release(c.slot)
+        self.tables.ensure_all([(c.slot, c.stop()) for c in chunks])
         seqs = []
         offset = 0
         for c in chunks:
             end = c.stop()
-            self.tables.ensure(c.slot, end)
             rows = self.tables.positions(c.slot, 0, end)  # host; the forward sends all indexes in one copy
             last = end == c.prompt.num_tokens
             seqs.append(PackedSeq(c.slot, c.start, end - c.start, offset, rows, last and c.logits))
@@ -368,11 +371,7 @@ class ModelRunner:
             if self.lengths[s] >= self.max_context:
                 raise ContextTooLong(f"sequence in slot {s} reached the context of {self.max_context} tokens",
                                      self.lengths[s], self.max_context)
-        need = sum(blocks_for(self.lengths[s] + 1, self.block_tokens) - len(self.tables.blocks(s)) for s in slots)
-        if need > self.tables.free_blocks:
-            raise OutOfBlocks(f"a decode step needs {need} new KV block(s) but {self.tables.free_blocks} are free")
-        for s in slots:
-            self.tables.ensure(s, self.lengths[s] + 1)
+        self.tables.ensure_all([(s, self.lengths[s] + 1) for s in slots])
         self.tables.flush()
         pos = [self.lengths[s] for s in slots]
         rope = [p + self.rope_deltas[s] for p, s in zip(pos, slots)]

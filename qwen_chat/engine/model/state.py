@@ -12,7 +12,7 @@ token plus 48 MiB of fp32 recurrent state per slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -32,20 +32,33 @@ class Geometry:
     geo: tuple
     dtype: torch.dtype
 
+    def _layers(self, kind: str):
+        """The geometry dicts of the layers of ``kind`` ("linear" or "full")."""
+        return [g for k, g in zip(self.kinds, self.geo) if k == kind]
+
     def slot_bytes(self) -> int:
         """Bytes of one slot's Gated DeltaNet state: conv ring (dtype) + fp32 recurrent state, all layers."""
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(g["conv_dim"] * g["K"] * item + g["nv"] * g["dv"] * g["dk"] * 4
-                   for k, g in zip(self.kinds, self.geo) if k == "linear")
+        return sum(g["conv_dim"] * g["K"] * self.dtype.itemsize + g["nv"] * g["dv"] * g["dk"] * 4
+                   for g in self._layers("linear"))
 
     def kv_token_bytes(self) -> int:
         """Bytes of KV cache per token of context: keys + values of every attention layer (dtype)."""
-        item = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * g["nkv"] * g["hd"] * item for k, g in zip(self.kinds, self.geo) if k == "full")
+        return sum(self.layer_kv_token_bytes(g) for g in self._layers("full"))
+
+    def layer_kv_token_bytes(self, g: Optional[dict] = None) -> int:
+        """Bytes of keys + values per token of one attention layer ``g`` (default: the widest), what a later
+        prompt chunk gathers per token of its sequence's past."""
+        if g is None:
+            return max((self.layer_kv_token_bytes(x) for x in self._layers("full")), default=0)
+        return 2 * g["nkv"] * g["hd"] * self.dtype.itemsize
 
     def query_heads(self) -> int:
         """Local query heads of the widest attention layer (sizes the decode attention's score buffer)."""
-        return max((g["nq"] for k, g in zip(self.kinds, self.geo) if k == "full"), default=0)
+        return max((g["nq"] for g in self._layers("full")), default=0)
+
+    def conv_width(self) -> int:
+        """Channels of the widest Gated DeltaNet conv (``conv_dim``)."""
+        return max((g["conv_dim"] for g in self._layers("linear")), default=0)
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ from collections import deque
 from typing import Iterable, Optional
 
 from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, FinishReason, NotReady
-from qwen_chat.engine.model.paged import BLOCK_TOKENS
+from qwen_chat.engine.model.paged import BLOCK_TOKENS, blocks_for
 from qwen_chat.engine.serving.handles import RequestHandle
 from qwen_chat.engine.serving.kv_budget import BlockBudget
 from qwen_chat.engine.serving.request_state import Request
@@ -69,7 +69,7 @@ class Batch:
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.num_slots = num_slots
         if num_blocks is None:
-            num_blocks = num_slots * -(-(max_context or 2 ** 30) // block_tokens)
+            num_blocks = num_slots * blocks_for(max_context or 2 ** 30, block_tokens)
         self.kv = BlockBudget(num_blocks, block_tokens)
         if max_context is None or max_context > self.kv.num_blocks * block_tokens:
             max_context = self.kv.num_blocks * block_tokens  # one sequence may use every block, no more
@@ -156,12 +156,11 @@ class Batch:
         except those whose in-flight token reaches ``max_new_tokens`` or the context.  ``overlap``: plans carry
         ``tokens_on_device`` instead of ``decode_tokens``."""
         with self.cond:
-            while ahead is None and not (self.stopping or self.waiting or self.running or self._to_free):
-                if self._idle_captures and not self.cond.wait(IDLE_S) and not (
-                        self.stopping or self.waiting or self.running or self._to_free):
-                    return StepPlan(capture=[self._idle_captures.pop(0)]), [], []
+            while ahead is None and not self._has_work():
                 if not self._idle_captures:
                     self.cond.wait()
+                elif not self.cond.wait(IDLE_S) and not self._has_work():  # idle for IDLE_S: capture one graph
+                    return StepPlan(capture=[self._idle_captures.pop(0)]), [], []
             if self.stopping:
                 return None, [], []
             # Requests whose consumer cancelled or went away leave now, before this step runs.
@@ -182,6 +181,11 @@ class Batch:
                 self.totals["decode_steps"] += 1
                 self.totals["max_decode_batch"] = max(self.totals["max_decode_batch"], len(decoded))
             return plan, prefilled, decoded
+
+    def _has_work(self) -> bool:
+        """Something for the next plan: a stop, waiting or running requests, slots to free (caller holds
+        ``cond``)."""
+        return bool(self.stopping or self.waiting or self.running or self._to_free)
 
     def _plan_decode(self, plan: StepPlan, in_flight: set, overlap: bool) -> list[Request]:
         """Every decoding sequence feeds one token, except those whose token in flight reaches a limit.  Those
@@ -213,7 +217,6 @@ class Batch:
         req.target, req.cached = None, 0
         if req.slot not in plan.free_slots:
             plan.free_slots.append(req.slot)
-        self.kv.preemptions += 1
         self.totals["preemptions"] += 1
         log.info("request %d preempted (KV blocks ran out); it resumes when blocks are free",
                  req.handle.request_id)
@@ -251,7 +254,7 @@ class Batch:
             chunk(req)
         while self.waiting and self._free_slots and budget > 0:
             req = self.waiting[0]
-            if not kv.can_admit(req.prompt.num_tokens, alone=not self.running):
+            if not kv.can_admit(req.prompt.num_tokens, alone=self._alone(req)):
                 break
             self.waiting.popleft()
             whole = req.prompt.num_tokens <= budget

@@ -15,8 +15,8 @@ Steps, identical on every rank:
 3. loading (the checkpoint checked: ``checkpoints.layout``), the ``--adapter`` merged into the weights
    (``checkpoints.adapters``), sharding, then one report line per rank (rank, device, parameters held, GPU memory);
    rank 0 adds the sharding mode and the kernel each Gated DeltaNet op resolved to;
-4. runner + sampler sized from the memory budget (``runner_setup.build_runner``), the start-up self-check (``selfcheck.run_self_check``) run
-   on every rank and compared across ranks (a mismatch stops the start-up: ``StartupError``, exit code 78,
+4. runner + sampler sized from the memory budget (``runner_setup.build_runner``), the start-up self-check
+   (``selfcheck.run_self_check``) run on every rank and compared across ranks (a mismatch stops the start-up: ``StartupError``, exit code 78,
    before the engine answers any request);
 5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor`` (``chat_engine.build_engine``) and hands
    SIGTERM to ``lifecycle.install_rank0_sigterm``; the others enter the worker loop.
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from qwen_chat.config import ConfigError, ServiceConfig
+from qwen_chat.engine.model.memory import MemoryBudgetError
 from qwen_chat.engine.parallel import ranks as qdist
 from qwen_chat.engine.parallel import sharding
 from qwen_chat.engine.serving.selfcheck import compare_self_checks, run_self_check
@@ -136,6 +137,9 @@ def start_engine(cfg: ServiceConfig):
         groups = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
                                            need_default_group=plan.uses_deepspeed)
         engine_or_none = _start(cfg, info, device, plan, groups)
+    except MemoryBudgetError as exc:  # the budget's one line says what to change
+        log.error("rank %d: start-up failed: %s", info.rank, exc)
+        raise StartupError(str(exc)) from None
     except StartupError as exc:  # its message says what to change: no traceback in the way
         log.error("rank %d: start-up failed: %s", info.rank, exc)
         raise
@@ -155,7 +159,6 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     from qwen_chat.engine.checkpoints.adapters import describe_merge, merge_adapter, read_adapter
     from qwen_chat.engine.checkpoints.layout import CheckpointError, inspect_checkpoint
     from qwen_chat.engine.checkpoints.loading import describe_kernels, load_model
-    from qwen_chat.engine.model.memory import MemoryBudgetError
     from qwen_chat.engine.serving.chat_engine import build_engine
     from qwen_chat.engine.serving.runner_setup import build_runner
 
@@ -192,10 +195,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
             log.info("kernel: %s -> %s", op, impl)
 
     if not info.is_main:
-        try:
-            local = LocalExecutor(*build_runner(loaded, cfg)[:2])
-        except MemoryBudgetError as exc:
-            raise StartupError(str(exc)) from None
+        local = LocalExecutor(*build_runner(loaded, cfg)[:2])
         _self_check_across_ranks(local, run_self_check(local, loaded.tokenizer), groups, info)
         qdist.unlink_deepspeed_shm(info.rank)
         log.info("rank %d: ready, waiting for plans from rank 0", info.rank)
@@ -214,7 +214,4 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
         install_rank0_sigterm(executor.close)
         return executor
 
-    try:
-        return build_engine(loaded, cfg, executor_factory=executor_factory)
-    except MemoryBudgetError as exc:
-        raise StartupError(str(exc)) from None
+    return build_engine(loaded, cfg, executor_factory=executor_factory)

@@ -38,6 +38,7 @@ from qwen_chat.chat_types import (
     StreamUpdate,
 )
 from qwen_chat.config import ServiceConfig
+from qwen_chat.engine.model.paged import BLOCK_TOKENS
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.text.prompt import build_prompt
 from qwen_chat.engine.serving.constraints import StructuredOutput, reply_constraints
@@ -154,7 +155,8 @@ class ChatEngine:
                                    constraints=self.structure.table if self.structure is not None else None,
                                    prefill_token_budget=prefill_chunk_tokens,
                                    num_blocks=getattr(runner, "num_blocks", None),
-                                   block_tokens=getattr(runner, "block_tokens", 64), idle_captures=idle_captures)
+                                   block_tokens=getattr(runner, "block_tokens", BLOCK_TOKENS),
+                                   idle_captures=idle_captures)
         log.info("scheduler: %s", "steps launched ahead (overlap)" if overlap else "each step waited for")
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure

@@ -21,7 +21,7 @@ class BlockBudget:
 
     Attributes: ``num_blocks``, ``block_tokens``, ``used`` (blocks charged now), ``watermark`` (blocks an
     admission must leave free, so that the running sequences can grow for a while before anyone is
-    preempted: 1 % of the blocks, at least 1), ``preemptions`` (sequences preempted since start).
+    preempted: 1 % of the blocks, at least 1).
     """
 
     def __init__(self, num_blocks: int, block_tokens: int = BLOCK_TOKENS) -> None:
@@ -31,7 +31,6 @@ class BlockBudget:
         self.block_tokens = int(block_tokens)
         self.used = 0
         self.watermark = max(1, self.num_blocks // 100)
-        self.preemptions = 0
 
     @property
     def free(self) -> int:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
 
 import torch
 
-from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig
+from qwen_chat.config import ServiceConfig
 from qwen_chat.engine.model import memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
-from qwen_chat.engine.model.state import probe_geometry
+from qwen_chat.engine.model.state import Geometry, probe_geometry
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +47,9 @@ def _largest_gathered_parameter(model) -> int:
     return max(sizes, default=0)
 
 
-def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[MemoryPlan, int, str]:
-    """(the memory plan, prefill tokens per step, how the budget was found) for ``loaded`` on ``device``.
+def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[MemoryPlan, int, str, Geometry]:
+    """(the memory plan, prefill tokens per step, how the budget was found, the model's probed geometry, which
+    the runner is built with) for ``loaded`` on ``device``.
 
     Collective under several ranks (all call it together).  Raises ``memory.MemoryBudgetError`` (one line) when
     the budget cannot hold one sequence.
@@ -66,8 +66,7 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
     elif device.type == "cuda":
         usable, held, how = memory.gpu_memory(device, utilization=config.gpu_memory_utilization)
         chunk = chunk or memory.prefill_chunk(tc, geometry, free_after_weights=usable - held)
-        cap = config.max_batch or DEFAULT_MAX_SLOTS
-        slots = int(min(cap, max(1, (usable - held) * memory.STATE_SHARE // max(geometry.slot_bytes(), 1))))
+        slots = max(1, memory.state_slots(geometry, usable - held, config.max_batch))
         reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots)
         gathered = _largest_gathered_parameter(model)
         budget = usable - held - reserve - gathered
@@ -84,7 +83,7 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
     advice = memory.GPU_ADVICE if device.type == "cuda" else memory.CPU_ADVICE
     plan = memory.plan_memory(geometry, budget_bytes=budget, model_context=model_context,
                               max_slots=config.max_batch, max_context=config.max_context, advice=advice)
-    return plan, _agree(int(min(chunk, plan.max_context))), how
+    return plan, _agree(int(min(chunk, plan.max_context))), how, geometry
 
 
 def idle_captures(runner) -> list[tuple[int, int]]:
@@ -97,10 +96,10 @@ def idle_captures(runner) -> list[tuple[int, int]]:
             for b in runner.graph_batch_sizes() if (b, c) not in held]
 
 
-def build_runner(loaded, config: ServiceConfig, plan: Optional[MemoryPlan] = None):
+def build_runner(loaded, config: ServiceConfig):
     """The ``ModelRunner`` and ``Sampler`` for ``loaded`` as ``config`` asks (every rank builds the same).
 
-    Sizes: ``plan`` or ``size_memory``.  Device: the device of the model's parameters.  Implementation:
+    Sizes: ``size_memory``.  Device: the device of the model's parameters.  Implementation:
     production's ``RunnerOptions`` with the tensor-parallel all-reduce of ``config.tp_allreduce`` and
     ``config.tp_fused``.  With CUDA graphs, the decode graphs of ``READY_CONTEXTS`` are captured for every batch
     size before this returns.
@@ -113,13 +112,12 @@ def build_runner(loaded, config: ServiceConfig, plan: Optional[MemoryPlan] = Non
     from qwen_chat.engine.parallel.collectives import broadcast_from_rank0
 
     device = next(loaded.model.parameters()).device
-    chunk = config.prefill_chunk_tokens or memory.CHUNK_CHOICES[0]
-    if plan is None:
-        plan, chunk, how = size_memory(loaded, config, device)
-        log.info("%s (budget: %s)", plan.describe(), how)
+    plan, chunk, how, geometry = size_memory(loaded, config, device)
+    log.info("%s (budget: %s)", plan.describe(), how)
     options = RunnerOptions(tp_allreduce=config.tp_allreduce, tp_fused=config.tp_fused)
     runner = ModelRunner(loaded.model, num_slots=plan.num_slots, max_context=plan.max_context,
-                         num_blocks=plan.num_blocks, block_tokens=plan.block_tokens, device=device, options=options)
+                         num_blocks=plan.num_blocks, block_tokens=plan.block_tokens, device=device, options=options,
+                         geometry=geometry)
     sampler = Sampler(plan.num_slots, runner.vocab_size, device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         # every rank records rank 0's tokens on its device, so steps can be launched ahead on every rank
