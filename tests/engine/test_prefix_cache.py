@@ -1,6 +1,8 @@
-"""Kept prefix states (``prefix_cache.PrefixSnapshots``) on the small random Qwen3.5 (fp32, CPU): a slot started
-from a kept prefix and prefilled only with the new tokens gives the reference's logits for the whole prompt,
-the prefix's owner and other users of the same prefix are not disturbed, and every block comes back."""
+"""Kept prefix states (``prefix_cache``, ``runner.Chunk.keep``, ``ModelRunner.restore``) on the small random
+Qwen3.5 (fp32, CPU): the state kept at an inner position of a prompt, restored into another slot and prefilled
+only with the new tokens, gives the reference's logits for the whole new prompt; the prompt that kept it, and
+other users of the same prefix, are not disturbed; images inside the prefix are not encoded again; every block
+comes back."""
 from __future__ import annotations
 
 import pytest
@@ -25,51 +27,95 @@ def step(runner, model, seqs: dict, gen) -> list[float]:
     return [rel_err(out[r], seqs[s].reference(model)) for r, s in enumerate(slots)]
 
 
-@pytest.mark.parametrize("make_prefix", [lambda g: Seq(text_ids(g, 40)), image_seq], ids=["text", "image"])
-def test_a_follow_up_prefills_only_its_new_tokens_and_matches_the_whole_prompt(model, make_prefix):
+@pytest.mark.parametrize("make_first", [lambda g: Seq(text_ids(g, 40)), image_seq], ids=["text", "image"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "chunked"])
+def test_a_follow_up_prefills_only_its_new_tokens_and_matches_the_whole_prompt(model, make_first, chunked):
+    """The first prompt keeps its state 3 tokens before its end (where a chat prompt's generation suffix
+    starts), next to another prompt in the same packed prefill; two follow-ups sharing those tokens start from
+    it and equal the reference, while the first prompt decodes on."""
     gen = torch.Generator().manual_seed(21)
-    first = make_prefix(gen)
-    runner = ModelRunner(model, num_slots=3, max_context=160, num_blocks=24, device="cpu", block_tokens=16,
-                         num_snapshots=2)
-    runner.prefill(0, first.prompt())
-    n = len(first.ids)
-    runner.snapshots.take(0, 0)                       # kept at the end of the first prompt
+    first = make_first(gen)
+    other = Seq(text_ids(gen, 23))
+    L = len(first.ids)
+    p = L - 3
+    runner = ModelRunner(model, num_slots=6, max_context=160, num_blocks=40, device="cpu", block_tokens=16)
     errs = []
-    for _ in range(3):                                # the owner decodes on, into the shared partial block
-        errs += step(runner, model, {0: first}, gen)
-    followups = []
-    for slot in (1, 2):                               # two follow-ups of the same prefix, different new text
-        seq = Seq(first.ids[:n] + text_ids(gen, 9 + 7 * slot), first.image)
-        assert runner.snapshots.restore(0, slot) == n
-        logits = runner.prefill_batch([Chunk(slot, seq.prompt(), n)])
+    if chunked:  # the keep point lies in the first of two chunks, a boundary inside the image
+        logits = runner.prefill_batch([Chunk(0, first.prompt(), 0, p - 5), Chunk(3, other.prompt())])
+        errs.append(rel_err(logits[0], other.reference(model)))
+        logits = runner.prefill_batch([Chunk(0, first.prompt(), p - 5, None, keep=(p, 5))])
+        errs.append(rel_err(logits[0], first.reference(model)))
+    else:
+        logits = runner.prefill_batch([Chunk(3, other.prompt()), Chunk(0, first.prompt(), keep=(p, 5))])
+        errs += [rel_err(logits[0], other.reference(model)), rel_err(logits[1], first.reference(model))]
+    assert runner.lengths[5] == p and runner.tables.count(5) == -(-p // 16)
+    errs += step(runner, model, {0: first, 3: other}, gen)   # the owner writes on into the shared block
+    followups = {}
+    for slot in (1, 2):
+        seq = Seq(first.ids[:p] + text_ids(gen, 9 + 7 * slot), first.image)
+        assert runner.restore(5, slot) == p
+        logits = runner.prefill_batch([Chunk(slot, seq.prompt(), p)])
         errs.append(rel_err(logits[0], seq.reference(model)))
-        followups.append((slot, seq))
-    live = {0: first, **dict(followups)}
-    for _ in range(4):
-        errs += step(runner, model, live, gen)
+        followups[slot] = seq
+    for _ in range(3):
+        errs += step(runner, model, {0: first, 3: other, **followups}, gen)
     assert max(errs) <= TOL, errs
     if first.image is not None:
         assert runner.rope_deltas[1] == runner.rope_deltas[0] != 0
 
 
+def test_a_kept_prefix_at_the_end_of_a_chunk_and_a_regenerated_reply(model):
+    """Kept at the chunk's last position (no split) and restored for the same prompt once more (a
+    Regenerate): the new first token's logits equal the first run's."""
+    gen = torch.Generator().manual_seed(23)
+    seq = Seq(text_ids(gen, 30))
+    runner = ModelRunner(model, num_slots=3, max_context=96, num_blocks=12, device="cpu", block_tokens=16)
+    first = runner.prefill_batch([Chunk(0, seq.prompt(), 0, 26, logits=False, keep=(26, 2))])
+    assert first is None
+    logits = runner.prefill_batch([Chunk(0, seq.prompt(), 26)])
+    runner.free(0)
+    runner.restore(2, 1)
+    again = runner.prefill_batch([Chunk(1, seq.prompt(), 26)])
+    assert rel_err(again[0], logits[0]) <= TOL
+    assert rel_err(again[0], seq.reference(model)) <= TOL
+
+
+def test_images_inside_the_kept_prefix_are_not_encoded_again(model, monkeypatch):
+    gen = torch.Generator().manual_seed(24)
+    first = image_seq(gen)
+    runner = ModelRunner(model, num_slots=3, max_context=128, num_blocks=20, device="cpu", block_tokens=16)
+    p = len(first.ids) - 2
+    runner.prefill_batch([Chunk(0, first.prompt(), keep=(p, 2))])
+    seq = Seq(first.ids[:p] + text_ids(gen, 6), first.image)
+    ref = seq.reference(model)
+    encoded = []
+    real = model.model.get_image_features
+    monkeypatch.setattr(model.model, "get_image_features",
+                        lambda *a, **kw: encoded.append(a[1]) or real(*a, **kw))
+    runner.restore(2, 1)
+    logits = runner.prefill_batch([Chunk(1, seq.prompt(), p)])
+    monkeypatch.undo()
+    assert encoded == []
+    assert rel_err(logits[0], ref) <= TOL
+
+
 def test_kept_prefixes_give_every_block_back(model):
-    """Blocks shared by a slot and an entry stay while either owns them and are free once both let go; an
-    entry replaced or forgotten gives its blocks back."""
+    """Blocks shared by a slot and a kept row stay while either owns them and are free once both let go."""
     gen = torch.Generator().manual_seed(22)
-    runner = ModelRunner(model, num_slots=2, max_context=128, num_blocks=12, device="cpu", block_tokens=16,
-                         num_snapshots=2)
-    runner.prefill(0, Seq(text_ids(gen, 35)).prompt())       # 3 blocks
-    runner.snapshots.take(0, 1)
+    runner = ModelRunner(model, num_slots=3, max_context=128, num_blocks=12, device="cpu", block_tokens=16)
+    runner.prefill_batch([Chunk(0, Seq(text_ids(gen, 35)).prompt(), keep=(33, 2))])   # 3 blocks, 3 shared
     assert runner.tables.free_blocks == 9
     runner.free(0)
-    assert runner.tables.free_blocks == 9                    # the entry still owns them
-    runner.snapshots.restore(1, 1)                           # 2 shared + 1 copied
+    assert runner.tables.free_blocks == 9                    # the kept row still owns them
+    runner.restore(2, 1)                                     # 2 shared + 1 copied
     assert runner.tables.free_blocks == 8
-    runner.snapshots.take(1, 1)                              # replaced by the same prefix of slot 1
     runner.free(1)
-    runner.snapshots.forget(1)
+    runner.free(2)
     assert runner.tables.free_blocks == 12
-    with pytest.raises(KeyError):
-        runner.snapshots.restore(1, 0)
-    with pytest.raises(ValueError, match="out of range"):
-        runner.snapshots.take(0, 5)
+    with pytest.raises(ValueError, match="holds tokens"):
+        runner.restore(2, 0)
+    with pytest.raises(ValueError, match="outside the chunk"):
+        runner.prefill_batch([Chunk(0, Seq(text_ids(gen, 10)).prompt(), keep=(11, 2))])
+    runner.prefill_batch([Chunk(0, Seq(text_ids(gen, 10)).prompt(), keep=(5, 2))])
+    with pytest.raises(ValueError, match="in use"):
+        runner.prefill_batch([Chunk(1, Seq(text_ids(gen, 10)).prompt(), keep=(5, 2))])

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers.activations import ACT2FN
 
-from qwen_chat.engine.model import gdn, gemv
+from qwen_chat.engine.model import delta_rule, gdn, gemv
 from qwen_chat.engine.model.fusion import Fused, Groups
 from qwen_chat.engine.model.glue import apply_rotary, l2norm
 from qwen_chat.engine.model.options import RunnerOptions
@@ -34,7 +34,9 @@ class PackedSeq:
     (0 for a new prompt); ``n``: tokens of this chunk (positions start..start+n-1); ``offset``: its first row
     in the packed tokens; ``rows``: int64 [start + n] flat KV-cache rows of positions 0..start+n-1 (device);
     ``logits``: whether the logits of its last token are wanted.  ``rows`` may be given on the host: the prefill
-    sends every chunk's rows and its own indexes to the device in one copy (``_pack_meta``)."""
+    sends every chunk's rows and its own indexes to the device in one copy (``_pack_meta``).  ``keep``: tokens
+    of the chunk before its keep point (1..n), 0 for none: the Gated DeltaNet conv and recurrent state at
+    position start + keep are also written into state row ``keep_row`` (``delta_rule``, ``prefix_cache``)."""
 
     slot: int
     start: int
@@ -42,6 +44,8 @@ class PackedSeq:
     offset: int
     rows: torch.Tensor
     logits: bool
+    keep: int = 0
+    keep_row: int = -1
 
 
 class ModelForward:
@@ -123,28 +127,43 @@ class ModelForward:
         ``past`` bool [N] (the chunk continues its slot); ``take`` int64 [T], the conv output column of each token
         (``_conv_prefill``); ``prev_cols`` int64 [N, K - 1] and ``ring_cols`` int64 [N, K], the conv ring columns
         of the K - 1 inputs before each chunk and of its last K inputs (every Gated DeltaNet layer uses the same);
-        ``cu`` int64 [N + 1] (and ``cu_cpu``), the chunks' bounds in the packed tokens; ``last`` int64 [m], the
-        packed row of the last token of each chunk whose logits are wanted."""
+        ``last`` int64 [m], the packed row of the last token of each chunk whose logits are wanted; for keep points
+        (``PackedSeq.keep``) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the concatenated conv input
+        columns of the K inputs before each keep point) and ``keep_cols`` int64 [k, K] (their ring columns);
+        ``seg`` (``delta_rule.Segments``) and its device index (``delta_rule.host_index``: ``cu`` the segment
+        bounds, with ``cu_cpu``, ...)."""
         K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
-        take, e = [], 0
+        take, keep_ext, keep_cols, e = [], [], [], 0
         for sq in seqs:
             take.append(torch.arange(e, e + sq.n))
+            if sq.keep:
+                keep_ext.append(torch.arange(e + sq.keep - 1, e + sq.keep - 1 + K))
+                keep_cols.append(torch.arange(sq.start + sq.keep - K, sq.start + sq.keep) % K)
             e += sq.n + K - 1
-        cu_cpu = torch.tensor([0] + [sq.offset + sq.n for sq in seqs], dtype=torch.long)
+        seg = delta_rule.segments([(sq.offset, sq.n, sq.keep) for sq in seqs])
+        index = delta_rule.host_index(seg)
         last = torch.tensor([sq.offset + sq.n - 1 for sq in seqs if sq.logits], dtype=torch.long)
         prev_cols = torch.stack([torch.arange(sq.start - K + 1, sq.start) for sq in seqs]) % K
         ring_cols = torch.stack([torch.arange(sq.start + sq.n - K, sq.start + sq.n) for sq in seqs]) % K
+        nk = len(keep_ext)
+        keeps = [torch.tensor([sq.keep_row for sq in seqs if sq.keep], dtype=torch.long),
+                 torch.cat(keep_ext) if nk else torch.zeros(0, dtype=torch.long),
+                 torch.cat(keep_cols) if nk else torch.zeros(0, dtype=torch.long)]
         parts = [sq.rows.cpu() for sq in seqs] + [
             torch.tensor([sq.slot for sq in seqs]), torch.tensor([int(sq.start > 0) for sq in seqs]),
-            torch.cat(take), cu_cpu, last, prev_cols.reshape(-1), ring_cols.reshape(-1)]
+            torch.cat(take), last, prev_cols.reshape(-1), ring_cols.reshape(-1)] + keeps + list(index.values())
         flat = torch.cat(parts).to(torch.long)
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
         pieces = list(flat.split([p.numel() for p in parts]))
-        seqs = [PackedSeq(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits) for sq, rows in zip(seqs, pieces)]
+        seqs = [PackedSeq(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits, sq.keep, sq.keep_row)
+                for sq, rows in zip(seqs, pieces)]
         n = len(seqs)
-        meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], cu=pieces[n + 3], cu_cpu=cu_cpu,
-                    last=pieces[n + 4], prev_cols=pieces[n + 5].view(n, K - 1), ring_cols=pieces[n + 6].view(n, K))
+        meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], last=pieces[n + 3],
+                    prev_cols=pieces[n + 4].view(n, K - 1), ring_cols=pieces[n + 5].view(n, K),
+                    keep_rows=pieces[n + 6], keep_ext=pieces[n + 7].view(nk, K), keep_cols=pieces[n + 8].view(nk, K),
+                    seg=seg, **dict(zip(index, pieces[n + 9:])))
+        meta["cu_cpu"], meta["tail_cu_cpu"] = index["cu"], index["tail_cu"]
         return seqs, meta
 
     def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -211,7 +230,10 @@ class ModelForward:
             # the last K inputs (zeros before a prompt's first token) to their ring columns: all K are written
             ring_buf[sq.slot].index_copy_(1, meta["ring_cols"][j], ext[:, -K:])
             parts.append(ext)
-        ext = torch.cat(parts, dim=1)[None]                                          # [1, C, sum(n + K - 1)]
+        ext = torch.cat(parts, dim=1)                                                # [C, sum(n + K - 1)]
+        if meta["keep_rows"].numel():  # the ring at each keep point: the K inputs before it
+            ring_buf[meta["keep_rows"][:, None], :, meta["keep_cols"]] = ext[:, meta["keep_ext"]].permute(1, 2, 0)
+        ext = ext[None]
         w = la.conv1d.weight
         out = F.conv1d(ext.to(w.dtype), w, la.conv1d.bias, groups=w.shape[0])  # window j: ext[j .. j + K - 1]
         return out[0].index_select(1, meta["take"]).t()
@@ -239,22 +261,12 @@ class ModelForward:
         rec = self.rec_state[i]
         h0 = torch.where(meta["past"][:, None, None, None], rec.index_select(0, slots), 0.0)
         h0 = h0.transpose(-1, -2).contiguous()
-        if self._varlen:
-            out, state = self._chunk_rule(q, k, v, g=gdecay, beta=beta, initial_state=h0,
-                                          output_final_state=True, use_qk_l2norm_in_kernel=False,
-                                          cu_seqlens=meta["cu"], cu_seqlens_cpu=meta["cu_cpu"])
-        else:
-            outs, states = [], []
-            for j, sq in enumerate(seqs):
-                sl = slice(sq.offset, sq.offset + sq.n)
-                o, st = self._chunk_rule(q[:, sl], k[:, sl], v[:, sl], g=gdecay[:, sl], beta=beta[:, sl],
-                                         initial_state=h0[j:j + 1], output_final_state=True,
-                                         use_qk_l2norm_in_kernel=False)
-                outs.append(o)
-                states.append(st)
-            out, state = torch.cat(outs, dim=1), torch.cat(states, dim=0)
+        out, state, kept = delta_rule.packed_delta_rule(self._chunk_rule, self._varlen, meta["seg"], q, k, v,
+                                                        gdecay, beta, h0, meta)
         # [N, HV, dk, dv] -> value-major [N, HV, dv, dk]
         rec.index_copy_(0, slots, state.float().transpose(-1, -2).contiguous())
+        if kept.shape[0]:
+            rec.index_copy_(0, meta["keep_rows"], kept.float().transpose(-1, -2).contiguous())
         core = la.norm(out.reshape(-1, g["dv"]).to(x.dtype), z.reshape(-1, g["dv"]))
         return la.out_proj(core.reshape(1, T, -1))
 

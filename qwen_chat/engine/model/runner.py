@@ -36,13 +36,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from qwen_chat.chat_types import ContextTooLong
-from qwen_chat.engine.model import gemv, graphs
+from qwen_chat.engine.model import gemv, graphs, prefix_cache
+from qwen_chat.engine.model.delta_rule import resolve_chunk_rule
 from qwen_chat.engine.model.forward import ModelForward, PackedSeq
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
 from qwen_chat.engine.model.glue import glue_functions
 from qwen_chat.engine.model.options import RunnerOptions, resolve_options
 from qwen_chat.engine.model.paged import BLOCK_TOKENS, BlockTables, blocks_for
-from qwen_chat.engine.model.prefix_cache import PrefixSnapshots
 from qwen_chat.engine.model.prompt_inputs import PromptInputs
 from qwen_chat.engine.model.state import Geometry, SlotState, probe_geometry
 from qwen_chat.engine.parallel.sharding import is_zero3_partitioned
@@ -59,7 +59,9 @@ class Chunk:
     ``start`` is 0 for a prompt's first chunk (the slot is reset) and otherwise must equal the slot's length
     (the previous chunk's end).  The chunk with ``end == prompt.num_tokens`` is the prompt's last: the slot
     then becomes decodable and its logits are returned, unless ``logits`` is False (a preempted sequence
-    recomputing its cache needs no new token).
+    recomputing its cache needs no new token).  ``keep``: (position p, row): also keep the state at position p
+    (start < p <= end) in the empty state row ``row``, for later prompts that share the first p tokens
+    (``prefix_cache``).
     """
 
     slot: int
@@ -67,29 +69,11 @@ class Chunk:
     start: int = 0
     end: Optional[int] = None
     logits: bool = True
+    keep: Optional[tuple[int, int]] = None
 
     def stop(self) -> int:
         """The end position (``end``, or the whole prompt)."""
         return self.prompt.num_tokens if self.end is None else int(self.end)
-
-
-def _resolve_chunk_rule(device: torch.device) -> tuple[Callable, str, bool]:
-    """Pick the chunked gated-delta-rule implementation for prefill: fla-core's Triton kernel on CUDA if
-    importable (it takes packed sequences: ``cu_seqlens``), else transformers' reference
-    ``torch_chunk_gated_delta_rule`` (one sequence at a time).  Both take q, k, v [B, L, H, D], g, beta
-    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  Returns (rule, name, varlen)."""
-    if device.type != "cuda":
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-        return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
-
-        return chunk_gated_delta_rule, "fla.chunk_gated_delta_rule (packed, varlen)", True
-    except Exception:  # fla missing or broken on this host: the reference implementation is exact, only slower
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-        return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False
 
 
 class ModelRunner:
@@ -107,8 +91,6 @@ class ModelRunner:
         options: implementation switches (``RunnerOptions``; default: what production runs).  Under tensor
             parallelism construction is collective: every rank builds its runner at the same time.
         block_tokens: positions per KV block (``paged.BLOCK_TOKENS``).
-        num_snapshots: prefix states that can be kept for later prompts (``snapshots``:
-            ``prefix_cache.PrefixSnapshots``; 0: none).
         geometry: the model's local widths when the caller probed them already (``state.probe_geometry``, as
             the memory budget does); default: probed here.
 
@@ -125,7 +107,7 @@ class ModelRunner:
 
     def __init__(self, model, *, num_slots: int, max_context: int, num_blocks: Optional[int] = None, device,
                  dtype=None, options: RunnerOptions = RunnerOptions(), block_tokens: int = BLOCK_TOKENS,
-                 num_snapshots: int = 0, geometry: Optional[Geometry] = None):
+                 geometry: Optional[Geometry] = None):
         if num_slots < 1 or max_context < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"num_slots, max_context and num_blocks must be >= 1 (got {num_slots}, "
                              f"{max_context}, {num_blocks})")
@@ -144,12 +126,12 @@ class ModelRunner:
         self.vocab_size = int(tc.vocab_size)
         layers = list(lm.layers)
         self._embed = lm.embed_tokens
-        chunk_rule, chunk_name, varlen = _resolve_chunk_rule(self.device)
+        chunk_rule, chunk_name, varlen = resolve_chunk_rule(self.device)
         groups, self._fused = fuse_layers(layers, enabled=not zero3)
         if geometry is None:
             geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
         state = SlotState(geometry, num_slots=self.num_slots, num_blocks=self.num_blocks,
-                          block_tokens=self.block_tokens, device=self.device, num_snapshots=num_snapshots)
+                          block_tokens=self.block_tokens, device=self.device)
         self.tables = BlockTables(num_slots=self.num_slots, num_blocks=self.num_blocks, max_blocks=max_blocks,
                                   device=self.device, block_tokens=self.block_tokens)
         self.k_cache, self.v_cache = state.k_cache, state.v_cache
@@ -171,7 +153,6 @@ class ModelRunner:
         self.rope_deltas = [0] * (self.num_slots + 1)  # M-RoPE position shift of each slot
         self._active = [False] * (self.num_slots + 1)  # decodable: its prompt's last chunk ran
         self._restored: set[int] = set()  # slots started from a kept prefix whose prompt has not started yet
-        self.snapshots = PrefixSnapshots(self, num_snapshots) if num_snapshots else None
         self.graphs: Optional[graphs.CudaGraphs] = None
         if self.use_cuda_graphs:
             self.graphs = graphs.CudaGraphs(device=self.device, scratch_slot=self.num_slots, decode_step=fwd.decode)
@@ -203,31 +184,28 @@ class ModelRunner:
         self._inputs.done(slot)
         self._restored.discard(slot)
 
-    @torch.no_grad()
     def copy_slot(self, src: int, dst: int) -> None:
-        """Make ``dst`` continue from ``src``'s state (its KV blocks copied into blocks of its own, conv and
-        recurrent state, length, M-RoPE delta), queued on the device; used to share one prefill among the n
-        choices of a request.  Local tensors only (no collective): under tensor parallelism every rank copies
-        its shard.  Raises ValueError for a slot out of range, ``src == dst`` or an unprefilled ``src``;
-        ``paged.OutOfBlocks`` when no blocks are free for ``dst``."""
+        """Make ``dst`` continue from ``src``'s state (``prefix_cache.restore``: full KV blocks shared, the partly
+        filled last one copied, conv and recurrent state, length, M-RoPE delta), queued on the device; used to
+        share one prefill among the n choices of a request.  Local tensors only (no collective): under tensor
+        parallelism every rank copies its shard.  Raises ValueError for a slot out of range, ``src == dst`` or
+        an unprefilled ``src``; ``paged.OutOfBlocks`` when no block is free for ``dst``."""
         self._check_slot(src)
         self._check_slot(dst)
         if src == dst or not self._active[src]:
             raise ValueError(f"copy_slot needs a prefilled source other than the target (got {src} -> {dst})")
-        n = self.lengths[src]
-        self.tables.release(dst)
-        self.tables.ensure(dst, n)
-        s_blocks = torch.tensor(self.tables.blocks(src), device=self.device)
-        d_blocks = torch.tensor(self.tables.blocks(dst), device=self.device)
-        for cache in (self.k_cache, self.v_cache):
-            for t in cache.values():
-                t[d_blocks] = t[s_blocks]
-        for state in (self.conv_state, self.rec_state):
-            for t in state.values():
-                t[dst].copy_(t[src])
-        self.lengths[dst] = n
-        self.rope_deltas[dst] = self.rope_deltas[src]
+        prefix_cache.restore(self, src, dst)
         self._active[dst] = True
+
+    def restore(self, src: int, dst: int) -> int:
+        """Start ``dst`` from the prefix state row ``src`` keeps (``prefix_cache.restore``); the next chunk into
+        ``dst`` starts at the returned length n and may belong to any prompt whose first n tokens are the
+        prefix's.  Raises as ``prefix_cache.restore``, and ValueError for a slot out of range."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        n = prefix_cache.restore(self, src, dst)
+        self._restored.add(dst)
+        return n
 
     def graph_batch_sizes(self) -> list[int]:
         """Padded batch sizes a decode can run at: ``graphs.BATCH_LADDER`` up to the first size >= num_slots."""
@@ -275,8 +253,9 @@ class ModelRunner:
         and want logits, in ``chunks`` order, or None when there is none.
         Raises (before any slot changes): ContextTooLong if a prompt does not fit ``max_context``;
         InvalidInput for an empty prompt, token ids outside the embedding table, or a pad-token count that does
-        not match the image features; ValueError for a slot out of range or twice in the batch, or a chunk that
-        does not continue its slot.  ``paged.OutOfBlocks`` when the free blocks do not cover the chunks (the
+        not match the image features; ValueError for a slot out of range or twice in the batch, a chunk that
+        does not continue its slot, or a keep point outside its chunk or into a row that is in use.
+        ``paged.OutOfBlocks`` when the free blocks do not cover the chunks (the
         scheduler's accounting is then wrong).
         """
         seen = set()
@@ -296,11 +275,12 @@ class ModelRunner:
                                  f"{self.lengths[c.slot]} tokens)")
             if not c.start < end <= L:
                 raise ValueError(f"chunk {c.start}..{end} is outside the prompt of {L} tokens")
+        self._check_keeps(chunks, seen)
         deltas = {}
         starting = [c for c in chunks if c.start == 0 or c.slot in self._restored]
         try:
             for c in starting:
-                deltas[c.slot] = self._inputs.start(c.slot, c.prompt)
+                deltas[c.slot] = self._inputs.start(c.slot, c.prompt, c.start)
         except BaseException:
             for c in starting:
                 self._inputs.done(c.slot)
@@ -320,17 +300,35 @@ class ModelRunner:
             end = c.stop()
             rows = self.tables.positions(c.slot, 0, end)  # host; the forward sends all indexes in one copy
             last = end == c.prompt.num_tokens
-            seqs.append(PackedSeq(c.slot, c.start, end - c.start, offset, rows, last and c.logits))
+            keep, row = (c.keep[0] - c.start, c.keep[1]) if c.keep is not None else (0, -1)
+            seqs.append(PackedSeq(c.slot, c.start, end - c.start, offset, rows, last and c.logits, keep, row))
             offset += end - c.start
         self.tables.flush()
         emb, cos, sin = self._inputs.embed([(c.slot, c.prompt, c.start, c.stop()) for c in chunks])
         logits = self._forward.prefill(emb, cos, sin, seqs)
         for c in chunks:
+            if c.keep is not None:
+                prefix_cache.keep_blocks(self, c.slot, c.keep[1], c.keep[0], self.rope_deltas[c.slot])
             self.lengths[c.slot] = c.stop()
             if c.stop() == c.prompt.num_tokens:
                 self._active[c.slot] = True
                 self._inputs.done(c.slot)
         return logits
+
+    def _check_keeps(self, chunks: Sequence[Chunk], slots: set) -> None:
+        """Raise ValueError for a keep point outside its chunk, or into a row out of range, in this batch, kept
+        twice or holding anything."""
+        rows = set()
+        for c in chunks:
+            if c.keep is None:
+                continue
+            p, row = c.keep
+            self._check_slot(row)
+            if not c.start < p <= c.stop():
+                raise ValueError(f"keep point {p} is outside the chunk {c.start}..{c.stop()}")
+            if row in slots or row in rows or self.lengths[row] or self.tables.count(row):
+                raise ValueError(f"keep row {row} is in use")
+            rows.add(row)
 
     def prefill(self, slot: int, prompt: PreparedPrompt) -> torch.Tensor:
         """The whole prompt into ``slot`` in one chunk (``prefill_batch``).  Returns fp32 logits [vocab_size] of

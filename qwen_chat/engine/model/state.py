@@ -111,8 +111,6 @@ class SlotState:
             null block ``num_blocks``).
         block_tokens: positions per block.
         device: of every tensor.
-        num_snapshots: further conv/recurrent state rows after the scratch slot, for prefix states kept for
-            later prompts (``prefix_cache.PrefixSnapshots``).
 
     Attributes:
         kinds, geo: as ``Geometry``.
@@ -126,8 +124,8 @@ class SlotState:
 
     @torch.no_grad()
     def __init__(self, geometry: Geometry, *, num_slots: int, num_blocks: int, block_tokens: int,
-                 device: torch.device, num_snapshots: int = 0) -> None:
-        S = num_slots + 1 + num_snapshots  # + scratch slot for padding rows + kept prefix states
+                 device: torch.device) -> None:
+        S = num_slots + 1  # + the scratch slot for padding rows
         dtype = geometry.dtype
         self.kinds, self.geo = list(geometry.kinds), list(geometry.geo)
         self.k_cache: dict[int, torch.Tensor] = {}

@@ -109,6 +109,7 @@ class LocalExecutor:
 
     def launch(self, plan: StepPlan) -> "Launched":
         """Queue one plan on the device and return without waiting for its result: free ``plan.free_slots``;
+        start the chunks that continue a kept prefix from it (``PrefillItem.restore``: ``ModelRunner.restore``);
         prefill the ``plan.prefills`` chunks together (``ModelRunner.prefill_batch``); for each chunk that ends its
         prompt, copy its state into the slots of its ``copies`` (the other choices of the request,
         ``ModelRunner.copy_slot``) and sample each one's first token (not for a ``resume``); then one batched
@@ -145,9 +146,11 @@ class LocalExecutor:
         with torch.no_grad():
             if plan.prefills:
                 for item in plan.prefills:
-                    if item.start == 0 and not item.resume:
+                    if item.restore is not None:
+                        self.runner.restore(item.restore, item.slot)
+                    if item.first and not item.resume:
                         self.sampler.start(item.slot, item.sampling)
-                chunks = [Chunk(item.slot, item.prompt, item.start, item.end, logits=not item.resume)
+                chunks = [Chunk(item.slot, item.prompt, item.start, item.end, logits=not item.resume, keep=item.keep)
                           for item in plan.prefills]
                 logits = self.runner.prefill_batch(chunks)  # fp32 [m, V]: the last chunks that sample
                 row = 0

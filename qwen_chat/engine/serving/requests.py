@@ -73,7 +73,9 @@ class PrefillItem:
     sequences (the other choices of a request with n > 1) that start from this prefill, on its last chunk: the
     slot's state is copied into theirs (``ModelRunner.copy_slot``) and each draws its own first token from the
     same logits.  ``resume``: a preempted sequence recomputing its cache (``prompt`` = its prompt and the
-    tokens it was fed); its sampler state is kept and nothing is sampled.
+    tokens it was fed); its sampler state is kept and nothing is sampled.  ``restore``: the state row of a kept
+    prefix this sequence starts from (its first chunk then starts at that prefix's length; ``prefix_cache``),
+    or None.  ``keep``: (position, row): keep the state at that position in that empty row (``runner.Chunk``).
     """
 
     slot: int
@@ -83,6 +85,13 @@ class PrefillItem:
     start: int = 0
     end: Optional[int] = None
     resume: bool = False
+    restore: Optional[int] = None
+    keep: Optional[tuple[int, int]] = None
+
+    @property
+    def first(self) -> bool:
+        """True for the chunk that starts the sequence (at 0, or right after the kept prefix it restores)."""
+        return self.start == 0 or self.restore is not None
 
     def stop(self) -> int:
         """The end position of the chunk (``end``, or the prompt's length)."""

@@ -1,0 +1,55 @@
+"""The packed gated delta rule with keep points (``delta_rule``): the packed path (as fla's varlen kernel runs
+it, two calls) and the per-sequence path give the same outputs, final states and kept states as running the
+reference rule on each sequence with a stop at its keep point."""
+from __future__ import annotations
+
+import torch
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as rule
+
+from qwen_chat.engine.model import delta_rule
+
+
+def varlen_rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
+                cu_seqlens_cpu):
+    """fla's calling convention (packed sequences, bounds in ``cu_seqlens``) over the reference rule."""
+    assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+    outs, states = [], []
+    b = cu_seqlens_cpu.tolist()
+    for j, (lo, hi) in enumerate(zip(b, b[1:])):
+        o, st = rule(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
+                     initial_state=initial_state[j:j + 1], output_final_state=True, use_qk_l2norm_in_kernel=False)
+        outs.append(o)
+        states.append(st)
+    return torch.cat(outs, dim=1), torch.cat(states, dim=0)
+
+
+def test_packed_and_per_sequence_paths_agree_with_stopping_at_each_keep_point():
+    gen = torch.Generator().manual_seed(5)
+    chunks = [(0, 9, 4), (9, 5, 0), (14, 11, 11), (25, 7, 6)]     # (offset, n, keep)
+    T, H, dk, dv = 32, 2, 8, 6
+    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, dk, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(1, T, H, dv, generator=gen)
+    g = -torch.rand(1, T, H, generator=gen)
+    beta = torch.rand(1, T, H, generator=gen)
+    h0 = torch.randn(len(chunks), H, dk, dv, generator=gen)
+    want_out, want_final, want_kept = [], [], []
+    for j, (off, n, keep) in enumerate(chunks):
+        sl = slice(off, off + n)
+        o, st = rule(q[:, sl], k[:, sl], v[:, sl], g=g[:, sl], beta=beta[:, sl], initial_state=h0[j:j + 1],
+                     output_final_state=True, use_qk_l2norm_in_kernel=False)
+        want_out.append(o)
+        want_final.append(st)
+        if keep:
+            kl = slice(off, off + keep)
+            _, kst = rule(q[:, kl], k[:, kl], v[:, kl], g=g[:, kl], beta=beta[:, kl], initial_state=h0[j:j + 1],
+                          output_final_state=True, use_qk_l2norm_in_kernel=False)
+            want_kept.append(kst)
+    want_out, want_final, want_kept = torch.cat(want_out, 1), torch.cat(want_final), torch.cat(want_kept)
+    seg = delta_rule.segments(chunks)
+    index = delta_rule.host_index(seg)
+    index["cu_cpu"], index["tail_cu_cpu"] = index["cu"], index["tail_cu"]
+    for fn, varlen in ((varlen_rule, True), (rule, False)):
+        out, final, kept = delta_rule.packed_delta_rule(fn, varlen, seg, q, k, v, g, beta, h0, index)
+        assert kept.shape[0] == 3
+        for got, want in ((out, want_out), (final, want_final), (kept, want_kept)):
+            assert torch.allclose(got, want, atol=1e-5), (varlen, (got - want).abs().max())
