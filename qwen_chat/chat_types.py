@@ -253,6 +253,7 @@ class StreamUpdate:
     sampled before ``</think>`` (all of them when the reply ended inside its reasoning).  ``logprobs``: the
     answer tokens this update added, with their log-probabilities (only when ``settings.top_logprobs`` is set).
     ``dropped_messages``: messages the context policy left out of the prompt (oldest turns first).
+    ``cached_tokens``: prompt tokens that were not prefilled because the conversation cache held them.
     ``tool_calls``: the calls parsed from the answer so far (all of them, like ``answer``); a reply that ended
     after calls has ``finish_reason`` "tool_calls".
     """
@@ -272,6 +273,7 @@ class StreamUpdate:
     logprobs: tuple["TokenLogprob", ...] = ()
     dropped_messages: int = 0
     tool_calls: tuple[ToolCall, ...] = ()
+    cached_tokens: int = 0
 
     @property
     def done(self) -> bool:

@@ -150,6 +150,11 @@ class ServiceConfig:
         None, help="prompt tokens prefilled in one engine step at most (longer prompts go in chunks, mixed with "
                    "the running streams' decode steps, which each chunk delays); default: 4096, less on a GPU "
                    "with little memory left after the weights")
+    conversation_cache: bool = _opt(
+        True, off="--no-conversation-cache",
+        help="keep each conversation's state where its next turn continues, so that a follow-up prefills only "
+             "what is new (the default; kept states use the memory no running sequence needs); "
+             "--no-conversation-cache turns it off")
     device: Optional[str] = _opt(None, choices=("cpu", "cuda"))  # None: cuda if available
     users_file: Optional[Path] = None
     login: Optional[bool] = _opt(None, off="--no-login")  # None: on when bound beyond loopback

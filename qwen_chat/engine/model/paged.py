@@ -17,7 +17,7 @@ shared by several owners are read-only for them (a slot copies the block it woul
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -32,6 +32,20 @@ def blocks_for(n_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
     return -(-int(n_tokens) // int(block_tokens))
 
 
+class _Updates(list):
+    """Table entries (slot, index, block id) changed since the last ``flush``."""
+
+
+class _NoUpdates(_Updates):
+    """No device table to update: changes are not recorded."""
+
+    def append(self, item) -> None:
+        pass
+
+    def extend(self, items) -> None:
+        pass
+
+
 class OutOfBlocks(RuntimeError):
     """A slot needed a KV block and none was free (the scheduler admits and preempts so that this never
     happens; seeing it means its accounting and the runner's disagree)."""
@@ -44,17 +58,18 @@ class BlockTables:
         num_slots: live slots; the device table has one more row (the scratch slot, all null).
         num_blocks: usable blocks; id ``num_blocks`` is the null block.
         max_blocks: table width (blocks of the longest sequence: ``blocks_for(max_context)``).
-        device: where the device table lives.
+        device: where the device table lives; None: no device table (the scheduler's count of the same blocks,
+            ``serving.kv_budget``).
         block_tokens: positions per block.
 
     Attributes:
-        device_table: int64 [num_slots + 1, max_blocks] on ``device``; row s lists slot s's blocks in position
-            order, the null block after them.  Read by the forward (decode graphs hold it as a static input);
-            written only by ``flush``.
+        device_table: int64 [num_slots + 1, max_blocks] on ``device`` (None without a device); row s lists slot
+            s's blocks in position order, the null block after them.  Read by the forward (decode graphs hold it
+            as a static input); written only by ``flush``.
         null_block: the id of the null block.
     """
 
-    def __init__(self, *, num_slots: int, num_blocks: int, max_blocks: int, device: torch.device,
+    def __init__(self, *, num_slots: int, num_blocks: int, max_blocks: int, device: Optional[torch.device],
                  block_tokens: int = BLOCK_TOKENS) -> None:
         if num_blocks < 1 or max_blocks < 1:
             raise ValueError(f"num_blocks and max_blocks must be >= 1 (got {num_blocks}, {max_blocks})")
@@ -65,9 +80,9 @@ class BlockTables:
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out the lowest id first
         self._refs = [0] * self.num_blocks  # owners of each block: slot tables and holders
         self._owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
-        self.device_table = torch.full((num_slots + 1, self.max_blocks), self.null_block, dtype=torch.long,
-                                       device=device)
-        self._updates: list[tuple[int, int, int]] = []  # (slot, table index, block id) not yet on the device
+        self.device_table = None if device is None else torch.full(
+            (num_slots + 1, self.max_blocks), self.null_block, dtype=torch.long, device=device)
+        self._updates = _Updates() if device is not None else _NoUpdates()  # (slot, index, block) to flush
 
     @property
     def free_blocks(self) -> int:
@@ -158,7 +173,7 @@ class BlockTables:
         if not self._updates:
             return
         last = {(slot, i): block for slot, i, block in self._updates}  # a later change of one entry wins
-        self._updates = []
+        self._updates.clear()
         upd = torch.tensor([(slot, i, block) for (slot, i), block in last.items()], dtype=torch.long)
         dev = self.device_table.device
         if dev.type == "cuda":

@@ -7,14 +7,12 @@ under one condition variable, ``Batch.cond``:
 - admission (``submit``): the context check, the queue bound (``Busy``), one ``RequestHandle`` per request, one
   per choice for a request with n > 1 (the n choices queue as n requests, one after the other);
 - planning (``next_plan``): requests whose consumer went away leave; running sequences decode one token, each
-  taking a new KV block when it needs one, and when the blocks run out the newest sequences are preempted
-  (their blocks given back, their slot and sampler state kept) and later recomputed from their prompt and the
-  tokens they were fed; then prompt chunks are planned under the per-step token budget: prompts already being
-  prefilled continue first, then preempted sequences, then the waiting queue, first come first served, each
-  admitted only when a state slot and the KV blocks of its whole prompt are free (``kv_budget``); a long prompt
-  goes in chunks over several steps, so running streams are delayed by at most one chunk; the later choices of
-  a request whose whole prompt is prefilled in one step share its prefill (``PrefillItem.copies``) when slots
-  allow, the others get their own later;
+  taking a new KV block when it needs one; when the blocks run out, kept conversation prefixes are evicted
+  first, then the newest sequences are preempted (their blocks given back, their slot and sampler state kept)
+  and later recomputed from their prompt and the tokens they were fed; then prompt chunks are planned under the
+  per-step token budget (``prefill_plan``: admission by free state rows and KV blocks, ``kv_budget``; the
+  conversation cache, ``conv_cache``); a long prompt goes in chunks over several steps, so running streams are
+  delayed by at most one chunk;
 - delivery (``deliver``): each sampled token goes to the request that owns the slot; a stop id or a limit ends it;
 - retirement (``retire``, ``fail``, ``drain``): a finished request gives its slot back; the runner state of that
   slot is released by the next plan (``StepPlan.free_slots``).
@@ -35,10 +33,12 @@ from typing import Iterable, Optional
 
 from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, FinishReason, NotReady
 from qwen_chat.engine.model.paged import BLOCK_TOKENS, blocks_for
+from qwen_chat.engine.serving import prefill_plan
+from qwen_chat.engine.serving.conv_cache import ConversationCache, prompt_key
 from qwen_chat.engine.serving.handles import RequestHandle
 from qwen_chat.engine.serving.kv_budget import BlockBudget
 from qwen_chat.engine.serving.request_state import Request
-from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +55,28 @@ class Batch:
     ``prefill_token_budget`` (prompt tokens prefilled in one step at most), ``constraints`` (the
     ``constraints.ConstraintTable`` the sampler masks with, or None: a constrained request's slot is bound to
     its ``Constraint`` while it runs), ``num_blocks`` and ``block_tokens`` (the runner's KV blocks; None: enough
-    for every slot at ``max_context``).
+    for every slot at ``max_context``), ``conversation_cache`` (keep prefix states for later prompts of the same
+    conversation: ``conv_cache``).
 
     Attributes read by the scheduler: ``cond`` (the lock of everything here), ``stopping`` (no new work; the
     loop ends), ``waiting`` (deque of ``Request``), ``running`` ({slot: Request}), ``totals`` (counters, see
-    ``Scheduler.stats``).
+    ``Scheduler.stats``), ``cache`` (the ``ConversationCache``, or None).  Used by ``prefill_plan``:
+    ``free_rows`` (state rows nobody uses, sorted), ``to_free`` (rows the next plan frees in the runner), ``kv``.
     """
 
     def __init__(self, *, num_slots: int, max_queue: int, eos_ids: Iterable[int], max_context: Optional[int],
                  prefill_token_budget: int, constraints=None, num_blocks: Optional[int] = None,
-                 block_tokens: int = BLOCK_TOKENS, idle_captures: Optional[list] = None) -> None:
+                 block_tokens: int = BLOCK_TOKENS, idle_captures: Optional[list] = None,
+                 conversation_cache: bool = False) -> None:
         if prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.num_slots = num_slots
         if num_blocks is None:
             num_blocks = num_slots * blocks_for(max_context or 2 ** 30, block_tokens)
-        self.kv = BlockBudget(num_blocks, block_tokens)
-        if max_context is None or max_context > self.kv.num_blocks * block_tokens:
-            max_context = self.kv.num_blocks * block_tokens  # one sequence may use every block, no more
+        if max_context is None or max_context > num_blocks * block_tokens:
+            max_context = num_blocks * block_tokens  # one sequence may use every block, no more
+        self.kv = BlockBudget(num_blocks, num_slots, blocks_for(max_context, block_tokens), block_tokens)
+        self.cache = ConversationCache() if conversation_cache else None
         self._idle_captures = list(idle_captures or ())
         self._order = itertools.count()
         self.constraints = constraints
@@ -83,8 +87,8 @@ class Batch:
         self.cond = threading.Condition()
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
-        self._free_slots = list(range(num_slots))
-        self._to_free: list[int] = []  # slots whose runner state must be released in the next plan
+        self.free_rows = list(range(num_slots))
+        self.to_free: list[int] = []  # rows whose runner state must be released in the next plan
         self._ids = itertools.count(1)
         self.stopping = False
         self.totals = {
@@ -126,18 +130,19 @@ class Batch:
         with self.cond:
             if self.stopping:
                 raise NotReady("the engine is shutting down")
-            # Waiting requests that a free slot will take at the next step do not count as queued.
-            queued = len(self.waiting) - len(self._free_slots)
+            # Waiting requests that a free row (or a kept prefix's) will take at the next step are not queued.
+            queued = len(self.waiting) - len(self.free_rows) - (len(self.cache) if self.cache is not None else 0)
             if queued + len(samplings) - 1 >= self.max_queue:
                 self.totals["rejected_busy"] += 1
                 raise Busy(f"busy, {max(queued, 0)} requests queued, try again in a moment")
             sink = queue.Queue() if len(samplings) > 1 else None
+            key = prompt_key(prompt) if self.cache is not None else None
             group = []
             for index, sampling in enumerate(samplings):
                 handle = RequestHandle(next(self._ids), n, cancel, self.notify, index=index, sink=sink)
                 stop_ids = self.eos_ids | frozenset(int(t) for t in sampling.stop_token_ids)
                 group.append(Request(handle, prompt, sampling, stop_ids,
-                                     constraints[index] if constraints is not None else None))
+                                     constraints[index] if constraints is not None else None, key=key))
             for i, req in enumerate(group):
                 req.siblings = group[i + 1:]
             self.waiting.extend(group)
@@ -170,11 +175,11 @@ class Batch:
             for req in [r for r in self.waiting if r.handle.abandoned]:
                 self.waiting.remove(req)
                 self.retire(req, "cancelled")
-            plan = StepPlan(free_slots=self._to_free, tokens_on_device=overlap)
-            self._to_free = []
+            plan = StepPlan(free_slots=self.to_free, tokens_on_device=overlap)
+            self.to_free = []
             in_flight = {id(r) for r in ahead} if ahead is not None else set()
             decoded = self._plan_decode(plan, in_flight, overlap)
-            prefilled = self._plan_prefill(plan, in_flight)
+            prefilled = prefill_plan.plan_prefill(self, plan, in_flight)
             self.totals["steps"] += 1
             self.totals["prefill_chunks"] += len(plan.prefills)
             if decoded:
@@ -185,24 +190,29 @@ class Batch:
     def _has_work(self) -> bool:
         """Something for the next plan: a stop, waiting or running requests, slots to free (caller holds
         ``cond``)."""
-        return bool(self.stopping or self.waiting or self.running or self._to_free)
+        return bool(self.stopping or self.waiting or self.running or self.to_free)
 
     def _plan_decode(self, plan: StepPlan, in_flight: set, overlap: bool) -> list[Request]:
         """Every decoding sequence feeds one token, except those whose token in flight reaches a limit.  Those
-        that enter a new KV block take one; when too few are free the newest sequences are preempted until the
-        rest fit (caller holds ``cond``).  Returns the decoded requests, in slot order of ``running``."""
+        that enter a new KV block take one; when too few are free, kept prefixes are evicted, then the newest
+        sequences are preempted until the rest fit (caller holds ``cond``).  Returns the decoded requests, in
+        slot order of ``running``."""
         decoded = [r for r in self.running.values() if r.decoding
                    and not (id(r) in in_flight and self.at_limit(r, 1))]
         kv = self.kv
         while True:
-            growing = [r for r in decoded if kv.blocks(r.cached + 1) > r.blocks]
+            growing = [r for r in decoded if kv.blocks(r.cached + 1) > kv.held(r.slot)]
             if len(growing) <= kv.free:
                 break
+            kept = self.cache.victim(set()) if self.cache is not None else None
+            if kept is not None:
+                prefill_plan.evict(self, kept, plan)
+                continue
             victim = max((r for r in self.running.values() if r.target is not None), key=lambda r: r.order)
             self._preempt(victim, plan)
             decoded = [r for r in decoded if r is not victim]
         for r in growing:
-            kv.charge(r, 1)
+            kv.ensure(r.slot, r.cached + 1)
         for r in decoded:
             r.cached += 1
         plan.decode_slots = [r.slot for r in decoded]
@@ -213,7 +223,7 @@ class Batch:
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Take ``req``'s KV blocks back; it keeps its slot (and so its sampler and grammar state) and is
         recomputed later (``Request.recompute_prompt``).  Caller holds ``cond``."""
-        self.kv.release(req)
+        self.kv.release(req.slot)
         req.target, req.cached = None, 0
         if req.slot not in plan.free_slots:
             plan.free_slots.append(req.slot)
@@ -221,67 +231,16 @@ class Batch:
         log.info("request %d preempted (KV blocks ran out); it resumes when blocks are free",
                  req.handle.request_id)
 
-    def _plan_prefill(self, plan: StepPlan, in_flight: set) -> list[Request]:
-        """Prompt chunks under the token budget: prompts in progress first, then preempted sequences, then the
-        waiting queue, first come first served (caller holds ``cond``).  Returns the requests with a chunk in
-        this step."""
-        budget = self.prefill_token_budget
-        kv = self.kv
-        prefilled: list[Request] = []
-
-        def chunk(req: Request) -> None:
-            nonlocal budget
-            start = req.cached
-            end = min(req.target.num_tokens, start + budget)
-            budget -= end - start
-            req.cached = end
-            plan.prefills.append(PrefillItem(req.slot, req.target, req.sampling, start=start, end=end,
-                                             resume=req.resume))
-            prefilled.append(req)
-
-        for req in sorted((r for r in self.running.values() if r.prefilling), key=lambda r: r.order):
-            if budget <= 0:
-                return prefilled
-            chunk(req)
-        for req in sorted((r for r in self.running.values() if r.target is None), key=lambda r: r.order):
-            if budget <= 0 or id(req) in in_flight:
-                return prefilled
-            target = req.recompute_prompt()
-            if not kv.can_admit(target.num_tokens + 1, alone=self._alone(req)):
-                return prefilled  # first come first served: nobody overtakes a preempted sequence
-            req.target, req.cached, req.resume = target, 0, bool(req.generated)
-            kv.charge(req, kv.blocks(target.num_tokens))
-            chunk(req)
-        while self.waiting and self._free_slots and budget > 0:
-            req = self.waiting[0]
-            if not kv.can_admit(req.prompt.num_tokens, alone=self._alone(req)):
-                break
-            self.waiting.popleft()
-            whole = req.prompt.num_tokens <= budget
-            self._admit(req)
-            chunk(req)
-            item = plan.prefills[-1]
-            for sib in req.siblings if whole else ():  # later choices start from this prefill, as slots allow
-                if not self._free_slots or sib not in self.waiting or not kv.can_admit(req.prompt.num_tokens):
-                    break
-                self.waiting.remove(sib)
-                self._admit(sib)
-                sib.cached = sib.target.num_tokens
-                prefilled.append(sib)
-                item.copies.append((sib.slot, sib.sampling))
-        return prefilled
-
-    def _alone(self, req: Request) -> bool:
+    def alone(self, req: Request) -> bool:
         """True when no sequence but ``req`` holds KV blocks (it may then use the watermark too)."""
-        return all(r is req or r.blocks == 0 for r in self.running.values())
+        return all(r is req or self.kv.held(r.slot) == 0 for r in self.running.values())
 
-    def _admit(self, req: Request) -> None:
-        """Give ``req`` a slot and charge its prompt's blocks (caller holds ``cond``)."""
-        req.slot = self._free_slots.pop(0)
+    def admit(self, req: Request, row: int) -> None:
+        """Give ``req`` the state row ``row`` (its blocks: ``prefill_plan``); caller holds ``cond``."""
+        req.slot = row
         req.order = next(self._order)
         req.target, req.cached, req.resume = req.prompt, 0, False
-        self.kv.charge(req, self.kv.blocks(req.prompt.num_tokens))
-        self.running[req.slot] = req
+        self.running[row] = req
         self._bind(req)
 
     def _bind(self, req: Request) -> None:
@@ -303,7 +262,7 @@ class Batch:
         """A step raised: it may have stopped before its frees ran, so the next plan frees ``slots`` again
         (freeing a slot twice is harmless)."""
         with self.cond:
-            self._to_free.extend(s for s in slots if s not in self._to_free)
+            self.to_free.extend(s for s in slots if s not in self.to_free)
 
     # ---- delivery and retirement ---------------------------------------------------------------------
     def deliver(self, reqs: list[Request], tokens: dict[int, int]) -> None:
@@ -334,12 +293,12 @@ class Batch:
         """Finish a request and release its slot (caller holds ``cond``)."""
         if req.slot is not None and self.running.get(req.slot) is req:
             del self.running[req.slot]
-            self.kv.release(req)
+            self.kv.release(req.slot)
             if self.constraints is not None:
                 self.constraints.unbind(req.slot)
-            self._to_free.append(req.slot)
-            self._free_slots.append(req.slot)
-            self._free_slots.sort()
+            self.to_free.append(req.slot)
+            self.free_rows.append(req.slot)
+            self.free_rows.sort()
         req.slot = None
         h = req.handle
         self.totals["finished"][reason] += 1
@@ -361,6 +320,8 @@ class Batch:
             for req in reqs:
                 if req.slot is not None and self.running.get(req.slot) is req:
                     self.retire(req, "error", message)
+                if req.kept is not None and self.cache is not None and self.cache.holds(req.kept):
+                    prefill_plan.evict(self, req.kept.row, None)  # its keep point may not have run
 
     def drain(self, reason: FinishReason) -> None:
         """End every open stream (shutdown or a dead loop) so that no consumer blocks forever."""

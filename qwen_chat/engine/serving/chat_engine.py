@@ -97,6 +97,7 @@ class ChatEngine:
         memory: the ``memory.MemoryPlan`` the runner was sized by (reported by ``stats`` and ``memory_report``),
             or None.  prefill_chunk_tokens: prompt tokens per step (``Scheduler`` ``prefill_token_budget``).
         idle_captures: decode graphs to capture while idle (``Scheduler``).
+        conversation_cache: keep prefix states for the next turns of conversations (``Scheduler``).
         overlap: launch each step before the previous one's tokens are back (``Scheduler`` ``overlap``);
             None = on for a ``LocalExecutor`` (one process) and for a ``DistributedExecutor`` whose ranks share rank
             0's sampled tokens on the device (its ``tokens_on_device``: ``build_runner`` sets the sampler's
@@ -125,6 +126,7 @@ class ChatEngine:
         memory=None,
         prefill_chunk_tokens: int = 4096,
         idle_captures: Optional[list] = None,
+        conversation_cache: bool = True,
     ) -> None:
         if runner is not None and max_context > runner.max_context:
             raise ValueError(f"max_context {max_context} exceeds the runner's {runner.max_context}")
@@ -156,7 +158,7 @@ class ChatEngine:
                                    prefill_token_budget=prefill_chunk_tokens,
                                    num_blocks=getattr(runner, "num_blocks", None),
                                    block_tokens=getattr(runner, "block_tokens", BLOCK_TOKENS),
-                                   idle_captures=idle_captures)
+                                   idle_captures=idle_captures, conversation_cache=conversation_cache)
         log.info("scheduler: %s", "steps launched ahead (overlap)" if overlap else "each step waited for")
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure
@@ -243,7 +245,10 @@ class ChatEngine:
         decode_steps, step_seconds: wall seconds the engine spent inside steps, preemptions, prefill_chunks,
         and finished_<reason>), ``max_decode_batch``
         (largest decode batch seen), ``step_running_s`` (seconds the step in progress has been running, 0 when
-        idle), and ``gpu_memory_bytes`` (list with this process's allocated CUDA bytes; only on CUDA).
+        idle), ``gpu_memory_bytes`` (list with this process's allocated CUDA bytes; only on CUDA), and with the
+        conversation cache on ``prefix_cache_entries`` (kept prefixes now), ``prefix_cache_queries_total``
+        (prompts admitted), ``prefix_cache_hits_total``, ``prefix_cache_cached_tokens_total`` (prompt tokens not
+        prefilled thanks to a hit), ``prefix_cache_hit_rate`` (hits / queries since start, 0 before any).
         """
         s = self.scheduler.stats()
         t = s["totals"]
@@ -257,6 +262,12 @@ class ChatEngine:
         out.update(max_decode_batch=t["max_decode_batch"], step_running_s=s["step_running_s"])
         for reason, n in t["finished"].items():
             out[f"finished_{reason}_total"] = n
+        cache = s["cache"]
+        if cache is not None:
+            out["prefix_cache_entries"] = cache["entries"]
+            for key in ("queries", "hits", "cached_tokens"):
+                out[f"prefix_cache_{key}_total"] = cache[key]
+            out["prefix_cache_hit_rate"] = cache["hits"] / cache["queries"] if cache["queries"] else 0.0
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             out["gpu_memory_bytes"] = [torch.cuda.memory_allocated()]
         return out
@@ -264,13 +275,15 @@ class ChatEngine:
     def memory_report(self) -> dict:
         """What the memory budget holds, for ``/v1/models``: ``state_slots`` (= ``max_concurrent_sequences``),
         ``kv_blocks``, ``kv_block_tokens``, ``kv_tokens`` (tokens of KV cache in all), ``max_context`` (tokens),
-        ``memory_budget_gib``; {} when the engine was built without a memory plan."""
+        ``memory_budget_gib``, ``conversation_cache`` (bool); {} when the engine was built without a memory
+        plan."""
         plan = self.memory
         if plan is None:
             return {}
         return {"state_slots": plan.num_slots, "max_concurrent_sequences": plan.num_slots,
                 "kv_blocks": plan.num_blocks, "kv_block_tokens": plan.block_tokens, "kv_tokens": plan.kv_tokens,
-                "max_context": self.max_context, "memory_budget_gib": round(plan.budget_bytes / 2 ** 30, 3)}
+                "max_context": self.max_context, "memory_budget_gib": round(plan.budget_bytes / 2 ** 30, 3),
+                "conversation_cache": self.scheduler.stats()["cache"] is not None}
 
     # ---- building blocks (public for the API layer and tests) ----------------------------------------------
     def prepare(self, messages: Sequence[ChatMessage], settings: GenerationSettings) -> PreparedPrompt:
@@ -361,7 +374,7 @@ def build_engine(
         loaded, runner, executor, image_token_budget=config.image_token_budget,
         max_context=runner.max_context, max_queue=config.max_queue, num_slots=runner.num_slots,
         on_fatal=exit_process_soon if exit_on_failure else None, memory=plan, prefill_chunk_tokens=chunk,
-        idle_captures=idle_captures(runner),
+        idle_captures=idle_captures(runner), conversation_cache=config.conversation_cache,
     )
     engine.self_check(result)
     return engine

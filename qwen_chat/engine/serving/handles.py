@@ -74,7 +74,8 @@ class RequestHandle:
 
     Attributes (set by the scheduler thread): ``prompt_tokens`` (tokens), ``completion_tokens`` (sampled
     tokens including a final stop token, as OpenAI counts them), ``ttft_s`` (seconds from submit to the first
-    sampled token, or None), ``submitted_at`` (``time.monotonic()`` seconds).
+    sampled token, or None), ``submitted_at`` (``time.monotonic()`` seconds), ``cached_tokens`` (prompt tokens
+    not prefilled because a kept conversation prefix held them: ``conv_cache``).
 
     ``index``: the choice this handle is (0 .. n-1); ``sink``: the queue shared by the n choices of a request
     (None: its own).
@@ -85,6 +86,7 @@ class RequestHandle:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.ttft_s: Optional[float] = None
         self.submitted_at = time.monotonic()
         self.finish_reason: Optional[FinishReason] = None

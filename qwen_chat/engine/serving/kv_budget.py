@@ -1,57 +1,88 @@
-"""The scheduler's count of KV blocks: how many the running sequences hold, so that admission, growth and
-preemption never ask the runner for more than it has.
+"""The scheduler's count of KV blocks: how many the running sequences and the kept conversation prefixes hold,
+so that admission, growth, eviction and preemption never ask the runner for more than it has.
 
 The runner allocates the actual block ids itself (``qwen_chat.engine.model.paged.BlockTables``), the same way on
-every rank; the scheduler only needs counts.  Each request is charged, on admission, the blocks of its whole
-prompt (``blocks_for(prompt tokens)``), and one more block each time a decode step takes it into a new block;
-it gives them all back when it finishes or is preempted.  The runner holds at most what is charged (a prompt
-still being prefilled in chunks holds fewer), so it never runs out.
+every rank.  The scheduler keeps a host-only ``BlockTables`` of its own over the same state rows and makes the
+same kinds of calls on it as the plans make the runner do: a sequence is given, on admission, the blocks of its
+whole prompt; one more block each time a decode step takes it into a new block; a sequence that starts from a
+kept prefix shares that prefix's full blocks; a prefix kept at position n shares its sequence's first
+``blocks_for(n)`` blocks; everything goes back when a sequence finishes or is preempted and when a kept prefix
+is evicted.  Its ids may differ from the runner's, but its owners share blocks the same way, and it allocates
+a prompt's blocks before the runner does (a prompt prefilled in chunks holds fewer in the runner), so its free
+count never exceeds the runner's: the runner never runs out.
 """
 from __future__ import annotations
 
-from qwen_chat.engine.model.paged import BLOCK_TOKENS, blocks_for
+from qwen_chat.engine.model.paged import BLOCK_TOKENS, BlockTables, blocks_for
 
 
 class BlockBudget:
-    """Free-block count of one scheduler.
+    """Free-block count of one scheduler, per state row.
 
     Args:
         num_blocks: KV blocks of the runner (``ModelRunner.num_blocks``).
+        num_rows: state rows (the runner's ``num_slots``): running sequences and kept prefixes.
+        max_blocks: blocks of the longest sequence (``blocks_for(max_context)``).
         block_tokens: positions per block.
 
-    Attributes: ``num_blocks``, ``block_tokens``, ``used`` (blocks charged now), ``watermark`` (blocks an
-    admission must leave free, so that the running sequences can grow for a while before anyone is
-    preempted: 1 % of the blocks, at least 1).
+    Attributes: ``num_blocks``, ``block_tokens``, ``watermark`` (blocks an admission must leave free, so that
+    the running sequences can grow for a while before anyone is preempted: 1 % of the blocks, at least 1).
+    Raises ValueError for ``num_blocks`` < 1.
     """
 
-    def __init__(self, num_blocks: int, block_tokens: int = BLOCK_TOKENS) -> None:
+    def __init__(self, num_blocks: int, num_rows: int, max_blocks: int, block_tokens: int = BLOCK_TOKENS) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = int(num_blocks)
         self.block_tokens = int(block_tokens)
-        self.used = 0
         self.watermark = max(1, self.num_blocks // 100)
+        self._tables = BlockTables(num_slots=num_rows, num_blocks=self.num_blocks, max_blocks=max(1, max_blocks),
+                                   device=None, block_tokens=self.block_tokens)
 
     @property
     def free(self) -> int:
-        """Blocks not charged to any sequence."""
-        return self.num_blocks - self.used
+        """Blocks nobody holds."""
+        return self._tables.free_blocks
+
+    @property
+    def used(self) -> int:
+        """Blocks held by sequences and kept prefixes (each shared block once)."""
+        return self.num_blocks - self.free
 
     def blocks(self, n_tokens: int) -> int:
         """Blocks that hold n_tokens positions (``paged.blocks_for``)."""
         return blocks_for(n_tokens, self.block_tokens)
 
-    def can_admit(self, n_tokens: int, *, alone: bool = False) -> bool:
-        """True when a sequence of n_tokens fits and leaves the watermark free (all of it when ``alone``: no
-        other sequence holds blocks, so none can need the watermark)."""
-        return self.blocks(n_tokens) + (0 if alone else self.watermark) <= self.free
+    def held(self, row: int) -> int:
+        """Blocks ``row`` holds now."""
+        return self._tables.count(row)
 
-    def charge(self, req, n_blocks: int) -> None:
-        """Charge ``req`` (anything with an int attribute ``blocks``) n_blocks more."""
-        req.blocks += n_blocks
-        self.used += n_blocks
+    def fits(self, need: int, *, alone: bool = False) -> bool:
+        """True when ``need`` more blocks fit and leave the watermark free (all of it when ``alone``: no other
+        sequence holds blocks, so none can need the watermark)."""
+        return need + (0 if alone else self.watermark) <= self.free
 
-    def release(self, req) -> None:
-        """Give back everything charged to ``req``."""
-        self.used -= req.blocks
-        req.blocks = 0
+    def restore_need(self, n_prefix: int, n_tokens: int) -> int:
+        """Blocks a sequence of ``n_tokens`` needs beyond the full blocks of the kept prefix of ``n_prefix``
+        tokens it starts from (0: a new sequence)."""
+        return self.blocks(n_tokens) - n_prefix // self.block_tokens
+
+    def ensure(self, row: int, n_tokens: int) -> None:
+        """``row`` holds the blocks of positions 0..n_tokens-1.  Raises ``paged.OutOfBlocks`` when too few are
+        free (check ``fits`` first)."""
+        self._tables.ensure(row, n_tokens)
+
+    def start_from(self, row: int, src: int, n_prefix: int, n_tokens: int) -> None:
+        """``row`` (empty) starts from the prefix ``src`` keeps: it shares the prefix's full blocks and takes
+        its own for the rest of ``n_tokens`` (the runner copies the partly filled block into one of them)."""
+        self._tables.share(row, self._tables.blocks(src)[:n_prefix // self.block_tokens])
+        self._tables.ensure(row, n_tokens)
+
+    def keep(self, row: int, src: int, n_prefix: int) -> None:
+        """``row`` (empty) keeps the prefix of ``n_prefix`` tokens of the sequence in ``src``: it shares that
+        sequence's first ``blocks(n_prefix)`` blocks."""
+        self._tables.share(row, self._tables.blocks(src)[:self.blocks(n_prefix)])
+
+    def release(self, row: int) -> None:
+        """Give back everything ``row`` holds (shared blocks stay with their other owners)."""
+        self._tables.release(row)

@@ -121,7 +121,8 @@ def stream_replies(handles: Sequence[RequestHandle], prompt: PreparedPrompt, set
             thinking=c.decoder.in_reasoning, prompt_tokens=prompt.num_tokens,
             completion_tokens=c.handle.completion_tokens, ttft_s=c.handle.ttft_s, index=c.handle.index,
             reasoning_tokens=c.reasoning_tokens, logprobs=tuple(entries),
-            dropped_messages=prompt.dropped_messages, tool_calls=c.tool_calls(), **{"notice": notice, **final},
+            dropped_messages=prompt.dropped_messages, tool_calls=c.tool_calls(), cached_tokens=c.handle.cached_tokens,
+            **{"notice": notice, **final},
         )
 
     def last(c: _Choice, finish: str) -> StreamUpdate:

@@ -17,15 +17,16 @@ class Request:
 
     Progress: ``order`` (admission order: the newest is preempted first), ``target`` (the prompt being prefilled:
     the prompt, or after a preemption the prompt and the tokens it was fed; None while preempted), ``cached``
-    (tokens planned into its cache so far), ``blocks`` (KV blocks charged, ``kv_budget``), ``generated`` (every
-    token delivered), ``resume`` (the target recomputes a preempted sequence).
+    (tokens planned into its cache so far), ``generated`` (every token delivered), ``resume`` (the target
+    recomputes a preempted sequence).  Conversation cache: ``key`` (``conv_cache.PromptKey`` of the prompt, or
+    None with the cache off), ``kept`` (the ``conv_cache.Entry`` its keep point made, or None).
     """
 
     __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings", "constraint",
-                 "order", "target", "cached", "blocks", "generated", "resume")
+                 "order", "target", "cached", "generated", "resume", "key", "kept")
 
     def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids,
-                 constraint=None):
+                 constraint=None, key=None):
         self.handle = handle
         self.prompt = prompt
         self.sampling = sampling
@@ -37,9 +38,10 @@ class Request:
         self.order = 0
         self.target: Optional[PreparedPrompt] = None
         self.cached = 0
-        self.blocks = 0
         self.generated: list[int] = []
         self.resume = False
+        self.key = key
+        self.kept = None
 
     @property
     def prefilling(self) -> bool:

@@ -22,6 +22,8 @@ class PreparedPrompt:
     ``max_new_tokens``: tokens the reply may take after the context policy (may be clamped).
     ``notice``: user-facing description of what the context policy did ('' if nothing).
     ``dropped_messages``: messages the context policy left out (whole oldest turns), 0 if none.
+    ``shared_prefix``: tokens the next prompt of the same conversation will share (``prompt.shared_prefix``;
+    the conversation cache keeps the state there), 0 if unknown.
     """
 
     input_ids: torch.Tensor
@@ -31,6 +33,7 @@ class PreparedPrompt:
     max_new_tokens: int = 2048
     notice: str = ""
     dropped_messages: int = 0
+    shared_prefix: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -82,6 +82,9 @@ class Scheduler:
             with constraints are then refused).
         idle_captures: (padded batch, context bucket) decode graphs to capture, one per step, whenever the
             engine has had nothing to do for ``batch.IDLE_S`` seconds (``StepPlan.capture``).
+        conversation_cache: keep the state where each prompt's next turn will continue (``conv_cache``) and
+            start later prompts that share it from there; the kept prefixes use the state rows and KV blocks
+            no running sequence needs.
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class Scheduler:
         overlap: bool = False,
         constraints=None,
         idle_captures: Optional[list[tuple[int, int]]] = None,
+        conversation_cache: bool = False,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -111,7 +115,7 @@ class Scheduler:
         self._batch = Batch(num_slots=num_slots, max_queue=max_queue, eos_ids=eos_ids, max_context=max_context,
                             prefill_token_budget=prefill_token_budget, constraints=constraints,
                             num_blocks=num_blocks, block_tokens=block_tokens,
-                            idle_captures=idle_captures)
+                            idle_captures=idle_captures, conversation_cache=conversation_cache)
         self._last_collect_at = 0.0
         self._fatal_reported = False
         self._step_started_at: Optional[float] = None  # time.monotonic() when the running step began
@@ -143,7 +147,9 @@ class Scheduler:
         """Counters for metrics: active/queued now, slots, totals since start, health.
 
         Keys: ``active`` (running sequences), ``queued`` (waiting for a slot), ``num_slots``, ``max_queue``,
-        ``kv_blocks`` and ``kv_blocks_used`` (KV blocks of the runner, charged to sequences now), ``block_tokens``,
+        ``kv_blocks`` and ``kv_blocks_used`` (KV blocks of the runner held by sequences and kept prefixes now),
+        ``block_tokens``, ``cache`` (None with the conversation cache off, else {entries (kept prefixes now),
+        queries (prompts admitted), hits, cached_tokens (prompt tokens not prefilled thanks to a hit)}),
         ``healthy`` (bool), ``reason`` (why unhealthy), ``step_running_s`` (seconds the step in progress has
         been running, 0.0 when idle), ``totals`` {requests, rejected_busy, prompt_tokens,
         generated_tokens, steps, step_seconds (wall seconds spent inside the executor's steps), decode_steps,
@@ -161,6 +167,9 @@ class Scheduler:
                 "max_queue": batch.max_queue,
                 "kv_blocks": batch.kv.num_blocks,
                 "kv_blocks_used": batch.kv.used,
+                "cache": None if batch.cache is None else {
+                    "entries": len(batch.cache), "queries": batch.cache.queries, "hits": batch.cache.hits,
+                    "cached_tokens": batch.cache.cached_tokens},
                 "block_tokens": batch.kv.block_tokens,
                 "healthy": self._healthy,
                 "reason": self._unhealthy_reason,

@@ -275,6 +275,23 @@ def _vision_inputs(processor: Any, encoded: _Encoded, kwargs: dict) -> dict:
     return {"pixel_values": out["pixel_values"].to(torch.float32), "image_grid_thw": grid}
 
 
+#: The template text that opens the reply's turn (docs/facts.md, "Chat template behaviour").
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+
+
+def shared_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
+    """Tokens of ``ids`` that the next prompt of the same conversation shares: up to the end of the last
+    ``<|im_start|>assistant\n`` header.  The template renders an earlier reply as its text only (no reasoning,
+    no empty think block), so what follows the header (the generation prompt) is not shared.  0 when the
+    prompt has no such header."""
+    header = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False)
+    h = len(header)
+    for i in range(len(ids) - h, -1, -1):
+        if list(ids[i:i + h]) == header:
+            return i + h
+    return 0
+
+
 def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, enable_thinking: bool,
                  image_token_budget: int, context_length: int, max_new_tokens: int,
                  tools: Sequence[ToolSpec] = (), control_tokens: Sequence[str] = ()) -> PreparedPrompt:
@@ -362,7 +379,8 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
 
     input_ids = torch.tensor(encoded.ids, dtype=torch.int64)
     prepared = PreparedPrompt(input_ids=input_ids, max_new_tokens=new_tokens, notice=" ".join(notices),
-                              dropped_messages=sum(len(turn.messages) for turn in turns[:dropped]))
+                              dropped_messages=sum(len(turn.messages) for turn in turns[:dropped]),
+                              shared_prefix=shared_prefix(processor.tokenizer, encoded.ids))
     if encoded.image_paths:
         vision = _vision_inputs(processor, encoded, kwargs)
         image_pad_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)

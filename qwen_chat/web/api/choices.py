@@ -34,14 +34,17 @@ def collect_choices(next_update: Callable[[], Optional[StreamUpdate]], n: int) -
 
 
 def usage(lasts: Sequence[Optional[StreamUpdate]]) -> dict:
-    """OpenAI ``usage`` of the choices' last updates: ``prompt_tokens`` (once), ``completion_tokens`` and
-    ``completion_tokens_details.reasoning_tokens`` (summed over the choices), ``total_tokens``; zeros without
-    updates."""
+    """OpenAI ``usage`` of the choices' last updates: ``prompt_tokens`` and
+    ``prompt_tokens_details.cached_tokens`` (prompt tokens the conversation cache held, as OpenAI and vLLM
+    report them; once), ``completion_tokens`` and ``completion_tokens_details.reasoning_tokens`` (summed over
+    the choices), ``total_tokens``; zeros without updates."""
     known = [u for u in lasts if u is not None]
     prompt = known[0].prompt_tokens if known else 0
+    cached = known[0].cached_tokens if known else 0
     completion = sum(u.completion_tokens for u in known)
     reasoning = sum(u.reasoning_tokens for u in known)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 

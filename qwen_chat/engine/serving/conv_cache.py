@@ -1,0 +1,145 @@
+"""The conversation cache's index on the scheduler: which kept prefix states exist, which prompt may continue
+which, and which to evict.
+
+What is kept (the chat template decides what a follow-up shares): Qwen3.5's template renders an earlier reply
+as its text only, without the reasoning and without the empty ``<think></think>`` block a reply generated with
+thinking off starts with, so the next prompt of a conversation shares the previous prompt up to the end of its
+last ``<|im_start|>assistant\\n`` header, and no further (``PreparedPrompt.shared_prefix``).  The state at that
+position is kept while the prompt is prefilled (a keep point: ``runner.Chunk.keep``); a follow-up then
+prefills the previous reply's text, its own message and the generation prompt.  A Regenerate sends the same
+prompt again and prefills only the generation prompt; an edited earlier message falls back to the prefix of an
+earlier turn, when still kept, or to a full prefill.
+
+Matching is by token ids (the longest kept prefix that equals the prompt's first tokens and leaves at least one
+token to prefill) and by image content: image-pad ids are the same for every image, so each image inside a
+prefix is also compared by a digest of its pixel values and grid.
+
+Each kept prefix takes a state row that no running sequence uses and shares KV blocks (``kv_budget``); rows and
+blocks go to running sequences first: the least recently used prefix is evicted when a new sequence needs a row
+or blocks.  A prefix restored by the plan being built is pinned until that plan is sent (a running sequence
+that started from a prefix holds its own copy of the state and its own references to the shared blocks).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from qwen_chat.engine.serving.requests import PreparedPrompt
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    """What matching compares: ``ids`` int64 [L] (host), ``images``: (first pad position, digest) per image in
+    order, ``keep_at``: the position to keep the state at (``PreparedPrompt.shared_prefix``; 0: none)."""
+
+    ids: torch.Tensor
+    images: tuple[tuple[int, bytes], ...]
+    keep_at: int
+
+    def extended(self, ids: torch.Tensor) -> "PromptKey":
+        """The key of a longer sequence with the same images (a preempted sequence's prompt and fed tokens)."""
+        return PromptKey(ids, self.images, self.keep_at)
+
+
+def prompt_key(prompt: PreparedPrompt) -> PromptKey:
+    """The key of a prompt: its ids, a blake2b digest of each image's pixel rows and grid (the i-th run of
+    image-pad positions in ``mm_token_type_ids`` is image i; ``image_grid_thw`` t*h*w rows of
+    ``pixel_values`` each), and its keep point."""
+    ids = prompt.input_ids.reshape(-1).to(torch.long).cpu()
+    images = []
+    if prompt.pixel_values is not None and prompt.image_grid_thw is not None and prompt.mm_token_type_ids is not None:
+        mm = prompt.mm_token_type_ids.reshape(-1).cpu()
+        starts = torch.nonzero((mm[1:] == 1) & (mm[:-1] == 0)).reshape(-1) + 1
+        if mm.numel() and int(mm[0]) == 1:
+            starts = torch.cat([torch.zeros(1, dtype=torch.long), starts])
+        rows = 0
+        pixels = prompt.pixel_values.detach().cpu().contiguous()
+        for start, grid in zip(starts.tolist(), prompt.image_grid_thw.tolist()):
+            n = int(grid[0] * grid[1] * grid[2])
+            h = hashlib.blake2b(digest_size=16)
+            h.update(str(grid).encode())
+            h.update(pixels[rows:rows + n].numpy().tobytes())
+            images.append((int(start), h.digest()))
+            rows += n
+    keep = int(prompt.shared_prefix)
+    return PromptKey(ids, tuple(images), keep if 0 < keep < ids.numel() else 0)
+
+
+@dataclass
+class Entry:
+    """One kept prefix: its state ``row``, ``n`` tokens, their ids (int64 [n], host) and the images among them,
+    ``used``: the cache's clock at its last use (LRU)."""
+
+    row: int
+    n: int
+    ids: torch.Tensor
+    images: tuple[tuple[int, bytes], ...]
+    used: int
+
+
+class ConversationCache:
+    """The kept prefixes of one scheduler (see the module docstring).  Not thread-safe: the scheduler's lock
+    guards it.  Counters: ``queries`` (prompts looked up), ``hits``, ``cached_tokens`` (prompt tokens not
+    prefilled thanks to a hit)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, Entry] = {}
+        self._clock = itertools.count()
+        self.queries = self.hits = self.cached_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, row: int) -> bool:
+        return row in self._entries
+
+    def holds(self, entry: "Entry") -> bool:
+        """True while ``entry`` is kept (not evicted, its row not reused)."""
+        return self._entries.get(entry.row) is entry
+
+    def rows(self) -> list[int]:
+        """State rows that hold kept prefixes."""
+        return list(self._entries)
+
+    def match(self, key: PromptKey) -> Optional[Entry]:
+        """The longest kept prefix of ``key``'s prompt that leaves at least one token to prefill, or None;
+        marks it used."""
+        L = key.ids.numel()
+        best = None
+        for e in self._entries.values():
+            if e.n >= L or (best is not None and e.n <= best.n):
+                continue
+            if not torch.equal(key.ids[:e.n], e.ids):
+                continue
+            if tuple(im for im in key.images if im[0] < e.n) != e.images:
+                continue
+            best = e
+        if best is not None:
+            best.used = next(self._clock)
+        return best
+
+    def record(self, hit: Optional[Entry]) -> None:
+        """Count one admitted prompt and its hit (None: a miss)."""
+        self.queries += 1
+        if hit is not None:
+            self.hits += 1
+            self.cached_tokens += hit.n
+
+    def add(self, row: int, key: PromptKey, n: int) -> Entry:
+        """Register the prefix of ``n`` tokens of ``key``'s prompt as kept in ``row``."""
+        e = Entry(row, n, key.ids[:n].clone(), tuple(im for im in key.images if im[0] < n), next(self._clock))
+        self._entries[row] = e
+        return e
+
+    def victim(self, pinned: set) -> Optional[int]:
+        """The row of the least recently used prefix not in ``pinned``, or None."""
+        free = [e for e in self._entries.values() if e.row not in pinned]
+        return min(free, key=lambda e: e.used).row if free else None
+
+    def remove(self, row: int) -> None:
+        """Forget the prefix kept in ``row`` (the caller frees the row)."""
+        self._entries.pop(row, None)

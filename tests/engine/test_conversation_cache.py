@@ -1,0 +1,152 @@
+"""The conversation cache end to end on the built-in tiny model (fp32, CPU): every turn of a conversation gives
+the same greedy reply with the cache as without it (text, images reused two turns later, thinking on and off,
+a stopped reply, Regenerate, an edited earlier message, a changed system prompt), follow-ups report the prompt
+tokens they did not prefill, and under a small budget the kept states give way to running sequences without a
+block leak."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings
+from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.model.sampling import Sampler
+from qwen_chat.engine.parallel.executors import LocalExecutor
+from qwen_chat.engine.serving.chat_engine import ChatEngine
+
+IMAGES = Path(__file__).parents[1] / "fixtures" / "images"
+CONTEXT = 1024
+
+
+def make(loaded, cache: bool, num_slots: int = 4, num_blocks=None) -> ChatEngine:
+    runner = ModelRunner(loaded.model, num_slots=num_slots, max_context=CONTEXT, num_blocks=num_blocks, device="cpu")
+    executor = LocalExecutor(runner, Sampler(num_slots, runner.vocab_size, "cpu"))
+    return ChatEngine(loaded, runner, executor, image_token_budget=64, max_context=CONTEXT, max_queue=16,
+                      num_slots=num_slots, conversation_cache=cache)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_loaded):
+    on, off = make(tiny_loaded, True), make(tiny_loaded, False)
+    yield on, off
+    on.close()
+    off.close()
+
+
+def settings(thinking=False, n=20):
+    return GenerationSettings.preset(thinking, temperature=0.0, max_new_tokens=n)
+
+
+def reply(engine, messages, thinking=False, n=20, stop_after=None):
+    """(reasoning, answer, completion tokens, cached tokens) of one greedy turn; ``stop_after``: press Stop once
+    that many updates came."""
+    cancel = CancelToken()
+    last = None
+    for i, u in enumerate(engine.stream_chat(messages, settings(thinking, n), cancel)):
+        last = u
+        if stop_after is not None and i + 1 == stop_after:
+            cancel.cancel()
+    return last.reasoning, last.answer, last.completion_tokens, last.cached_tokens
+
+
+def both(engines, messages, thinking=False, n=20, stop_after=None):
+    on, off = engines
+    got = reply(on, messages, thinking, n, stop_after)
+    want = reply(off, messages, thinking, n, stop_after)
+    assert got[:3] == want[:3]
+    assert want[3] == 0
+    return got
+
+
+def u(text, *images):
+    return ChatMessage(role="user", text=text, images=tuple(str(IMAGES / i) for i in images))
+
+
+def a(turn):
+    return ChatMessage(role="assistant", text=turn[1], reasoning=turn[0])
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
+def test_each_turn_equals_a_full_prefill_and_reports_what_it_reused(engines, thinking):
+    system = ChatMessage(role="system", text=f"You are terse ({thinking}).")
+    msgs = [system, u("Describe this picture.", "chelsea.png")]
+    t1 = both(engines, msgs, thinking)
+    assert t1[3] == 0                                     # a new conversation: nothing kept yet
+    msgs += [a(t1), u("And the colours?")]
+    t2 = both(engines, msgs, thinking)
+    prompt1 = engines[0].prepare(msgs[:2], settings(thinking))
+    assert t2[3] == prompt1.shared_prefix > 0             # the image is in the reused part
+    msgs += [a(t2), u("Compare it with the first answer.")]
+    t3 = both(engines, msgs, thinking)
+    assert t3[3] == engines[0].prepare(msgs[:4], settings(thinking)).shared_prefix
+    regen = both(engines, msgs, thinking)                 # Regenerate: the same prompt once more
+    assert regen[:3] == t3[:3]
+    assert regen[3] == engines[0].prepare(msgs, settings(thinking)).shared_prefix
+
+
+def test_stopped_replies_edits_and_a_new_system_prompt(engines):
+    msgs = [u("Count to twenty.")]
+    t1 = both(engines, msgs, n=40, stop_after=3)           # stopped after 3 updates
+    msgs += [a(t1), u("Go on.")]
+    t2 = both(engines, msgs)
+    assert t2[3] > 0
+    edited = [u("Count to ten.")] + msgs[1:]               # an earlier message edited: no false hit
+    assert both(engines, edited)[3] == 0
+    other = [ChatMessage(role="system", text="Be formal.")] + msgs
+    assert both(engines, other)[3] == 0                    # a changed system prompt: nothing shared
+
+
+def test_two_users_with_the_same_system_prompt_at_once_equal_their_solo_runs(engines, tiny_loaded):
+    import threading
+
+    system = ChatMessage(role="system", text="Shared rules for everyone.")
+    convs = [[system, u(f"User {i} asks about topic {i}.")] for i in range(3)]
+    solo = [reply(engines[1], c) for c in convs]
+    results = {}
+
+    def chat(i):
+        results[i] = reply(engines[0], convs[i])
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results[i][:3] for i in range(3)] == [s[:3] for s in solo]
+
+
+def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
+    """500 random turns of 6 conversations (follow-ups, regenerates, edits) on 3 slots and few blocks: every
+    reply finishes, kept states are evicted for running sequences, and afterwards every block not held by a
+    kept state is free."""
+    engine = make(tiny_loaded, True, num_slots=3, num_blocks=24)
+    rng = random.Random(7)
+    convs = [[u(f"Conversation {i}: hello.")] for i in range(6)]
+    finished = 0
+    try:
+        for turn in range(500):
+            c = rng.randrange(6)
+            msgs = convs[c]
+            action = rng.random()
+            if action < 0.15 and len(msgs) > 2:
+                msgs = msgs[:-2]                          # regenerate the previous turn
+            elif action < 0.25:
+                msgs = [u(f"Conversation {c} edited {turn}.")] + msgs[1:]
+            out = reply(engine, msgs, n=rng.choice([1, 2, 3]))
+            finished += 1
+            convs[c] = (msgs + [a(out), u(f"turn {turn}")])[-7:] if len(msgs) < 7 else [u(f"restart {turn}")]
+        batch = engine.scheduler._batch
+        stats = engine.scheduler.stats()
+        assert finished == 500 and stats["active"] == 0
+        assert stats["cache"]["hits"] > 50                    # follow-ups hit even as states are evicted
+        runner = engine.runner
+        kept = set(batch.cache.rows())
+        assert all(runner.lengths[r] == 0 and runner.tables.count(r) == 0
+                   for r in range(runner.num_slots) if r not in kept)
+        for r in list(kept):
+            runner.free(r)
+        assert runner.tables.free_blocks == runner.num_blocks
+    finally:
+        engine.close()
