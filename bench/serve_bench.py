@@ -25,6 +25,9 @@ mode; random-word prompts, since the API has no ignore-EOS, so tokens are counte
 - ``prompt_ttft_ms``: TTFT p50/p99 (ms) of 1k, 8k, 32k and 128k-token prompts (1,000 / 8,000 / 32,000 / 128,000
   ``usage.prompt_tokens``, word counts calibrated through ``usage``; 3 / 3 / 2 / 1 repeats), one at a time;
   null when the service refuses the prompt (its message is in ``detail.prompts``);
+- ``followup_ttft_ms``: TTFT p50 (ms) of a conversation's next turn (a 20-token message) after an 8k and a 30k
+  history, keyed "8k" / "30k", each with "cached" (the conversation cache holds the first turn) and "uncached"
+  (one word changed at the start: everything prefilled) (``serve_followup.py``; 3 repeats each);
 - ``cap24``: the service restarted with its CUDA allocator capped at 22.5 GiB by a ``sitecustomize.py`` on
   PYTHONPATH (``torch.cuda.set_per_process_memory_fraction``; no flag changed): whether it started, and
   aggregate tok/s + TTFT at 8 and 32 streams;
@@ -58,6 +61,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_http as H  # noqa: E402
 import serve_report as R  # noqa: E402
+from serve_followup import followups  # noqa: E402
 from serve_ckpt import DEFAULT_CKPT_DIR  # noqa: E402
 from serve_proc import (FRACTION_ENV, Service, cap_sitecustomize, free_port, kernel_lines, port_is_free,  # noqa: E402
                         server_versions)
@@ -67,10 +71,12 @@ CAP_GIB = 22.5
 FULL = dict(calib_words=(200, 4000), warmup_new=32, batch1_prompt=100, batch1_new=1024, batch1_runs=2,
             burst_prompt=600, burst_new=256, prompt_new=8,
             prompts={"1k": 1000, "8k": 8000, "32k": 32000, "128k": 128000},
+            followups={"8k": 8000, "30k": 30000}, followup_reply=32, followup_new=20, followup_repeats=3,
             repeats={"1k": 3, "8k": 3, "32k": 2, "128k": 1}, startup_timeout_s=420, budget_s=540)
 SMOKE = dict(calib_words=(20, 200), warmup_new=4, batch1_prompt=20, batch1_new=24, batch1_runs=1,
              burst_prompt=40, burst_new=4, prompt_new=2,
              prompts={"1k": 60, "8k": 120, "32k": 240, "128k": 40000},
+             followups={"8k": 120, "30k": 240}, followup_reply=4, followup_new=10, followup_repeats=2,
              repeats={"1k": 2, "8k": 2, "32k": 1, "128k": 1}, startup_timeout_s=300, budget_s=0)
 T0 = time.monotonic()
 
@@ -217,6 +223,17 @@ class Bench:
                      + (f"TTFT p50 {self.prompts[size]['p50']:.0f} ms" if ok else f"null: {entry['error'][:160]}"))
             self.save()
 
+    def run_followups(self, url: str, model: str) -> None:
+        P = self.P
+        res, detail = followups(url, model, self.prompt, P["followups"], repeats=P["followup_repeats"],
+                                reply_tokens=P["followup_reply"], new_tokens=P["followup_new"])
+        self.context["followup_ttft_ms"] = res
+        self.detail["followups"] = detail
+        for label, v in res.items():
+            progress(f"follow-up after {label}: " + (f"cached {v['cached']:.0f} ms, uncached {v['uncached']:.0f} ms"
+                                                    if v else f"null: {detail[label]['error']}"))
+        self.save()
+
     def main_service(self, model_arg: str, port: int, log: Path) -> bool:
         args = ["--model", model_arg] + (["--port", str(port)] if port != 7860 else [])
         svc = Service(args, port, log, self.env)
@@ -248,6 +265,8 @@ class Bench:
             self.run_burst(url, model, streams, self.bursts, "")
             self.detail["bursts"][str(streams)] = self.bursts[str(streams)]
             self.save()
+        progress("follow-up TTFT, cached and uncached")
+        self.run_followups(url, model)
         progress("prompt TTFT, one prompt at a time")
         self.run_prompts(url, model, svc)
         svc.stop()

@@ -86,7 +86,9 @@ def words_for(target_tokens: int, overhead: float, per_word: float) -> int:
 class StreamResult:
     """One streamed completion as the client saw it.  Times in seconds from just before the request was sent;
     ``status`` the HTTP status (0: no response); ``error`` the error message (HTTP error body, an SSE error
-    event or the exception), None when the stream ended with ``[DONE]`` and no error."""
+    event or the exception), None when the stream ended with ``[DONE]`` and no error; ``answer`` the streamed
+    ``content``; ``cached_tokens`` from ``usage.prompt_tokens_details`` (prompt tokens the service did not
+    prefill)."""
 
     status: int = 0
     error: Optional[str] = None
@@ -97,6 +99,8 @@ class StreamResult:
     completion_tokens: Optional[int] = None
     text_chunks: int = 0
     finish_reason: Optional[str] = None
+    answer: str = ""
+    cached_tokens: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -149,8 +153,10 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, prompt: str, max
                 if event.get("usage"):
                     res.prompt_tokens = event["usage"].get("prompt_tokens")
                     res.completion_tokens = event["usage"].get("completion_tokens")
+                    res.cached_tokens = (event["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
                 for choice in event.get("choices") or ():
                     delta = choice.get("delta") or {}
+                    res.answer += delta.get("content") or ""
                     if delta.get("content") or delta.get("reasoning_content"):
                         now = time.perf_counter() - t0
                         res.ttft_s = now if res.ttft_s is None else res.ttft_s
@@ -204,11 +210,15 @@ def summarize(results: Sequence[StreamResult], wall_s: float) -> dict:
             "error": errors[0] if errors else None}
 
 
-def one(base_url: str, prompt: str, max_tokens: int, model: Optional[str] = None) -> StreamResult:
-    """One stream on its own (nothing else sent meanwhile)."""
+def one(base_url: str, prompt: str, max_tokens: int, model: Optional[str] = None,
+        messages: Optional[list] = None) -> StreamResult:
+    """One stream on its own (nothing else sent meanwhile); ``messages``: the whole conversation to send instead
+    of one user message with ``prompt``."""
+    extra = {"messages": messages} if messages is not None else None
+
     async def go():
         async with new_client(1) as client:
-            return await stream_chat(client, base_url, prompt, max_tokens, model)
+            return await stream_chat(client, base_url, prompt, max_tokens, model, extra)
     return asyncio.run(go())
 
 

@@ -57,6 +57,9 @@ def table(doc: dict) -> str:
         why = ((doc.get("detail") or {}).get("prompts", {}).get(size) or {}).get("error")
         rows.append((f"TTFT {size}-token prompt p50 / p99 (ms)",
                      f"{_f(v['p50'])} / {_f(v['p99'])}" if v else f"null ({(why or 'not measured')[:80]})"))
+    for label, v in (doc.get("followup_ttft_ms") or {}).items():
+        rows.append((f"follow-up TTFT after {label}, cached / uncached (ms)",
+                     f"{_f(v['cached'])} / {_f(v['uncached'])}" if v else "null"))
     detail = (doc.get("detail") or {}).get("bursts", {})
     for c in CONCURRENCY:
         k = str(c)

@@ -97,6 +97,28 @@ def test_packed_and_chunked_prefill_on_cuda_match_the_reference(model):
     assert max(errs) <= GPU_TOL, errs
 
 
+def test_kept_prefixes_with_the_packed_kernel_match_the_reference(model):
+    """Keep points inside packed chunks (fla's varlen kernel in two calls) next to a chunk without one; the
+    follow-ups restored from the kept states match the reference in fp32."""
+    from qwen_chat.engine.model.runner import Chunk
+
+    gen = torch.Generator().manual_seed(19)
+    img = image_seq(gen)
+    a, b, c = CudaSeq(text_ids(gen, 90)), CudaSeq(img.ids, img.image), CudaSeq(text_ids(gen, 7))
+    runner = ModelRunner(model, num_slots=6, max_context=300, device="cuda", block_tokens=16)
+    pa, pb = len(a.ids) - 3, len(b.ids) - 2
+    out = runner.prefill_batch([Chunk(0, a.prompt(), keep=(pa, 3)), Chunk(1, b.prompt(), keep=(pb, 4)),
+                                Chunk(2, c.prompt())])
+    errs = [rel_err(out[0], a.reference(model)), rel_err(out[1], b.reference(model)),
+            rel_err(out[2], c.reference(model))]
+    for src, slot, seq, p in ((3, 5, a, pa), (4, 2, b, pb)):
+        runner.free(slot)
+        follow = CudaSeq(seq.ids[:p] + text_ids(gen, 11), seq.image)
+        runner.restore(src, slot)
+        errs.append(rel_err(runner.prefill_batch([Chunk(slot, follow.prompt(), p)])[0], follow.reference(model)))
+    assert max(errs) <= GPU_TOL, errs
+
+
 def test_chunked_prefill_in_bf16_agrees_with_the_whole_prompt(model):
     """bf16 (flash attention, fla's kernels): a 300-token prompt in chunks of 130 + 170 gives the logits of the
     whole prompt and the same decode, up to bf16 rounding."""
