@@ -12,8 +12,9 @@ fails in about a second, well inside Supervisor's ``startsecs`` (it then gives u
 restarting forever).
 
 Exit codes: 0 after a clean shutdown; 2 for a bad command line, environment variable, history folder or users
-file (argparse's usage and ``app.py: error: ...``, or one ``app.py: configuration error: ...`` line from
-``ServiceConfig.validate``, before anything is loaded); 1 for a fast start-up failure (port busy, no checkpoint
+file, or a launcher world that does not split into ``--data-parallel`` replicas (argparse's usage and
+``app.py: error: ...``, or one ``app.py: configuration error: ...`` line from ``ServiceConfig.validate`` or
+``ReplicaLayout.from_env``, before anything is loaded); 1 for a fast start-up failure (port busy, no checkpoint
 folder) and for a crash while serving
 (Supervisor restarts it); 78 (EX_CONFIG, ``EXIT_STARTUP_FAILED``) when ``bootstrap.start_engine`` raises
 ``StartupError`` after loading began (out of memory, broken checkpoint, bad sharding config).  Under
@@ -69,12 +70,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"app.py: configuration error: {e}", file=sys.stderr)
         return 2
+    from qwen_chat.engine.parallel.layout import LayoutError, ReplicaLayout  # no torch
+
+    try:  # --data-parallel against the launcher's world: before the heavy imports, one line (on rank 0)
+        ReplicaLayout.from_env(cfg.data_parallel, cfg.ds_config)
+    except LayoutError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"app.py: configuration error: {e}", file=sys.stderr)
+        return 2
     problem = local_checkpoint_problem(cfg.model)  # before the heavy imports: fails within startsecs
     if problem:
         print(f"app.py: cannot start the engine: {problem}", file=sys.stderr)
         return 1
 
-    if int(os.environ.get("RANK", "0")) != 0:  # worker rank: no web server, never returns from start_engine
+    if int(os.environ.get("RANK", "0")) != 0:  # no web server: a worker rank, or the lead of replica >= 1
+        # (it serves its engine to rank 0's front); neither returns from start_engine
         return _start_engine_or_exit(cfg, None)
 
     # One process holds the engine's scheduler thread and every stream's web thread.  Under load the web threads
