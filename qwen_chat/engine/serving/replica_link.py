@@ -201,7 +201,7 @@ class _LeadServer:
             while True:
                 for message in self.conn.recv():
                     self.dispatch(message)
-        except (EOFError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - EOFError, OSError, a handle closed under recv: gone
             self.front_gone(f"{type(exc).__name__}: {exc}" if str(exc) else "connection closed")
 
     def dispatch(self, message: tuple) -> None:

@@ -123,7 +123,7 @@ class ReplicaProxy:
             while True:
                 for message in self._conn.recv():
                     self._dispatch(message)
-        except (EOFError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - EOFError, OSError, a handle closed under recv: gone
             self._gone(f"{type(exc).__name__}: {exc}" if str(exc) else "connection closed")
 
     def _dispatch(self, message: tuple) -> None:

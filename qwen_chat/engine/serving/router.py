@@ -61,7 +61,8 @@ def conversation_key(messages: Sequence[ChatMessage]) -> Optional[str]:
 class Load:
     """One replica's load when a request is routed: ``inflight`` (choices the router sent there and that have
     not ended), ``num_slots`` (state slots), ``max_queue`` (requests that may wait), ``kv_blocks`` and
-    ``kv_used`` (KV blocks in all and charged now), ``healthy``."""
+    ``kv_used`` (KV blocks in all and charged now), ``healthy``.  A count of 0 means unknown (a replica whose
+    ``stats()`` lacks it): no limit from it."""
 
     inflight: int
     num_slots: int
@@ -72,16 +73,17 @@ class Load:
 
     @property
     def usage(self) -> float:
-        slots = self.inflight / max(1, self.num_slots)
+        slots = self.inflight / self.num_slots if self.num_slots > 0 else float(self.inflight)
         return max(slots, self.kv_used / self.kv_blocks) if self.kv_blocks > 0 else slots
 
     @property
     def full(self) -> bool:
-        return self.inflight >= self.num_slots + self.max_queue
+        return self.num_slots > 0 and self.inflight >= self.num_slots + self.max_queue
 
     @property
     def has_room(self) -> bool:
-        return self.inflight < self.num_slots and (self.kv_blocks <= 0 or self.kv_used < self.kv_blocks)
+        slot = self.num_slots <= 0 or self.inflight < self.num_slots
+        return slot and (self.kv_blocks <= 0 or self.kv_used < self.kv_blocks)
 
 
 def order_replicas(loads: Sequence[Load], preferred: Optional[int] = None) -> list[int]:
@@ -122,7 +124,7 @@ class Router:
         loads = []
         for i, rep in enumerate(self.replicas):
             s, healthy = rep.stats() or {}, bool(rep.health().get("ok"))
-            loads.append(Load(self._inflight[i], int(s.get("num_slots") or 1), int(s.get("max_queue") or 0),
+            loads.append(Load(self._inflight[i], int(s.get("num_slots") or 0), int(s.get("max_queue") or 0),
                               int(s.get("kv_blocks") or 0), int(s.get("kv_blocks_used") or 0), healthy))
         return loads
 
@@ -221,7 +223,7 @@ class Router:
         ``state_slots`` / ``max_concurrent_sequences`` / ``kv_blocks`` / ``kv_tokens`` / ``memory_budget_gib``,
         ``kv_block_tokens`` and ``max_context`` (the smallest), and ``per_replica`` (each one's report); {} when
         a replica has none."""
-        reports = [rep.memory_report() for rep in self.replicas]
+        reports = [getattr(rep, "memory_report", dict)() for rep in self.replicas]
         if not all(reports):
             return {}
         out = {"replicas": len(reports)}
@@ -242,9 +244,9 @@ class Router:
         remote = self.replicas[1:]
         for rep in remote:
             getattr(rep, "request_close", lambda: None)()
-        self.replicas[0].close()
+        getattr(self.replicas[0], "close", lambda: None)()
         for rep in remote:
-            getattr(rep, "wait_closed", getattr(rep, "close"))()
+            getattr(rep, "wait_closed", getattr(rep, "close", lambda: None))()
 
 
 class _Routed:
