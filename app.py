@@ -55,7 +55,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-#: Seconds between the interpreter's thread switches on rank 0 (``sys.setswitchinterval``; see ``main``).
+#: Seconds between the interpreter's thread switches on each replica's lead (``sys.setswitchinterval``; see ``main``).
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
@@ -73,9 +73,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from qwen_chat.engine.parallel.layout import LayoutError, ReplicaLayout  # no torch
 
     try:  # --data-parallel against the launcher's world: before the heavy imports, one line (on rank 0)
-        ReplicaLayout.from_env(cfg.data_parallel, cfg.ds_config)
+        layout = ReplicaLayout.from_env(cfg.data_parallel, cfg.ds_config)
     except LayoutError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0:  # the other ranks leave quietly: one line in the log
             print(f"app.py: configuration error: {e}", file=sys.stderr)
         return 2
     problem = local_checkpoint_problem(cfg.model)  # before the heavy imports: fails within startsecs
@@ -83,14 +83,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"app.py: cannot start the engine: {problem}", file=sys.stderr)
         return 1
 
-    if int(os.environ.get("RANK", "0")) != 0:  # no web server: a worker rank, or the lead of replica >= 1
-        # (it serves its engine to rank 0's front); neither returns from start_engine
+    # A replica's lead holds its engine's scheduler thread and every stream's thread (web threads on rank 0, the
+    # replica link's on the other leads).  Under load those keep the GIL busy, and the scheduler waits up to the
+    # switch interval each time it wants it back (Python's default: 5 ms, longer than a decode step); a 1 ms
+    # interval lets it launch the next step in time.
+    if layout.is_lead:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    if layout.rank != 0:  # no web server: a worker rank, or the lead of replica >= 1 (it serves its engine to
+        # rank 0's front); neither returns from start_engine
         return _start_engine_or_exit(cfg, None)
 
-    # One process holds the engine's scheduler thread and every stream's web thread.  Under load the web threads
-    # keep the GIL busy, and the scheduler waits up to the switch interval each time it wants it back (Python's
-    # default: 5 ms, longer than a decode step); a 1 ms interval lets it launch the next step in time.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as e:

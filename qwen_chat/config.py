@@ -194,9 +194,9 @@ class ServiceConfig:
         ``--max-batch`` >= 1, ``--gpu-memory-utilization`` 0.05..1, ``--memory-budget-gib`` > 0,
         ``--prefill-chunk-tokens`` >= 16, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
         ``--collective-timeout-s`` > 0, ``--data-parallel`` >= 1), the choices, login and API-key requirements,
-        that ``--ds-config`` exists, that ``--adapter`` is a folder with ``adapter_config.json``, when login is on, that the users
-        file can be read and parsed (``auth.UserDB.from_file``), and last that ``--history-dir`` is a writable
-        folder (created here when missing).
+        that ``--ds-config`` exists, that ``--adapter`` is a folder with ``adapter_config.json``, when login is on,
+        that the users file can be read and parsed (``auth.UserDB.from_file``), and last that ``--history-dir`` is
+        a writable folder (created here when missing).
         """
         if not (0 < self.port < 65536):
             raise ConfigError(f"--port must be 1..65535, got {self.port}")

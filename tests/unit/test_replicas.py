@@ -227,9 +227,10 @@ def test_link_streams_equal_the_replica_itself_with_images(linked):
 
 def test_update_texts_travel_as_deltas_and_come_back_whole():
     lead, front = replica_link.TextDelta(), replica_link.TextDelta()
-    updates = [StreamUpdate(answer="Hel", answer_delta="Hel"), StreamUpdate(index=1, reasoning="a", reasoning_delta="a"),
-               StreamUpdate(answer="Hello", answer_delta="lo"), StreamUpdate(index=1, reasoning="ab", answer="c",
-                                                                            reasoning_delta="b", answer_delta="c"),
+    updates = [StreamUpdate(answer="Hel", answer_delta="Hel"),
+               StreamUpdate(index=1, reasoning="a", reasoning_delta="a"),
+               StreamUpdate(answer="Hello", answer_delta="lo"),
+               StreamUpdate(index=1, reasoning="ab", answer="c", reasoning_delta="b", answer_delta="c"),
                StreamUpdate(answer="Hel", finish_reason="stop")]  # not an append: a stop string cut the text
     packed = [lead.pack(u) for u in updates]
     assert packed[2][1:] == (None, None) and packed[4][2] == "Hel"
