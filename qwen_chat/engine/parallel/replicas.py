@@ -73,7 +73,7 @@ class ReplicaWorld:
         address and key.  Returns the ``Listener`` (``replica_link.accept_leads`` takes it)."""
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
         key = secrets.token_bytes(32)
-        listener = Listener((host, 0), authkey=key)
+        listener = Listener((host, 0), backlog=max(8, self.layout.replicas), authkey=key)
         bound_host, port = listener.address
         self.store.set(f"{STORE_PREFIX}front", f"{bound_host} {port}")
         self.store.set(f"{STORE_PREFIX}front_key", key.hex())

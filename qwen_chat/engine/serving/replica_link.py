@@ -168,6 +168,17 @@ class Outbox:
                 return
 
 
+def read_messages(conn, dispatch, on_gone) -> None:
+    """The one reader of a connection: ``dispatch(message)`` for every message received, in order, until the
+    connection ends; then ``on_gone(reason)``.  Runs in its own thread."""
+    try:
+        while True:
+            for message in conn.recv():
+                dispatch(message)
+    except Exception as exc:  # noqa: BLE001 - EOFError, OSError, a handle closed under recv: gone
+        on_gone(f"{type(exc).__name__}: {exc}" if str(exc) else "connection closed")
+
+
 # ---- lead side -----------------------------------------------------------------------------------------------
 class _LeadServer:
     """Serves one replica's ``ChatEngine`` to the front: one thread per request, a status thread, the reader."""
@@ -195,14 +206,6 @@ class _LeadServer:
                 self.out.put(("status", self.status()))
             except Exception:  # noqa: BLE001 - the next snapshot may work; a stale one turns health red
                 log.exception("replica %d: status snapshot failed", self.replica)
-
-    def read(self) -> None:
-        try:
-            while True:
-                for message in self.conn.recv():
-                    self.dispatch(message)
-        except Exception as exc:  # noqa: BLE001 - EOFError, OSError, a handle closed under recv: gone
-            self.front_gone(f"{type(exc).__name__}: {exc}" if str(exc) else "connection closed")
 
     def dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -292,7 +295,8 @@ def serve_front(engine, conn, replica: int, rank: int) -> None:
         install_sigterm_exit()
     server = _LeadServer(engine, conn, replica, rank)
     server.out.put(("status", server.status()))  # the hello
-    threading.Thread(target=server.read, name="front-recv", daemon=True).start()
+    threading.Thread(target=read_messages, args=(conn, server.dispatch, server.front_gone), name="front-recv",
+                     daemon=True).start()
     threading.Thread(target=server.push_status, name="replica-status", daemon=True).start()
     log.info("replica %d: serving the web front", replica)
     try:

@@ -26,6 +26,7 @@ from qwen_chat.engine.serving.replica_link import (
     Outbox,
     TextDelta,
     pack_messages,
+    read_messages,
     unpack_error,
 )
 from qwen_chat.lifecycle import die_unless_stopping
@@ -47,13 +48,14 @@ class ReplicaProxy:
         self._conn = conn
         self._status, self._status_at = first_status, time.monotonic()
         self._inboxes: dict[int, queue.SimpleQueue] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a dropped stream's finalizer may run inside it (gc)
         self._ids = itertools.count(1)
         self._lost: Optional[str] = None
         self._closing = False
         self._closed = threading.Event()
         self._out = Outbox(conn, f"replica{replica}-send", self._gone)
-        threading.Thread(target=self._read, name=f"replica{replica}-recv", daemon=True).start()
+        threading.Thread(target=read_messages, args=(conn, self._dispatch, self._gone), name=f"replica{replica}-recv",
+                         daemon=True).start()
 
     @property
     def info(self):
@@ -117,14 +119,6 @@ class ReplicaProxy:
             self._inboxes.pop(rid, None)
         if cancel_remote and not self._lost:
             self._out.put(("cancel", rid))
-
-    def _read(self) -> None:
-        try:
-            while True:
-                for message in self._conn.recv():
-                    self._dispatch(message)
-        except Exception as exc:  # noqa: BLE001 - EOFError, OSError, a handle closed under recv: gone
-            self._gone(f"{type(exc).__name__}: {exc}" if str(exc) else "connection closed")
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -215,7 +209,7 @@ def accept_leads(listener, replicas: int, timeout_s: float) -> list[ReplicaProxy
             try:
                 conn = listener.accept()
                 (kind, status), = conn.recv()
-            except (OSError, EOFError, ValueError) as exc:  # includes AuthenticationError: not one of ours
+            except Exception as exc:  # noqa: BLE001 - AuthenticationError (not one of ours), a broken hello
                 log.warning("replica link: refused a connection (%s)", exc)
                 continue
             if kind != "status" or not (0 < int(status["replica"]) < replicas) or status["replica"] in found:

@@ -114,7 +114,9 @@ class Router:
         self.ranks = [list(r) for r in ranks] or [[i] for i in range(len(self.replicas))]
         self.info = replace(self.replicas[0].info, world_size=world_size or sum(len(r) for r in self.ranks))
         n = len(self.replicas)
-        self._lock = threading.Lock()
+        # Reentrant: a dropped stream's finalizer (``_Routed``) may run, through the garbage collector, in a thread
+        # that holds the lock already.
+        self._lock = threading.RLock()
         self._inflight, self._routed, self._affine = [0] * n, [0] * n, [0] * n
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._closed = False
