@@ -2,8 +2,8 @@
 ``NUM_CPU_RANKS=2 bash start.sh --model tiny --data-parallel 2`` (2 replicas x 1 rank) and, with 4 CPU ranks,
 2 replicas x 2 ranks (tensor parallel inside each replica).
 
-One service per layout, shared by the tests of that layout in file order; the last test kills a rank of
-replica 1 with SIGKILL, which must end the whole group.  Which replica served a request is read from
+One service per layout, shared by the tests of that layout in file order (API and web page alike); the last
+test kills a rank of replica 1 with SIGKILL, which must end the whole group.  Which replica served a request is read from
 ``/metrics`` (the ``replica`` label), as an operator would.  A bad layout (3 ranks, TP 2) is refused at start.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from gradio_client import Client
 
 from tests.support.metrics import scrape
 from tests.support.servers import free_port
@@ -29,6 +30,7 @@ from tests.support.service_harness import (
     health,
     rank_pids,
     service_argv,
+    ui_submit,
 )
 from tests.support.waiting import log_tail, wait_until
 
@@ -158,6 +160,20 @@ def test_a_conversations_second_turn_lands_on_the_replica_of_its_first(service):
         messages=[{"role": "user", "content": question}, {"role": "assistant", "content": answer},
                   {"role": "user", "content": "And a boat?"}])
     assert r.choices[0].finish_reason in ("length", "stop")
+    assert delta(affinity, per_replica(service.url, "qwen_chat_engine_routed_affinity_total"))[home] == 1
+
+
+def test_the_pages_conversation_stays_on_its_replica(service):
+    """The same rule for the web page: its second turn (history saved by the page) goes where the first went."""
+    page = Client(service.url + "/", verbose=False)
+    hold = open_stream(service.url, "Keep one replica busy with a long story.")
+    routed = per_replica(service.url, "qwen_chat_engine_routed_total")
+    conv_id = ui_submit(page, "Hello from the page.", max_new_tokens=64).result(timeout=120)[1]
+    home = delta(routed, per_replica(service.url, "qwen_chat_engine_routed_total")).index(1)
+    hold.close()
+    wait_until(lambda: sum(per_replica(service.url, "qwen_chat_running_sequences")) == 0, 30, "both idle")
+    affinity = per_replica(service.url, "qwen_chat_engine_routed_affinity_total")
+    ui_submit(page, "And then?", conv_id=conv_id, max_new_tokens=64).result(timeout=120)
     assert delta(affinity, per_replica(service.url, "qwen_chat_engine_routed_affinity_total"))[home] == 1
 
 

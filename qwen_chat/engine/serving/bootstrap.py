@@ -20,6 +20,13 @@ Steps, identical on every rank:
    before the engine answers any request);
 5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor`` (``chat_engine.build_engine``) and hands
    SIGTERM to ``lifecycle.install_rank0_sigterm``; the others enter the worker loop.
+
+With ``--data-parallel N`` (``docs/replicas.md``) the layout is checked first (``layout.ReplicaLayout``), every
+rank joins its replica's own world (``replicas.join``: afterwards ``RANK``/``WORLD_SIZE`` are the rank's place
+inside its replica, so the steps above run per replica, "rank 0" meaning the replica's lead), rank 0 logs the
+layout and opens the link for the other leads; then each lead builds its engine as above.  Rank 0 returns a
+``router.Router`` over its engine and a ``replica_proxy.ReplicaProxy`` per other replica (once all have
+connected); every other lead serves its engine to rank 0 (``replica_link.serve_front``) and never returns.
 """
 from __future__ import annotations
 
@@ -120,8 +127,10 @@ def start_engine(cfg: ServiceConfig):
     """Bring up the engine on this rank (see the module docstring for the steps).
 
     Returns:
-        the ``ChatEngine`` (``qwen_chat.engine.serving.chat_engine``) on rank 0.  Other ranks never return: they serve
-        plans until rank 0's exit message and then leave the process with code 0.
+        the ``ChatEngine`` (``qwen_chat.engine.serving.chat_engine``) on rank 0, or with several data-parallel
+        replicas the ``Router`` over all of them.  Other ranks never return: they serve plans until their lead's
+        exit message (a replica's lead: its engine to rank 0, until rank 0's close) and then leave the process
+        with code 0.
     Raises:
         StartupError: on any rank, for anything that stops the start-up (bad ds_config or TP degree, model not
         loadable, self-check mismatch); app.py turns it into exit code 78 (``EXIT_STARTUP_FAILED``).

@@ -96,6 +96,8 @@ class TextDelta:
         self._texts: dict[int, tuple[str, str]] = {}
 
     def pack(self, u: StreamUpdate) -> tuple:
+        """``(u without its full texts, reasoning or None, answer or None)``: None where the text is the
+        previous one of the same choice plus the update's delta."""
         reasoning, answer = self._texts.get(u.index, ("", ""))
         self._texts[u.index] = (u.reasoning, u.answer)
         grown_r = u.reasoning == reasoning + u.reasoning_delta
@@ -103,6 +105,7 @@ class TextDelta:
         return (replace(u, reasoning="", answer=""), None if grown_r else u.reasoning, None if grown_a else u.answer)
 
     def unpack(self, packed: tuple) -> StreamUpdate:
+        """The ``StreamUpdate`` that ``pack`` packed, its full texts rebuilt from this stream's earlier ones."""
         bare, reasoning, answer = packed
         prev_r, prev_a = self._texts.get(bare.index, ("", ""))
         reasoning = prev_r + bare.reasoning_delta if reasoning is None else reasoning
@@ -141,6 +144,7 @@ class Outbox:
         self._thread.start()
 
     def put(self, message: tuple) -> None:
+        """Queue ``message`` for the next send (never blocks)."""
         self._queue.put(message)
 
     def stop(self, timeout_s: float = 5.0) -> None:

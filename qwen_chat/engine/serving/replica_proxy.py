@@ -59,6 +59,7 @@ class ReplicaProxy:
 
     @property
     def info(self):
+        """The remote replica's ``ModelInfo`` (from its lead's hello)."""
         return self._status["info"]
 
     def health(self) -> dict:
@@ -75,6 +76,7 @@ class ReplicaProxy:
         return dict(self._status["stats"])
 
     def memory_report(self) -> dict:
+        """The lead's ``ChatEngine.memory_report()`` (state slots, KV blocks, ...) as last reported."""
         return dict(self._status["memory"])
 
     def stream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
@@ -111,6 +113,7 @@ class ReplicaProxy:
         return done
 
     def close(self) -> None:
+        """``request_close`` then ``wait_closed``."""
         self.request_close()
         self.wait_closed()
 

@@ -73,15 +73,18 @@ class Load:
 
     @property
     def usage(self) -> float:
+        """max(in flight / state slots, KV blocks used / KV blocks): 0 idle, 1 and more full."""
         slots = self.inflight / self.num_slots if self.num_slots > 0 else float(self.inflight)
         return max(slots, self.kv_used / self.kv_blocks) if self.kv_blocks > 0 else slots
 
     @property
     def full(self) -> bool:
+        """Every state slot and queue place is taken by requests the router sent (a new one would get Busy)."""
         return self.num_slots > 0 and self.inflight >= self.num_slots + self.max_queue
 
     @property
     def has_room(self) -> bool:
+        """A new request would start at once: a free state slot and at least one free KV block."""
         slot = self.num_slots <= 0 or self.inflight < self.num_slots
         return slot and (self.kv_blocks <= 0 or self.kv_used < self.kv_blocks)
 
