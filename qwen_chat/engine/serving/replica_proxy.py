@@ -89,6 +89,8 @@ class ReplicaProxy:
         rid, inbox = next(self._ids), queue.SimpleQueue()
         with self._lock:
             self._inboxes[rid] = inbox
+        if self._lost:  # gone since the check above: _gone may have missed this inbox
+            inbox.put(("lost",))
         self._out.put(("chat", rid, packed, settings, images))
         stream = _RemoteStream(self, rid, inbox, cancel)
         kind, *rest = stream.receive()

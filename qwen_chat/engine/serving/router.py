@@ -148,9 +148,11 @@ class Router:
             raise NotReady("the engine is shutting down")
         key = conversation_key(messages)
         count = settings.n if isinstance(settings.n, int) and settings.n >= 1 else 1
-        with self._lock:
+        with self._lock:  # the choice and its count in one step: concurrent arrivals see each other
             preferred = self._affinity.get(key) if key else None
             order = order_replicas(self._loads(), preferred)
+            if order:
+                self._inflight[order[0]] += count
         if not order:
             unhealthy = [f"replica {i}: {rep.health().get('reason')}" for i, rep in enumerate(self.replicas)
                          if not rep.health().get("ok")]
@@ -158,9 +160,10 @@ class Router:
                 raise NotReady("no replica is ready (" + "; ".join(unhealthy) + ")")
             raise Busy("every replica's generation queue is full; retry in a moment")
         busy: Optional[Busy] = None
-        for i in order:
-            with self._lock:
-                self._inflight[i] += count
+        for tried, i in enumerate(order):
+            if tried:
+                with self._lock:
+                    self._inflight[i] += count
             try:
                 updates = self.replicas[i].stream_chat(messages, settings, cancel)
             except Busy as exc:  # its queue filled since the last stats: try the next replica
