@@ -12,8 +12,9 @@ fails in about a second, well inside Supervisor's ``startsecs`` (it then gives u
 restarting forever).
 
 Exit codes: 0 after a clean shutdown; 2 for a bad command line, environment variable, history folder or users
-file (argparse's usage and ``app.py: error: ...``, or one ``app.py: configuration error: ...`` line from
-``ServiceConfig.validate``, before anything is loaded); 1 for a fast start-up failure (port busy, no checkpoint
+file, or a launcher world that does not split into ``--data-parallel`` replicas (argparse's usage and
+``app.py: error: ...``, or one ``app.py: configuration error: ...`` line from ``ServiceConfig.validate`` or
+``ReplicaLayout.from_env``, before anything is loaded); 1 for a fast start-up failure (port busy, no checkpoint
 folder) and for a crash while serving
 (Supervisor restarts it); 78 (EX_CONFIG, ``EXIT_STARTUP_FAILED``) when ``bootstrap.start_engine`` raises
 ``StartupError`` after loading began (out of memory, broken checkpoint, bad sharding config).  Under
@@ -54,7 +55,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-#: Seconds between the interpreter's thread switches on rank 0 (``sys.setswitchinterval``; see ``main``).
+#: Seconds between the interpreter's thread switches on each replica's lead (``sys.setswitchinterval``; see ``main``).
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
@@ -69,18 +70,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"app.py: configuration error: {e}", file=sys.stderr)
         return 2
+    from qwen_chat.engine.parallel.layout import LayoutError, ReplicaLayout  # no torch
+
+    try:  # --data-parallel against the launcher's world: before the heavy imports, one line (on rank 0)
+        layout = ReplicaLayout.from_env(cfg.data_parallel, cfg.ds_config)
+    except LayoutError as e:
+        if int(os.environ.get("RANK", "0")) == 0:  # the other ranks leave quietly: one line in the log
+            print(f"app.py: configuration error: {e}", file=sys.stderr)
+        return 2
     problem = local_checkpoint_problem(cfg.model)  # before the heavy imports: fails within startsecs
     if problem:
         print(f"app.py: cannot start the engine: {problem}", file=sys.stderr)
         return 1
 
-    if int(os.environ.get("RANK", "0")) != 0:  # worker rank: no web server, never returns from start_engine
+    # A replica's lead holds its engine's scheduler thread and every stream's thread (web threads on rank 0, the
+    # replica link's on the other leads).  Under load those keep the GIL busy, and the scheduler waits up to the
+    # switch interval each time it wants it back (Python's default: 5 ms, longer than a decode step); a 1 ms
+    # interval lets it launch the next step in time.
+    if layout.is_lead:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    if layout.rank != 0:  # no web server: a worker rank, or the lead of replica >= 1 (it serves its engine to
+        # rank 0's front); neither returns from start_engine
         return _start_engine_or_exit(cfg, None)
 
-    # One process holds the engine's scheduler thread and every stream's web thread.  Under load the web threads
-    # keep the GIL busy, and the scheduler waits up to the switch interval each time it wants it back (Python's
-    # default: 5 ms, longer than a decode step); a 1 ms interval lets it launch the next step in time.
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as e:

@@ -6,6 +6,7 @@
 #   QWEN_CHAT_DS_CONFIG=deploy/ds_config.zero3-offload.json bash start.sh ...   # ZeRO-3 + CPU offload
 #   HOSTFILE=/etc/deepspeed/hostfile bash start.sh ...            # several machines (docs/sharding.md)
 #   NUM_CPU_RANKS=2 bash start.sh --model tiny                    # no GPU: 2 CPU ranks over gloo
+#   DATA_PARALLEL=2 bash start.sh ...                             # 2 replicas of the model (docs/replicas.md)
 #
 # Every argument is passed to app.py (the launcher adds --local_rank=N, which app.py accepts).  Only rank 0
 # binds the web port; the other ranks serve rank 0's engine steps.  Environment:
@@ -14,6 +15,7 @@
 #   QWEN_CHAT_DS_CONFIG  DeepSpeed config (default ds_config.json: tensor parallel over all ranks); --ds-config wins
 #   MASTER_PORT          rendezvous port of the launcher (default 29500)
 #   HOSTFILE             DeepSpeed hostfile for multi-node runs (passwordless ssh between the machines)
+#   DATA_PARALLEL        replicas the ranks form (read by app.py, like --data-parallel; default 1)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"

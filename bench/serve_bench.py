@@ -8,6 +8,8 @@ Usage (repository root):
     python bench/serve_bench.py --skip-cap24 --skip-long   # partial runs
     CUDA_VISIBLE_DEVICES=0 python bench/serve_bench.py     # one GPU of a multi-GPU host (start.sh uses every
                                                            # visible GPU; NUM_GPUS=1 works too)
+    CUDA_VISIBLE_DEVICES=0,1 python bench/serve_bench.py --data-parallel 2   # two replicas, one GPU each
+                                                           # (DATA_PARALLEL=2 for the service; -dp2 results)
 
 It builds (once, cached under ``--ckpt-dir``: ``bench/serve_ckpt.py``) a checkpoint of the published config
 ``bench/qwen3_5_9b_config.json`` with random bf16 weights, starts the service as the README does
@@ -126,14 +128,20 @@ class Bench:
         self.gpus = gpus
         # --smoke runs on the CPU even on a GPU host: start.sh then counts no GPU and runs app.py --device cpu.
         self.env = {"CUDA_VISIBLE_DEVICES": ""} if args.smoke else {}
+        if args.data_parallel > 1:  # replicas over the visible GPUs (on CPU: that many CPU ranks)
+            self.env["DATA_PARALLEL"] = str(args.data_parallel)
+            if args.smoke:
+                self.env["NUM_CPU_RANKS"] = str(args.data_parallel)
         self.sampler = None  # started with the first service (the checkpoint build is not the service's memory)
         self.calib = (0.0, 1.0)
         self.context = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"), "gpu": gpu, "gpu_count": gpus,
                         "command": " ".join(["python", "bench/serve_bench.py", *argv]), "smoke": bool(args.smoke),
+                        "data_parallel": args.data_parallel,
                         "versions": None, "peak_gpu_memory_gib": None, "models": None, "service_command": None,
                         "checkpoint": None, "sizes": sizes, "errors": [],
                         "sampling": "the service's defaults (model-card preset of thinking mode), max_tokens set",
                         "detail": {"calibration": None, "batch1": [], "bursts": {}, "prompts": {}, "phases": {}}}
+        self.context["service_env"] = dict(self.env)  # what start.sh got besides the flags (DATA_PARALLEL...)
         self.detail = self.context["detail"]
         self.services: list[Service] = []
 
@@ -320,6 +328,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="--model tiny on CPU, everything scaled down")
     ap.add_argument("--out", type=Path, help="results prefix (default bench/results/<date>-<gpu>-serve)")
     ap.add_argument("--port", type=int, help="service port (default 7860, or a free one when it is taken)")
+    ap.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                    help="run the service with DATA_PARALLEL=N (N replicas over the visible GPUs; --smoke: N CPU "
+                         "ranks); results get a -dpN suffix")
     ap.add_argument("--skip-cap24", action="store_true", help="skip the restart under the 24 GB cap")
     ap.add_argument("--skip-long", action="store_true", help="skip the 32k and 128k-token prompts")
     ap.add_argument("--budget-s", type=float, help="skip the 24 GB run when fewer seconds are left than its "
@@ -328,7 +339,10 @@ def main(argv=None) -> int:
     sizes = SMOKE if args.smoke else FULL
     gpu, gpus = ("cpu", 0) if args.smoke else gpu_label()
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    prefix = args.out or ROOT / "bench" / "results" / (f"{date}-{gpu}-serve" + ("-smoke" if args.smoke else ""))
+    if args.data_parallel < 1:
+        ap.error("--data-parallel must be >= 1")
+    dp = f"-dp{args.data_parallel}" if args.data_parallel > 1 else ""
+    prefix = args.out or ROOT / "bench" / "results" / (f"{date}-{gpu}-serve{dp}" + ("-smoke" if args.smoke else ""))
     log = with_ext(prefix, ".log")
     prefix.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")

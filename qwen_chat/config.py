@@ -115,6 +115,7 @@ class ServiceConfig:
     ``max_upload_mb`` megabytes per file; ``collective_timeout_s`` seconds a worker rank waits for the next
     request on the gloo control group before it considers rank 0 gone.  ``tp_allreduce`` and ``tp_fused`` pick
     the tensor-parallel all-reduce kernels (``qwen_chat.engine.parallel.collectives.TensorParallelComm``).
+    ``data_parallel``: replicas the launcher's ranks form (``qwen_chat.engine.parallel.layout.ReplicaLayout``).
     """
 
     model: str = _opt(DEFAULT_MODEL,
@@ -164,6 +165,10 @@ class ServiceConfig:
     require_api_key: Optional[bool] = _opt(None, flags=(), off="--no-api-key")  # None: required beyond loopback
     allow_remote_images: bool = False
     collective_timeout_s: float = 7 * 24 * 3600.0
+    data_parallel: int = _opt(
+        1, env="DATA_PARALLEL",
+        help="independent replicas of the model over the launcher's ranks (each a tensor-parallel group of "
+             "world / N ranks) behind the one web port; default: $DATA_PARALLEL or 1")
     tp_allreduce: str = _opt(
         "auto", choices=("auto", "symm_mem", "nccl"), env="QWEN_CHAT_TP_ALLREDUCE",
         help="tensor parallel all-reduce: auto (symmetric memory where it works, else NCCL), symm_mem or nccl; "
@@ -193,10 +198,10 @@ class ServiceConfig:
         Checks the ranges (``--port`` 1..65535, ``--image-token-budget`` 64..16384, ``--max-queue`` and
         ``--max-batch`` >= 1, ``--gpu-memory-utilization`` 0.05..1, ``--memory-budget-gib`` > 0,
         ``--prefill-chunk-tokens`` >= 16, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
-        ``--collective-timeout-s`` > 0), the choices, login and API-key requirements, that ``--ds-config``
-        exists, that ``--adapter`` is a folder with ``adapter_config.json``, when login is on, that the users
-        file can be read and parsed (``auth.UserDB.from_file``), and last that ``--history-dir`` is a writable
-        folder (created here when missing).
+        ``--collective-timeout-s`` > 0, ``--data-parallel`` >= 1), the choices, login and API-key requirements,
+        that ``--ds-config`` exists, that ``--adapter`` is a folder with ``adapter_config.json``, when login is on,
+        that the users file can be read and parsed (``auth.UserDB.from_file``), and last that ``--history-dir`` is
+        a writable folder (created here when missing).
         """
         if not (0 < self.port < 65536):
             raise ConfigError(f"--port must be 1..65535, got {self.port}")
@@ -216,6 +221,8 @@ class ServiceConfig:
             raise ConfigError(f"--max-context must be >= 1, got {self.max_context}")
         if not (0 < self.collective_timeout_s < math.inf):
             raise ConfigError(f"--collective-timeout-s must be > 0, got {self.collective_timeout_s:g}")
+        if self.data_parallel < 1:
+            raise ConfigError(f"--data-parallel (or $DATA_PARALLEL) must be >= 1, got {self.data_parallel}")
         for f in fields(self):
             choices, value = _option(f).choices, getattr(self, f.name)
             if choices and value is not None and value not in choices:

@@ -17,7 +17,8 @@ Handlers, each installed by one caller (signal handlers can only be installed fr
   held off for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit message can arrive; after that the
   worker leaves with 128 + the signal number.
 
-Leaving: ``die(message, code)`` at once (``os._exit``), ``exit_process_soon(reason)`` with code 1 after
+Leaving: ``die(message, code)`` at once (``os._exit``), ``die_unless_stopping(message, grace_s)`` when a peer
+vanished, ``exit_process_soon(reason)`` with code 1 after
 ``FATAL_EXIT_DELAY_S`` seconds, ``leave(code)`` at the end of app.py (the atexit handlers, then ``os._exit``).  Supervisor restarts the service after any non-zero exit
 (``deploy/qwen3.5-9b.conf``).  No torch here: app.py uses this module before anything heavy is imported.
 """
@@ -29,6 +30,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,16 @@ def die(message: str, code: int = FAILURE_EXIT_CODE) -> None:
             pass
     logging.shutdown()
     os._exit(code)
+
+
+def die_unless_stopping(message: str, grace_s: float) -> None:
+    """After ``grace_s`` seconds, ``die(message)`` (code 1) unless this process began its own orderly shutdown
+    meanwhile (``STOPPING``).  For a peer that vanished: a SIGTERM to the whole group (Supervisor's stop) ends
+    the peers at about the same time, and this process's own stop must win that race.  Blocks the calling
+    thread for ``grace_s`` seconds; returns only when stopping."""
+    time.sleep(grace_s)
+    if not STOPPING.is_set():
+        die(message)
 
 
 def leave(code) -> None:

@@ -26,6 +26,14 @@ live in one process).  Metric names (Prometheus text format, ``/metrics``):
   (key ``gpu_memory_bytes``: a list indexed by rank or a {rank: bytes} dict), and any other numeric key ``K``
   as ``qwen_chat_engine_K`` (a counter when ``K`` ends in ``_total``, else a gauge).
 - ``qwen_chat_healthy``: 1 when ``backend.health()["ok"]``, else 0 (read at scrape time).
+
+Several data-parallel replicas (``backend.stats()`` returns ``{"replicas": {"0": stats, "1": ...}}``, the
+router's): every series read from ``stats()`` carries a ``replica`` label ("0", "1", ...), e.g.
+``qwen_chat_running_sequences{replica="1"}``, ``qwen_chat_engine_requests_total{replica="0"}``,
+``qwen_chat_gpu_memory_bytes{replica="1",rank="2"}``, and the router's ``qwen_chat_engine_routed_total`` /
+``qwen_chat_engine_routed_affinity_total`` (requests sent there; of them, later turns of a conversation sent to
+its replica).  Tokens per second of a replica: ``rate(qwen_chat_engine_generated_tokens_total{replica="1"}[1m])``.
+The request metrics above (recorded at the front) stay unlabelled totals.
 """
 from __future__ import annotations
 
@@ -58,7 +66,8 @@ _METRIC_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 
 
 class _BackendCollector(Collector):
-    """Reads ``backend.stats()`` and ``backend.health()`` at scrape time and turns them into gauges."""
+    """Reads ``backend.stats()`` and ``backend.health()`` at scrape time and turns them into gauges; a
+    ``{"replicas": {label: stats}}`` result gives every series a ``replica`` label."""
 
     def __init__(self, backend: Any):
         self._backend = backend
@@ -78,26 +87,42 @@ class _BackendCollector(Collector):
         except Exception:
             log.exception("backend.stats() failed during /metrics scrape")
             return
-        for key, value in stats.items():
-            if key == "gpu_memory_bytes":
-                per_rank = value.items() if isinstance(value, dict) else enumerate(value or ())
-                fam = GaugeMetricFamily(
-                    "qwen_chat_gpu_memory_bytes", "GPU memory allocated by the model process, per rank", labels=["rank"]
-                )
-                for rank, used in per_rank:
-                    fam.add_metric([str(rank)], float(used))
-                yield fam
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                if key == "queue_depth":
-                    name, doc = "qwen_chat_queue_depth", "requests waiting for a free engine slot"
-                elif key == "running":
-                    name, doc = "qwen_chat_running_sequences", "sequences being decoded now"
-                else:
-                    name, doc = "qwen_chat_engine_" + _METRIC_NAME_RE.sub("_", str(key)), f"engine stat {key}"
-                if name.endswith("_total"):  # a counter since start (prometheus_client appends _total again)
-                    yield CounterMetricFamily(name[: -len("_total")], doc, value=float(value))
-                else:
-                    yield GaugeMetricFamily(name, doc, value=float(value))
+        per_replica = stats.get("replicas")
+        groups = [((), (), stats)] if not isinstance(per_replica, dict) else [
+            (("replica",), (str(label),), s) for label, s in per_replica.items()]
+        families: dict[str, Any] = {}
+        for names, values, one in groups:
+            for key, value in one.items():
+                _add_stat(families, names, values, key, value)
+        yield from families.values()
+
+
+def _add_stat(families: dict, names: tuple, values: tuple, key: str, value: Any) -> None:
+    """Add one ``stats()`` entry (labels ``names`` = ``values``) to its family in ``families`` (name -> family;
+    created on first use), named as the module docstring says."""
+    if key == "gpu_memory_bytes":
+        fam = families.get("qwen_chat_gpu_memory_bytes") or GaugeMetricFamily(
+            "qwen_chat_gpu_memory_bytes", "GPU memory allocated by the model process, per rank",
+            labels=[*names, "rank"])
+        for rank, used in value.items() if isinstance(value, dict) else enumerate(value or ()):
+            fam.add_metric([*values, str(rank)], float(used))
+        families[fam.name] = fam
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    if key == "queue_depth":
+        name, doc = "qwen_chat_queue_depth", "requests waiting for a free engine slot"
+    elif key == "running":
+        name, doc = "qwen_chat_running_sequences", "sequences being decoded now"
+    else:
+        name, doc = "qwen_chat_engine_" + _METRIC_NAME_RE.sub("_", str(key)), f"engine stat {key}"
+    counter = name.endswith("_total")  # a counter since start (prometheus_client appends _total again)
+    family_name = name[: -len("_total")] if counter else name
+    fam = families.get(family_name)
+    if fam is None:
+        kind = CounterMetricFamily if counter else GaugeMetricFamily
+        fam = families[family_name] = kind(family_name, doc, labels=list(names))
+    fam.add_metric(list(values), float(value))
 
 
 class InstrumentedBackend:

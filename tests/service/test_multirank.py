@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.support.servers import free_port
+from tests.support.service_harness import rank_pids
 from tests.support.waiting import log_tail, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,19 +74,6 @@ def kill_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait(30)
-
-
-def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """{local rank: pid} of the rank processes below a DeepSpeed launcher."""
-    found = {}
-    for child in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            m = re.search(r"--local_rank=(\d+)", " ".join(child.cmdline()))
-        except psutil.Error:
-            continue
-        if m:
-            found[int(m.group(1))] = child.pid
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ Public API::
     health(base_url) -> tuple[int | None, dict]                        # status code (None: no answer), body
     group_pids(pgid) -> list[int]                                      # live processes of a process group
     listening_pids(port) -> list[int]                                  # processes with a socket LISTENing on port
+    rank_pids(launcher_pid) -> dict[int, int]                          # {local rank: pid} below a DeepSpeed launcher
     history_files(history_dir) -> list[Path]                           # every conversation JSON
     conversation_ids(history_dir, user) -> frozenset[str]
     wait_for_streaming_reply(history_dir, user, timeout_s, min_chars, ignore) -> (conv_id, text_chars)
@@ -31,6 +32,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -118,6 +120,19 @@ def listening_pids(port: int) -> list[int]:
         if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
             pids.add(conn.pid)
     return sorted(pids)
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{local rank: pid} of the rank processes below a DeepSpeed launcher (their ``--local_rank=N``)."""
+    found = {}
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            m = re.search(r"--local_rank=(\d+)", " ".join(child.cmdline()))
+        except psutil.Error:
+            continue
+        if m:
+            found[int(m.group(1))] = child.pid
+    return found
 
 
 def kill_group(pgid: int, timeout_s: float = 10.0) -> None:

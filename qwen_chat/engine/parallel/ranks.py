@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from qwen_chat.lifecycle import STOPPING, die
+from qwen_chat.lifecycle import die_unless_stopping
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,15 @@ STARTUP_TIMEOUT_S = 2 * 3600.0
 
 
 def init_process_groups(info: RankInfo, device: torch.device, timeout_s: float,
-                        need_default_group: bool = False) -> Optional[Groups]:
+                        need_default_group: bool = False, store: Optional[dist.Store] = None) -> Optional[Groups]:
     """Initialise ``torch.distributed`` and create the gloo groups.
 
     The default group carries the model's own collectives (TP all-reduce/gather, ZeRO-3 all-gather): NCCL on
     CUDA, gloo on CPU, from the launcher's ``MASTER_ADDR``/``MASTER_PORT`` (``env://``).  DeepSpeed reuses it.
     The control group is a separate gloo group with timeout ``timeout_s`` (seconds) on which workers wait for
     plans.  At world size 1 no gloo group is needed; the default group is still created (in-process, one
-    rank) when ``need_default_group`` is True, since DeepSpeed modes need one.
+    rank) when ``need_default_group`` is True, since DeepSpeed modes need one.  ``store``: rendezvous through
+    it instead of ``env://`` (a data-parallel replica's own world: ``replicas.ReplicaWorld.replica_store``).
 
     Returns: the ``Groups``, or None at world size 1.
     """
@@ -102,7 +103,9 @@ def init_process_groups(info: RankInfo, device: torch.device, timeout_s: float,
         return None
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if info.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size)
+        elif info.world_size == 1 and "MASTER_ADDR" not in os.environ:
             # one process without a launcher (python app.py --ds-config ...): DeepSpeed still reads these
             for key, value in (("RANK", "0"), ("LOCAL_RANK", str(info.local_rank)), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(key, value)
@@ -184,9 +187,7 @@ def start_launcher_watchdog(interval_s: float = LAUNCHER_WATCH_INTERVAL_S) -> Op
                 continue
             # An orderly stop (SIGTERM to the group) ends the launcher too: give this rank's own shutdown
             # (exit message from rank 0, with its own timers) the time to finish first.
-            time.sleep(LAUNCHER_GONE_GRACE_S)
-            if not STOPPING.is_set():
-                die(f"rank pid {os.getpid()}: {gone}; exiting")
+            die_unless_stopping(f"rank pid {os.getpid()}: {gone}; exiting", LAUNCHER_GONE_GRACE_S)
             return
 
     thread = threading.Thread(target=watch, name="launcher-watchdog", daemon=True)

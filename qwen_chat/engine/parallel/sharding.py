@@ -39,6 +39,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from qwen_chat.config import ConfigError
+from qwen_chat.engine.parallel.layout import resolve_tp_size
 from qwen_chat.engine.parallel.tp_layers import shard_input_embedding, shard_lm_head, split_gated_deltanet_heads
 
 log = logging.getLogger(__name__)
@@ -132,12 +133,14 @@ def read_plan(path: Optional[Path], world_size: int, device_type: str) -> Shardi
 
     Args:
         path: the ``--ds-config`` file, or None (world size 1: ``single``; several ranks: TP over all of them).
-        world_size: number of ranks the launcher started.
+        world_size: number of ranks in this group (the launcher's world, or one data-parallel replica's ranks:
+            ``layout.ReplicaLayout.tp_size``).
         device_type: ``"cuda"`` or ``"cpu"``; on CPU bf16 is switched off (fp32 weights, exact comparisons)
             and ``offload_param`` is dropped (the weights already live in host memory).
 
-    ``tensor_parallel.autotp_size`` may be ``"auto"`` or absent: it then equals the world size.  A TP degree
-    must equal the world size (the service runs no data-parallel replicas).
+    ``tensor_parallel.autotp_size`` may be ``"auto"`` or absent: it then equals the group's size
+    (``layout.resolve_tp_size``).  A TP degree must equal the group's size (data-parallel replicas are groups of
+    their own).
 
     Raises:
         ShardingError: unreadable JSON, unsupported ZeRO stage, or a TP degree that differs from the world size.
@@ -183,12 +186,14 @@ def read_plan(path: Optional[Path], world_size: int, device_type: str) -> Shardi
             f"{source or 'DeepSpeed config'}: zero_optimization.stage {stage} is not an inference mode; "
             "use stage 0 with tensor_parallel (TP) or stage 3 (ZeRO-3)"
         )
-    size = tp_section.get("autotp_size", "auto")
-    tp_size = world_size if size in ("auto", None) else int(size)
+    try:
+        tp_size = resolve_tp_size(tp_section.get("autotp_size", "auto"), world_size)
+    except ValueError as exc:
+        raise ShardingError(f"{source or 'DeepSpeed config'}: {exc}") from None
     if tp_size != world_size:
         raise ShardingError(
             f"tensor_parallel.autotp_size is {tp_size} but the launcher started {world_size} ranks; they must be "
-            f"equal (set NUM_GPUS={tp_size}, or \"autotp_size\": \"auto\")"
+            f"equal (set NUM_GPUS={tp_size}, or \"autotp_size\": \"auto\", or --data-parallel)"
         )
     ds["tensor_parallel"] = {**tp_section, "autotp_size": tp_size}
     if tp_size == 1 and world_size == 1:

@@ -20,6 +20,13 @@ Steps, identical on every rank:
    before the engine answers any request);
 5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor`` (``chat_engine.build_engine``) and hands
    SIGTERM to ``lifecycle.install_rank0_sigterm``; the others enter the worker loop.
+
+With ``--data-parallel N`` (``docs/replicas.md``) the layout is checked first (``layout.ReplicaLayout``), every
+rank joins its replica's own world (``replicas.join``: afterwards ``RANK``/``WORLD_SIZE`` are the rank's place
+inside its replica, so the steps above run per replica, "rank 0" meaning the replica's lead), rank 0 logs the
+layout and opens the link for the other leads; then each lead builds its engine as above.  Rank 0 returns a
+``router.Router`` over its engine and a ``replica_proxy.ReplicaProxy`` per other replica (once all have
+connected); every other lead serves its engine to rank 0 (``replica_link.serve_front``) and never returns.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ from qwen_chat.config import ConfigError, ServiceConfig
 from qwen_chat.engine.model.memory import MemoryBudgetError
 from qwen_chat.engine.parallel import ranks as qdist
 from qwen_chat.engine.parallel import sharding
+from qwen_chat.engine.parallel.layout import ReplicaLayout
 from qwen_chat.engine.serving.selfcheck import compare_self_checks, run_self_check
 from qwen_chat.lifecycle import die, install_rank0_sigterm
 
@@ -119,23 +127,34 @@ def start_engine(cfg: ServiceConfig):
     """Bring up the engine on this rank (see the module docstring for the steps).
 
     Returns:
-        the ``ChatEngine`` (``qwen_chat.engine.serving.chat_engine``) on rank 0.  Other ranks never return: they serve
-        plans until rank 0's exit message and then leave the process with code 0.
+        the ``ChatEngine`` (``qwen_chat.engine.serving.chat_engine``) on rank 0, or with several data-parallel
+        replicas the ``Router`` over all of them.  Other ranks never return: they serve plans until their lead's
+        exit message (a replica's lead: its engine to rank 0, until rank 0's close) and then leave the process
+        with code 0.
     Raises:
         StartupError: on any rank, for anything that stops the start-up (bad ds_config or TP degree, model not
         loadable, self-check mismatch); app.py turns it into exit code 78 (``EXIT_STARTUP_FAILED``).
     """
     try:
-        info = qdist.RankInfo.from_env(local_rank_arg=cfg.local_rank)
-        if info.world_size > 1:
+        layout = ReplicaLayout.from_env(cfg.data_parallel, cfg.ds_config)
+        if layout.world_size > 1:
             qdist.start_launcher_watchdog()
+    except (ValueError, ConfigError) as exc:
+        raise StartupError(str(exc)) from exc
+    world = _join_replicas(layout)
+    try:
+        info = qdist.RankInfo.from_env(local_rank_arg=cfg.local_rank)  # inside this rank's replica
         device = resolve_device(cfg, info)
+        if world is not None:
+            world.announce(device)
         plan = sharding.read_plan(cfg.ds_config, info.world_size, device.type)
     except (ValueError, ConfigError) as exc:
         raise StartupError(str(exc)) from exc
     try:
         groups = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
-                                           need_default_group=plan.uses_deepspeed)
+                                           need_default_group=plan.uses_deepspeed,
+                                           store=world.replica_store if world is not None else None)
+        listener = world.open_front() if world is not None and layout.rank == 0 else None
         engine_or_none = _start(cfg, info, device, plan, groups)
     except MemoryBudgetError as exc:  # the budget's one line says what to change
         log.error("rank %d: start-up failed: %s", info.rank, exc)
@@ -148,7 +167,46 @@ def start_engine(cfg: ServiceConfig):
         raise StartupError(f"rank {info.rank}: {type(exc).__name__}: {exc}") from exc
     if engine_or_none is None:  # a worker rank after the exit message
         die(f"rank {info.rank}: worker stopped cleanly", code=0)
-    return engine_or_none
+    if world is None:
+        return engine_or_none
+    return _serve_replica(engine_or_none, world, listener)
+
+
+def _join_replicas(layout: ReplicaLayout):
+    """``replicas.join`` when there are several replicas (else None); StartupError when the ranks cannot meet."""
+    if layout.replicas == 1:
+        return None
+    from qwen_chat.engine.parallel import replicas
+
+    try:
+        return replicas.join(layout)
+    except Exception as exc:  # noqa: BLE001 - TCPStore: port busy, rank 0 never came
+        raise StartupError(f"rank {layout.rank}: the ranks cannot meet at MASTER_ADDR:MASTER_PORT: {exc}") from exc
+
+
+def _serve_replica(engine, world, listener):
+    """A replica's lead with its engine started.  Rank 0 returns the ``Router`` over every replica once all the
+    other leads have connected; every other lead serves its engine to rank 0 and leaves the process (code 0
+    after rank 0's orderly close; SIGTERM raises SystemExit through here)."""
+    from qwen_chat.engine.serving.replica_link import serve_front
+    from qwen_chat.engine.serving.replica_proxy import accept_leads
+    from qwen_chat.engine.serving.router import Router
+
+    layout = world.layout
+    if layout.rank == 0:
+        try:
+            proxies = accept_leads(listener, layout.replicas, qdist.STARTUP_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise StartupError(str(exc)) from None
+        ranks = [list(layout.ranks_of(r)) for r in range(layout.replicas)]
+        log.info("data parallel: all %d replicas ready behind the web front", layout.replicas)
+        return Router([engine, *proxies], ranks=ranks, world_size=layout.world_size)
+    try:
+        conn = world.connect_front()
+    except Exception as exc:  # noqa: BLE001 - OSError, AuthenticationError, store timeout
+        raise StartupError(f"replica {layout.replica}: cannot reach the web front on rank 0: {exc}") from exc
+    serve_front(engine, conn, layout.replica, layout.rank)
+    die(f"replica {layout.replica}: lead stopped cleanly", code=0)
 
 
 def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan: sharding.ShardingPlan,
