@@ -10,11 +10,11 @@ from qwen_chat.engine.model import delta_rule
 
 
 def varlen_rule(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                cu_seqlens_cpu):
+                cu_seqlens_cpu=None):
     """fla's calling convention (packed sequences, bounds in ``cu_seqlens``) over the reference rule."""
-    assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+    assert cu_seqlens_cpu is None or torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
     outs, states = [], []
-    b = cu_seqlens_cpu.tolist()
+    b = cu_seqlens.cpu().tolist()
     for j, (lo, hi) in enumerate(zip(b, b[1:])):
         o, st = rule(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
                      initial_state=initial_state[j:j + 1], output_final_state=True, use_qk_l2norm_in_kernel=False)
@@ -48,8 +48,8 @@ def test_packed_and_per_sequence_paths_agree_with_stopping_at_each_keep_point():
     seg = delta_rule.segments(chunks)
     index = delta_rule.host_index(seg)
     index["cu_cpu"], index["tail_cu_cpu"] = index["cu"], index["tail_cu"]
-    for fn, varlen in ((varlen_rule, True), (rule, False)):
-        out, final, kept = delta_rule.packed_delta_rule(fn, varlen, seg, q, k, v, g, beta, h0, index)
+    for fn, varlen, tail in ((varlen_rule, True, None), (varlen_rule, True, varlen_rule), (rule, False, None)):
+        out, final, kept = delta_rule.packed_delta_rule(fn, varlen, seg, q, k, v, g, beta, h0, index, tail)
         assert kept.shape[0] == 3
         for got, want in ((out, want_out), (final, want_final), (kept, want_kept)):
             assert torch.allclose(got, want, atol=1e-5), (varlen, (got - want).abs().max())

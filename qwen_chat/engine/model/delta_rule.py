@@ -7,30 +7,35 @@ later prompt that shares the tokens up to there: ``prefix_cache``).  The recurre
 such a chunk is run in two segments: its tokens up to the keep point (whose final state is the kept one), then
 the rest, started from that state.  With the packed kernel this is one call over all segments (the tails start
 from a placeholder state, their outputs are discarded) and one small call over the tails from the kept states,
-so a step with keep points costs one more kernel call per layer, not one per sequence.
+so a step with keep points costs one more kernel call per layer, not one per sequence: fla's fused recurrent
+kernel (one launch; the tails are the few tokens of a generation prompt) where fla is installed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 
-def resolve_chunk_rule(device: torch.device) -> tuple[Callable, str, bool]:
+def resolve_chunk_rule(device: torch.device) -> tuple[Callable, str, bool, Optional[Callable]]:
     """Pick the chunked gated-delta-rule implementation for prefill: fla-core's Triton kernel on CUDA if
     importable (it takes packed sequences: ``cu_seqlens``), else transformers' reference
     ``torch_chunk_gated_delta_rule`` (one sequence at a time).  Both take q, k, v [B, L, H, D], g, beta
-    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  Returns (rule, name, varlen)."""
+    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  Returns (rule, name, varlen,
+    tail_rule): ``tail_rule`` is fla's ``fused_recurrent_gated_delta_rule`` (same inputs and outputs, packed,
+    one kernel) for the tails after keep points, or None (the rule itself runs them)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    reference = torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False
+    reference = (torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False,
+                 None)
     if device.type != "cuda":
         return reference
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # type: ignore
 
-        return chunk_gated_delta_rule, "fla.chunk_gated_delta_rule (packed, varlen)", True
+        return (chunk_gated_delta_rule, "fla.chunk_gated_delta_rule (packed, varlen)", True,
+                fused_recurrent_gated_delta_rule)
     except Exception:  # fla missing or broken on this host: the reference implementation is exact, only slower
         return reference
 
@@ -82,8 +87,10 @@ def segments(chunks: Sequence[tuple[int, int, int]]) -> Segments:
 
 
 def packed_delta_rule(rule: Callable, varlen: bool, seg: Segments, q, k, v, g, beta, h0: torch.Tensor,
-                      index: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the chunked gated delta rule over packed chunks with keep points.
+                      index: dict, tail_rule: Optional[Callable] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the chunked gated delta rule over packed chunks with keep points (``tail_rule``: the packed rule
+    for the tails after keep points, ``resolve_chunk_rule``; None: ``rule``).
 
     q, k: [1, T, HV, dk]; v: [1, T, HV, dv]; g, beta: [1, T, HV] (the rule's inputs, heads already repeated);
     h0: [N, HV, dk, dv] each chunk's initial state (key-major, as the rule takes it); seg: ``segments`` of the
@@ -110,10 +117,11 @@ def packed_delta_rule(rule: Callable, varlen: bool, seg: Segments, q, k, v, g, b
     states = st1
     if seg.tails:
         rows = index["tail_rows"]
-        o2, st2 = rule(q[:, rows], k[:, rows], v[:, rows], g=g[:, rows], beta=beta[:, rows],
-                       initial_state=st1.index_select(0, index["tail_from"]), output_final_state=True,
-                       use_qk_l2norm_in_kernel=False, cu_seqlens=index["tail_cu"],
-                       cu_seqlens_cpu=index["tail_cu_cpu"])
+        extra = {} if tail_rule is not None else {"cu_seqlens_cpu": index["tail_cu_cpu"]}
+        o2, st2 = (tail_rule or rule)(q[:, rows], k[:, rows], v[:, rows], g=g[:, rows], beta=beta[:, rows],
+                                      initial_state=st1.index_select(0, index["tail_from"]),
+                                      output_final_state=True, use_qk_l2norm_in_kernel=False,
+                                      cu_seqlens=index["tail_cu"], **extra)
         out = out.index_copy(1, rows, o2)
         states = torch.cat([st1, st2], dim=0)
     return out, states.index_select(0, index["final"]), states.index_select(0, index["kept"])

@@ -59,7 +59,8 @@ class ModelForward:
         options: the runner's resolved ``RunnerOptions`` (``fast_gemv``, ``compile_glue``, ``gdn_kernel``).
         glue: the glue functions (``glue.glue_functions``).
         tp: the decode projections (``tp_decode.decode_projections``).
-        chunk_rule: the chunked gated delta rule for prefill (fla's kernel or transformers' reference).
+        chunk_rule: the chunked gated delta rule for prefill (fla's kernel or transformers' reference);
+            tail_rule: the packed rule for the few tokens after keep points, or None (``delta_rule``).
         varlen: ``chunk_rule`` takes packed sequences (``cu_seqlens``, fla); else it runs once per sequence.
         max_context: tokens per sequence; device, dtype: of the activations.
     """
@@ -67,7 +68,7 @@ class ModelForward:
     def __init__(self, model, *, state: SlotState, tables: BlockTables, groups: Sequence[Groups],
                  fused: Sequence[dict[str, Fused]], options: RunnerOptions, glue: dict[str, Callable],
                  tp: LocalDecode, chunk_rule: Callable, varlen: bool, max_context: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tail_rule: Optional[Callable] = None) -> None:
         lm = model.model.language_model
         tc = model.config.text_config
         self._layers = list(lm.layers)
@@ -79,7 +80,7 @@ class ModelForward:
         self._bt = tables.block_tokens
         self._groups, self._fused = groups, fused
         self._opts, self._glue, self.tp, self._chunk_rule = options, glue, tp, chunk_rule
-        self._varlen = varlen
+        self._varlen, self._tail_rule = varlen, tail_rule
         self.dtype = dtype
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
@@ -262,7 +263,7 @@ class ModelForward:
         h0 = torch.where(meta["past"][:, None, None, None], rec.index_select(0, slots), 0.0)
         h0 = h0.transpose(-1, -2).contiguous()
         out, state, kept = delta_rule.packed_delta_rule(self._chunk_rule, self._varlen, meta["seg"], q, k, v,
-                                                        gdecay, beta, h0, meta)
+                                                        gdecay, beta, h0, meta, self._tail_rule)
         # [N, HV, dk, dv] -> value-major [N, HV, dv, dk]
         rec.index_copy_(0, slots, state.float().transpose(-1, -2).contiguous())
         if kept.shape[0]:

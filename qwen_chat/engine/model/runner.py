@@ -126,7 +126,7 @@ class ModelRunner:
         self.vocab_size = int(tc.vocab_size)
         layers = list(lm.layers)
         self._embed = lm.embed_tokens
-        chunk_rule, chunk_name, varlen = resolve_chunk_rule(self.device)
+        chunk_rule, chunk_name, varlen, tail_rule = resolve_chunk_rule(self.device)
         groups, self._fused = fuse_layers(layers, enabled=not zero3)
         if geometry is None:
             geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
@@ -146,7 +146,7 @@ class ModelRunner:
         self._forward = fwd = ModelForward(
             model, state=state, tables=self.tables, groups=groups, fused=self._fused, options=opts, glue=glue,
             tp=self.tp, chunk_rule=chunk_rule, varlen=varlen, max_context=self.max_context, device=self.device,
-            dtype=self.dtype)
+            dtype=self.dtype, tail_rule=tail_rule)
         self._inputs = PromptInputs(model, device=self.device, dtype=self.dtype)
 
         self.lengths = [0] * (self.num_slots + 1)      # tokens in each slot's cache (python ints)
