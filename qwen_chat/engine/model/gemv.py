@@ -35,9 +35,10 @@ MAX_ROWS = 16
 if triton is not None:
 
     @triton.jit
-    def _load_x(x_ptrs, K, mask, SWIGLU: tl.constexpr):
+    def load_input(x_ptrs, K, mask, SWIGLU: tl.constexpr):
         """Input tile as fp32: x, or with SWIGLU silu(gate) * up from [gate | up] rows of width 2K, rounded to
-        the input dtype once (as the compiled glue's ``act(gate) * up`` is)."""
+        the input dtype once (as the compiled glue's ``act(gate) * up`` is).  Shared with the FP8 kernels
+        (``fp8_gemv``)."""
         if SWIGLU:
             g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
@@ -60,7 +61,7 @@ if triton is not None:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)
+            x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)
             acc += w.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -88,7 +89,7 @@ if triton is not None:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, K, b_mask, SWIGLU).to(w.dtype)
+            x = load_input(x_ptrs, K, b_mask, SWIGLU).to(w.dtype)
             acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
