@@ -209,3 +209,42 @@ def fp8_summary(model: torch.nn.Module) -> dict:
     kinds = Counter(".".join(n.split(".")[-2:]) for n, _ in found)
     return {"fp8_modules": len(found), "fp8_gib": round(sum(w.nbytes for _, w in found) / 2 ** 30, 3),
             "fp8_kinds": dict(sorted(kinds.items()))}
+
+
+def weights_report(model: torch.nn.Module) -> dict:
+    """The weights as ``/v1/models`` shows them (``engine.weights``): ``dtype`` of the other weights (the input
+    embedding's), ``fp8_modules`` (0 without FP8) and, with FP8, ``fp8_gib`` and ``fp8_kinds``
+    (``fp8_summary``; this rank's share under tensor parallelism)."""
+    dtype = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
+    return {"dtype": dtype, "fp8_modules": 0, **fp8_summary(model)}
+
+
+def describe_weights(model: torch.nn.Module, source: str) -> str:
+    """One start-up log line saying which weights are FP8 (``source``: where they came from, e.g. "checkpoint"
+    or "--quantize fp8")."""
+    r = weights_report(model)
+    if not r["fp8_modules"]:
+        return f"weights: {r['dtype']} (no FP8)"
+    kinds = ", ".join(f"{k} x{n}" for k, n in r["fp8_kinds"].items())
+    return (f"weights: FP8 e4m3 in {BLOCK} x {BLOCK} blocks ({source}) for {r['fp8_modules']} linear layers, "
+            f"{r['fp8_gib']:.2f} GiB on this rank: {kinds}; {r['dtype']} for the rest (embeddings, lm_head, "
+            "vision tower, norms and the layers left unquantised)")
+
+
+def dequant_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the largest dequantised FP8 weight a prefill step holds at once (its [N, K] temporary in
+    ``dtype``): the largest group of FP8 layers that read one input (``fusion.projection_groups``: fused into
+    one GEMM) or the largest single FP8 layer; 0 without FP8.  Part of the activation reserve
+    (``runner_setup.size_memory``)."""
+    from qwen_chat.engine.model.fusion import projection_groups
+
+    def elems(m: torch.nn.Module) -> int:
+        get = getattr(m, "fp8_weight", None)
+        w = get() if callable(get) else None
+        return w.data.numel() if isinstance(w, Fp8Weight) else 0
+
+    best = max((elems(m) for m in model.modules()), default=0)
+    for layer in model.model.language_model.layers:
+        for mods in projection_groups(layer).values():
+            best = max(best, sum(elems(m) for m in mods))
+    return best * dtype.itemsize
