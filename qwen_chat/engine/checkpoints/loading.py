@@ -27,13 +27,14 @@ Gated DeltaNet kernels.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from huggingface_hub import snapshot_download
@@ -254,6 +255,26 @@ def describe_kernels() -> dict[str, str]:
             package = module.split(".")[0]
             result[label] = f"{package} ({module}.{getattr(impl, '__name__', '?')})"
     return result
+
+
+@contextlib.contextmanager
+def torch_reference_kernels() -> Iterator[None]:
+    """While active, transformers' Qwen3.5 runs its PyTorch reference for every Gated DeltaNet op
+    (``_KERNEL_FUNCTIONS``: the functions under transformers' kernel decorator, ``inspect.unwrap``) and cuBLAS
+    and cuDNN run fp32 without TF32: an exact fp32 reference (fla's kernels, which the decorator prefers, round
+    fp32 inputs of their ``tl.dot`` calls to TF32).  For accuracy checks (bench/fp8_accuracy.py, tests/gpu);
+    restores everything on exit."""
+    saved = {name: getattr(modeling_qwen3_5, name) for name in _KERNEL_FUNCTIONS.values()}
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for name, func in saved.items():
+            setattr(modeling_qwen3_5, name, inspect.unwrap(func))
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        yield
+    finally:
+        for name, func in saved.items():
+            setattr(modeling_qwen3_5, name, func)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from qwen_chat.engine.model import fp8_gemv, gemv
+from qwen_chat.engine.model.memory import size_text
 
 BLOCK = fp8_gemv.BLOCK
 FP8_DTYPE = torch.float8_e4m3fn
@@ -194,8 +195,8 @@ def weight_of(m: torch.nn.Module) -> Optional[Weight]:
 
 
 def fp8_summary(model: torch.nn.Module) -> dict:
-    """Which weights are FP8, for the start-up log and ``/v1/models``: ``{"fp8_modules": count, "fp8_gib":
-    bytes held by FP8 weights and their scales / 2**30, "fp8_kinds": {"mlp.gate_proj": count, ...}}`` (kinds:
+    """Which weights are FP8, for the start-up log and ``/v1/models``: ``{"fp8_modules": count, "fp8_bytes":
+    bytes held by FP8 weights and their scales, "fp8_kinds": {"mlp.gate_proj": count, ...}}`` (kinds:
     the last two parts of the module names); {} when the model holds no FP8 weight.  A module holds one when it
     has an ``fp8_weight()`` method that returns an ``Fp8Weight`` (``Fp8Linear``, ``tp_layers.RowParallelLinear``)."""
     found = []
@@ -207,13 +208,13 @@ def fp8_summary(model: torch.nn.Module) -> dict:
     if not found:
         return {}
     kinds = Counter(".".join(n.split(".")[-2:]) for n, _ in found)
-    return {"fp8_modules": len(found), "fp8_gib": round(sum(w.nbytes for _, w in found) / 2 ** 30, 3),
+    return {"fp8_modules": len(found), "fp8_bytes": sum(w.nbytes for _, w in found),
             "fp8_kinds": dict(sorted(kinds.items()))}
 
 
 def weights_report(model: torch.nn.Module) -> dict:
     """The weights as ``/v1/models`` shows them (``engine.weights``): ``dtype`` of the other weights (the input
-    embedding's), ``fp8_modules`` (0 without FP8) and, with FP8, ``fp8_gib`` and ``fp8_kinds``
+    embedding's), ``fp8_modules`` (0 without FP8) and, with FP8, ``fp8_bytes`` and ``fp8_kinds``
     (``fp8_summary``; this rank's share under tensor parallelism)."""
     dtype = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
     return {"dtype": dtype, "fp8_modules": 0, **fp8_summary(model)}
@@ -227,7 +228,7 @@ def describe_weights(model: torch.nn.Module, source: str) -> str:
         return f"weights: {r['dtype']} (no FP8)"
     kinds = ", ".join(f"{k} x{n}" for k, n in r["fp8_kinds"].items())
     return (f"weights: FP8 e4m3 in {BLOCK} x {BLOCK} blocks ({source}) for {r['fp8_modules']} linear layers, "
-            f"{r['fp8_gib']:.2f} GiB on this rank: {kinds}; {r['dtype']} for the rest (embeddings, lm_head, "
+            f"{size_text(r['fp8_bytes'])} on this rank: {kinds}; {r['dtype']} for the rest (embeddings, lm_head, "
             "vision tower, norms and the layers left unquantised)")
 
 

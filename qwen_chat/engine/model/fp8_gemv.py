@@ -16,7 +16,9 @@ traffic that bounds the step (docs/facts.md, "Per-token cost (batch 1 decode, bf
 - ``_dequant_kernel``: data * scale into the activation dtype, one 128 x 128 block per program, computed in
   fp32 and rounded once (prefill, and batches above ``MAX_ROWS``, multiply the dequantised weight).
 
-Both GEMV kernels take the MLP's fused [gate | up] rows with ``swiglu`` (``gemv.load_input``).  ``supports``
+Both GEMV kernels take the MLP's fused [gate | up] rows with ``swiglu`` (``gemv.load_input``).  K is a
+compile-time constant (one kernel per input width: the model has three), which also lets the loops run under
+Triton's interpreter (triton 3.6 with numpy 2 cannot take a run-time loop bound there).  ``supports``
 says when they apply (CUDA, or Triton's interpreter for the CPU tests); tile sizes come from ``pick_config``
 (fixed per shape: the same weights give the same bits, restart after restart).  Compared with the dequantised
 matmul under Triton's interpreter (tests/engine/test_triton_kernels.py) and on CUDA (tests/gpu).
@@ -46,7 +48,7 @@ BLOCK = 128
 if triton is not None:
 
     @triton.jit
-    def _fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, KB,
+    def _fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, KB: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                         SWIGLU: tl.constexpr):
         pid = tl.program_id(0)
@@ -74,7 +76,7 @@ if triton is not None:
             tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
 
     @triton.jit
-    def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, B, N, K, KB,
+    def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, B, N, K: tl.constexpr, KB: tl.constexpr,
                         BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
                         SWIGLU: tl.constexpr):
         pid_n = tl.program_id(0)

@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from qwen_chat.chat_types import ContextTooLong
-from qwen_chat.engine.model import gemv, graphs
+from qwen_chat.engine.model import fp8_gemv, gemv, graphs
 from qwen_chat.engine.model.forward import ModelForward, PackedSeq
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
 from qwen_chat.engine.model.glue import glue_functions
@@ -73,23 +73,28 @@ class Chunk:
         return self.prompt.num_tokens if self.end is None else int(self.end)
 
 
-def _resolve_chunk_rule(device: torch.device) -> tuple[Callable, str, bool]:
+def _resolve_chunk_rule(device: torch.device, dtype: torch.dtype) -> tuple[Callable, str, bool]:
     """Pick the chunked gated-delta-rule implementation for prefill: fla-core's Triton kernel on CUDA if
     importable (it takes packed sequences: ``cu_seqlens``), else transformers' reference
     ``torch_chunk_gated_delta_rule`` (one sequence at a time).  Both take q, k, v [B, L, H, D], g, beta
-    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  Returns (rule, name, varlen)."""
-    if device.type != "cuda":
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  In fp32 on CUDA the reference is
+    used and TF32 is switched off in cuBLAS and cuDNN (process-wide), so an fp32 run is exact fp32: fla's
+    ``tl.dot`` calls and both libraries' defaults (cuDNN's conv1d) round fp32 inputs to TF32, which made the
+    full model differ from an fp32 reference by about 0.4% (docs/performance.md).  Returns (rule, name, varlen)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-        return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False
+    reference = torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False
+    if device.type != "cuda":
+        return reference
+    if dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        return reference
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
 
         return chunk_gated_delta_rule, "fla.chunk_gated_delta_rule (packed, varlen)", True
     except Exception:  # fla missing or broken on this host: the reference implementation is exact, only slower
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-        return torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False
+        return reference
 
 
 class ModelRunner:
@@ -144,7 +149,7 @@ class ModelRunner:
         self.vocab_size = int(tc.vocab_size)
         layers = list(lm.layers)
         self._embed = lm.embed_tokens
-        chunk_rule, chunk_name, varlen = _resolve_chunk_rule(self.device)
+        chunk_rule, chunk_name, varlen = _resolve_chunk_rule(self.device, self.dtype)
         groups, self._fused = fuse_layers(layers, enabled=not zero3)
         if geometry is None:
             geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
@@ -180,7 +185,8 @@ class ModelRunner:
                      "attention": "torch.sdpa (prefill), paged %d-token blocks" % self.block_tokens,
                      "cuda_graphs": self.use_cuda_graphs, "decode_glue": glue_name,
                      "fused_projection_groups": sum(len(f) for f in self._fused),
-                     "projections": "triton gemv (<= %d rows)" % gemv.MAX_ROWS if opts.fast_gemv else "torch",
+                     "projections": ("triton gemv (<= %d rows, fp8 <= %d)" % (gemv.MAX_ROWS, fp8_gemv.MAX_ROWS)
+                                     if opts.fast_gemv else "torch"),
                      "tp_all_reduce": self.tp.kind, "tp_fused_all_reduce_norm": self.tp.fused,
                      "gdn_decode": "triton (one kernel)" if opts.gdn_kernel else glue_name,
                      "prefill": "eager, prompt chunks packed"}
