@@ -56,9 +56,9 @@ class Fp8Spec:
 def canonical(name: str) -> str:
     """A module name with the text decoder spelled as in ``Qwen3_5ForConditionalGeneration``:
     ``model.layers.0.mlp`` -> ``model.language_model.layers.0.mlp``; other names unchanged."""
-    if name.startswith(TEXT_ONLY_PREFIX) and not name.startswith((TEXT_PREFIX, VISION_PREFIX)):
-        return TEXT_PREFIX + name[len(TEXT_ONLY_PREFIX):]
-    return name
+    if not name.startswith(TEXT_ONLY_PREFIX) or (name + ".").startswith((TEXT_PREFIX, VISION_PREFIX)):
+        return name
+    return TEXT_PREFIX + name[len(TEXT_ONLY_PREFIX):]
 
 
 def excluded(module: str, entries: Iterable[str]) -> bool:

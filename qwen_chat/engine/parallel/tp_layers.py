@@ -113,9 +113,8 @@ class RowParallelLinear(torch.nn.Module):
         self.world_size = world_size
         data = weight_cols.data if isinstance(weight_cols, Fp8Weight) else weight_cols
         self.weight_cols = torch.nn.Parameter(data, requires_grad=False)
-        self.weight_cols_scale_inv = None
-        if isinstance(weight_cols, Fp8Weight):
-            self.register_buffer("weight_cols_scale_inv", weight_cols.scale)
+        self.register_buffer("weight_cols_scale_inv",
+                             weight_cols.scale if isinstance(weight_cols, Fp8Weight) else None)
 
     def local_weight(self) -> Weight:
         """This rank's weight [O, I_local]: the tensor, or an ``fp8.Fp8Weight`` (built on each call)."""
