@@ -406,3 +406,29 @@ def test_engine_runs_an_fp8_checkpoint_and_reports_its_weights(fp8_folder, tmp_p
         assert weights["fp8_kinds"]["mlp.down_proj"] == 4 and weights["fp8_bytes"] > 0
     finally:
         engine.close()
+
+
+def test_lora_adapter_merges_into_fp8_layers(fp8_folder, tmp_path):
+    """An adapter on an FP8 layer is merged into its dequantised weight and quantised again (error within the
+    block format's bound); on a bf16 layer of the same checkpoint it is merged as usual."""
+    from qwen_chat.engine.checkpoints.adapters import merge_adapter, read_adapter
+
+    a_proj = "model.language_model.layers.0.linear_attn.in_proj_a"
+    gen = torch.Generator().manual_seed(3)
+    loaded = load_model(fp8_folder, "cpu", torch.float32)
+    up, a = loaded.model.get_submodule(UP), loaded.model.get_submodule(a_proj)
+    pairs = {UP: (torch.randn(4, up.in_features, generator=gen) * 0.1, torch.randn(up.out_features, 4, generator=gen)),
+             a_proj: (torch.randn(4, a.in_features, generator=gen) * 0.1, torch.randn(a.out_features, 4, generator=gen))}
+    save_file({f"base_model.model.{m}.lora_{k}.weight": t for m, (A, B) in pairs.items() for k, t in zip("AB", (A, B))},
+              str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["up_proj", "in_proj_a"]}))
+    want = {UP: up.fp8_weight().dequantize() + 2.0 * pairs[UP][1] @ pairs[UP][0],
+            a_proj: a.weight.detach() + 2.0 * pairs[a_proj][1] @ pairs[a_proj][0]}
+    assert sorted(merge_adapter(loaded.model, read_adapter(tmp_path))) == sorted(pairs)
+    merged_up = loaded.model.get_submodule(UP)
+    assert isinstance(merged_up, Fp8Linear)
+    w = merged_up.fp8_weight()
+    err = (w.dequantize() - want[UP]).abs()
+    assert bool((err <= 2 ** -4 * want[UP].abs() + 2 ** -10 * expand(w.scale, *w.shape)).all())
+    torch.testing.assert_close(loaded.model.get_submodule(a_proj).weight, want[a_proj])
