@@ -19,7 +19,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from qwen_chat.chat_types import ChatMessage
 from qwen_chat.config import ConfigError, ServiceConfig
 from qwen_chat.engine.checkpoints.fp8_format import default_not_convert, excluded
 from qwen_chat.engine.checkpoints.fp8_loading import quantizable, quantize_model, write_fp8_checkpoint
@@ -31,11 +30,9 @@ from qwen_chat.engine.model.fp8 import BlockAlignmentError, Fp8Linear, Fp8Weight
 from qwen_chat.engine.model.fusion import fuse_group
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.serving.requests import PreparedPrompt
-from qwen_chat.engine.text.prompt import build_prompt
-from tests.support.small_model import TOL, rel_err
+from tests.support.small_model import TOL, rel_err, tiny_prompts
 from tests.support.two_ranks import run_two_ranks
 
-IMAGE = Path(__file__).resolve().parents[1] / "fixtures" / "images" / "chelsea.png"
 UP = "model.language_model.layers.0.mlp.up_proj"
 
 
@@ -118,10 +115,7 @@ def test_fp8_projections_fuse_only_on_128_row_boundaries():
 @pytest.fixture(scope="module")
 def prompts(tiny_loaded) -> dict[str, PreparedPrompt]:
     """A text prompt and an image prompt for the tiny model."""
-    ids = tiny_loaded.tokenizer("FP8 weights in 128 x 128 blocks", return_tensors="pt").input_ids[0]
-    image = build_prompt(tiny_loaded, [ChatMessage("user", "What animal is this?", images=(str(IMAGE),))],
-                         enable_thinking=False, image_token_budget=64, context_length=4096, max_new_tokens=16)
-    return {"text": PreparedPrompt(input_ids=ids), "image": image}
+    return tiny_prompts(tiny_loaded, "FP8 weights in 128 x 128 blocks")
 
 
 @pytest.fixture(scope="module")

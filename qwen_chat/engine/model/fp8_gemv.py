@@ -36,7 +36,7 @@ triton = gemv.triton
 if triton is not None:
     import triton.language as tl
 
-    from qwen_chat.engine.model.gemv import load_input
+    from qwen_chat.engine.model.gemv import load_input, load_weight_tile, row_tile, store_row
 
 #: Rows (activations) of the largest batch the GEMV kernels serve; larger batches multiply the dequantised
 #: weight (cuBLAS), whose extra traffic is then shared by many rows.
@@ -51,29 +51,18 @@ if triton is not None:
     def _fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, KB: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
                         SWIGLU: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-        x_ptrs = x_ptr + offs_k
+        offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
         # BLOCK_N divides 128, so the program's rows share one row of scale blocks
-        s_ptrs = s_ptr + ((pid * BLOCK_N) // 128) * KB + offs_k // 128
+        s_ptrs = s_ptr + ((tl.program_id(0) * BLOCK_N) // 128) * KB + offs_k // 128
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for _ in range(0, K, BLOCK_K):
-            if EVEN_N:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
+            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
             x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)
             acc += w.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             s_ptrs += BLOCK_K // 128
-        y = tl.sum(acc, axis=1)
-        if EVEN_N:
-            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty))
-        else:
-            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+        store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
 
     @triton.jit
     def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, B, N, K: tl.constexpr, KB: tl.constexpr,
@@ -91,10 +80,7 @@ if triton is not None:
         s_row = s_ptr + ((pid_n * BLOCK_N) // 128) * KB
         acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
         for kb in range(0, KB):
-            if EVEN_N:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
+            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
             x = load_input(x_ptrs, K, b_mask, SWIGLU).to(x_ptr.dtype.element_ty)
             part = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), input_precision="ieee")
             acc += part * tl.load(s_row + kb)
@@ -161,10 +147,7 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: Opti
                          f"(swiglu={swiglu})")
     B = x.shape[0]
     N, K = data.shape
-    cfg = dict(config or pick_config(B, N, K))
-    if out is None:
-        out = torch.empty(B, N, device=x.device, dtype=x.dtype)
-    even = N % cfg["BLOCK_N"] == 0
+    cfg, out, even = gemv.launch_setup(x, N, config or pick_config(B, N, K), out)
     if B == 1:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
         _fp8_row_kernel[grid](x, data, scale, out, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg)

@@ -23,7 +23,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from qwen_chat.engine.model import fp8
 from qwen_chat.engine.parallel.collectives import TensorParallelComm
