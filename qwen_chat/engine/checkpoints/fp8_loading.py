@@ -52,12 +52,16 @@ def config_without_quantization(path: Path):
 def scales_ignored(model_class) -> Iterator[None]:
     """While loading ``model_class``: ``weight_scale_inv`` keys are ignored as unexpected (no report of hundreds
     of keys; ``convert_fp8_modules`` reads them).  Restores the class attribute after."""
-    old = model_class._keys_to_ignore_on_load_unexpected
-    model_class._keys_to_ignore_on_load_unexpected = list(old or []) + [_SCALE_KEYS]
+    name = "_keys_to_ignore_on_load_unexpected"
+    own = model_class.__dict__.get(name)  # None: inherited from Qwen3_5PreTrainedModel
+    setattr(model_class, name, list(getattr(model_class, name) or []) + [_SCALE_KEYS])
     try:
         yield
     finally:
-        model_class._keys_to_ignore_on_load_unexpected = old
+        if own is None:
+            delattr(model_class, name)
+        else:
+            setattr(model_class, name, own)
 
 
 def _replace(model: torch.nn.Module, name: str, new: torch.nn.Module) -> None:

@@ -129,6 +129,8 @@ def linear(x: torch.Tensor, w: Weight, out: Optional[torch.Tensor] = None, *, fa
     if swiglu and not fuses_swiglu(x2, w):
         raise ValueError("linear(swiglu=True) needs fuses_swiglu(x, w)")
     if isinstance(w, Fp8Weight):
+        if fast and x2.shape[0] <= fp8_gemv.MAX_ROWS and not x2.is_contiguous():
+            x2 = x2.contiguous()  # a few rows: copying them beats dequantising the weight
         if fast and fp8_gemv.supports(x2, w.data, w.scale, swiglu):
             y = fp8_gemv.gemv_fp8(x2, w.data, w.scale, out=out, swiglu=swiglu)
             return y.reshape(*x.shape[:-1], w.shape[0])
