@@ -6,7 +6,7 @@ Format (DeepSeek-V3's, used by Qwen/Qwen3.5-9B-FP8 and community FP8 exports; do
 the name says it is the inverse of the quantisation scale, i.e. it multiplies), w[n, k] = data[n, k] *
 scale[n // 128, k // 128].  ``quantize_blocks`` makes it from a weight: per block scale = amax / 448 (448 is the
 largest finite e4m3fn value, ``torch.finfo(torch.float8_e4m3fn).max``), data = round-to-nearest-even(w / scale),
-the method of DeepSeek-V3's reference ``weight_quant`` (blocks that are all zero get scale 1).
+the rule of transformers 5.23's ``integrations/finegrained_fp8.Fp8Quantize`` (blocks that are all zero get scale 1).
 
 ``linear(x, w)`` is x @ w^T for either kind of weight: an FP8 weight goes through the Triton GEMV
 (``fp8_gemv``) for up to ``fp8_gemv.MAX_ROWS`` rows on CUDA when ``fast`` is set, else through its
