@@ -25,6 +25,7 @@ matmul under Triton's interpreter (tests/engine/test_triton_kernels.py) and on C
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -102,13 +103,21 @@ if triton is not None:
         tl.store(out_ptr + offs, (w * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _fp8_capable(index: int) -> bool:
+    """Triton converts float8_e4m3fn (``fp8e4nv``) on compute capability 8.9 and newer (Ada, Hopper)."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def _on_device(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if t.is_cuda:
+        return _fp8_capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def supports(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, swiglu: bool = False) -> bool:
-    """True when ``gemv_fp8(x, data, scale, swiglu=swiglu)`` runs: Triton importable, CUDA tensors (or Triton's
-    interpreter, ``TRITON_INTERPRET=1``), x [B, K] (with ``swiglu`` [B, 2K]) contiguous in bf16, fp16 or fp32
+    """True when ``gemv_fp8(x, data, scale, swiglu=swiglu)`` runs: Triton importable, CUDA tensors on a GPU of
+    compute capability >= 8.9 (or Triton's interpreter, ``TRITON_INTERPRET=1``), x [B, K] (with ``swiglu`` [B, 2K]) contiguous in bf16, fp16 or fp32
     with 1 <= B <= MAX_ROWS, data float8_e4m3fn [N, K] contiguous with K a multiple of 128, scale fp32
     [ceil(N/128), K/128] contiguous."""
     if triton is None or x.dim() != 2 or data.dim() != 2 or scale.dim() != 2:
@@ -158,7 +167,8 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: Opti
 
 
 def dequantize_supported(data: torch.Tensor, scale: torch.Tensor) -> bool:
-    """True when ``dequantize`` runs: Triton, CUDA (or the interpreter), contiguous fp8 data and fp32 scales."""
+    """True when ``dequantize`` runs: Triton, CUDA with compute capability >= 8.9 (or the interpreter), contiguous
+    fp8 data and fp32 scales (elsewhere ``fp8.Fp8Weight.dequantize`` uses PyTorch)."""
     return (triton is not None and _on_device(data) and data.dim() == 2 and data.is_contiguous()
             and scale.is_contiguous() and data.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32)
 
