@@ -4,8 +4,11 @@ Usage (one GPU host, from the repository root):
 
     python bench/decode_bench.py                 # writes bench/results/<date>-<gpu>-single.json and .png
     python bench/decode_bench.py --smoke         # tiny config on CPU: checks the script, numbers meaningless
+    python bench/decode_bench.py --quantize fp8 --skip-eager-glue   # FP8 weights (--quantize fp8): ...-single-fp8.json
 
-Weights are random bf16 built directly on the GPU (the speed of a forward does not depend on weight values).
+Weights are random bf16 built directly on the GPU (the speed of a forward does not depend on weight values);
+with ``--quantize fp8`` the text decoder's linear layers are then quantised as the service's ``--quantize fp8``
+does (``fp8_loading.quantize_model``), so every section runs on FP8 weights (the roofline counts their bytes).
 In one run it measures: device-to-device copy bandwidth and the batch-1 roofline (bytes of weights read per
 decode step / bandwidth); plain transformers ``generate`` (the baseline); the engine's batch-1 decode tok/s,
 TTFT for 1k- and 8k-token text prompts and for a ~1-megapixel image prompt, TTFT of 1 and 8 ~600-token prompts
@@ -559,7 +562,10 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="single", help="label in the result file name (single GPU: 'single')")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--skip-eager-glue", action="store_true", help="skip the not-compiled comparison")
+    ap.add_argument("--quantize", choices=("fp8",), help="FP8 weights, as the service's --quantize fp8")
     args = ap.parse_args(argv)
+    if args.quantize and args.mode == "single":
+        args.mode = f"single-{args.quantize}"
 
     smoke = args.smoke
     dev = torch.device("cpu" if smoke else "cuda")
@@ -609,6 +615,15 @@ def main(argv=None) -> int:
     t, model = timed(build, dev)
     n_params = sum(p.numel() for p in model.parameters())
     run.doc["model"] = {"parameters": n_params, "dtype": str(next(model.parameters()).dtype), "build_s": t}
+    if args.quantize == "fp8":
+        from qwen_chat.engine.checkpoints.fp8_loading import quantize_model
+        from qwen_chat.engine.model.fp8 import weights_report
+
+        tq, _ = timed(lambda: quantize_model(model, device=dev), dev)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        run.doc["model"].update(quantize_s=tq, weights=weights_report(model),
+                                allocated_gb=torch.cuda.memory_allocated(dev) / 1e9 if dev.type == "cuda" else None)
     print(f"model: {n_params / 1e9:.2f} B parameters built in {t:.1f} s", flush=True)
 
     def hardware():

@@ -204,10 +204,10 @@ def _foreign_model_type(folder: Path) -> str:
     return "config.json: model_type 'qwen3_5_moe' is not a Qwen3.5 checkpoint"
 
 
-def _fp8_config(folder: Path) -> str:
+def _awq_config(folder: Path) -> str:
     config = json.loads((folder / "config.json").read_text())
-    rewrite(folder / "config.json", {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}})
-    return "config.json: quantization_config (quant_method 'fp8') is not supported yet"
+    rewrite(folder / "config.json", {**config, "quantization_config": {"quant_method": "awq", "bits": 4}})
+    return "config.json: quantization_config quant_method 'awq' is not supported (only 'fp8'"
 
 
 def _index_names_absent_tensor(folder: Path) -> str:
@@ -242,7 +242,7 @@ def _swapped_special_ids(folder: Path) -> str:
     return "tokenizer.json: special token '<|im_start|>' has id 248046, expected 248045"
 
 
-BROKEN = [_missing_shard, _foreign_model_type, _fp8_config, _index_names_absent_tensor, _truncated_shard,
+BROKEN = [_missing_shard, _foreign_model_type, _awq_config, _index_names_absent_tensor, _truncated_shard,
           _weight_left_out, _swapped_special_ids]
 
 

@@ -14,29 +14,23 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
 
-from qwen_chat.chat_types import ChatMessage
 from qwen_chat.config import ConfigError, ServiceConfig
 from qwen_chat.engine.checkpoints.adapters import (AdapterError, describe_merge, merge_adapter, read_adapter,
                                                    resolve_modules)
 from qwen_chat.engine.checkpoints.loading import load_model
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.serving.requests import PreparedPrompt
-from qwen_chat.engine.text.prompt import build_prompt
 from tests.support.fake_backend import FakeBackend
 from tests.support.servers import api_app
-from tests.support.small_model import TOL, rel_err
+from tests.support.small_model import TOL, rel_err, tiny_prompts
 
-IMAGE = Path(__file__).resolve().parents[1] / "fixtures" / "images" / "chelsea.png"
 GDN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny_loaded) -> dict[str, PreparedPrompt]:
     """A text prompt and an image prompt for the tiny model."""
-    ids = tiny_loaded.tokenizer("A LoRA fine-tune of Qwen3.5", return_tensors="pt").input_ids[0]
-    image = build_prompt(tiny_loaded, [ChatMessage("user", "What animal is this?", images=(str(IMAGE),))],
-                         enable_thinking=False, image_token_budget=64, context_length=4096, max_new_tokens=16)
-    return {"text": PreparedPrompt(input_ids=ids), "image": image}
+    return tiny_prompts(tiny_loaded, "A LoRA fine-tune of Qwen3.5")
 
 
 def weights(checkpoint: Path):

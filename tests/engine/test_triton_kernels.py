@@ -1,4 +1,5 @@
-"""The Triton Gated DeltaNet decode kernel (qwen_chat.engine.model.gdn) on CPU, under Triton's interpreter.
+"""The Triton decode kernels on CPU under Triton's interpreter: the Gated DeltaNet decode kernel
+(qwen_chat.engine.model.gdn) and the FP8 GEMV and dequantisation kernels (qwen_chat.engine.model.fp8_gemv).
 
 The checks run in one subprocess with ``TRITON_INTERPRET=1`` (tests/support/triton_checks.py), since the
 variable must be set before the kernels are defined.  fp32 results must equal the reference ``glue.gdn_step``
@@ -54,3 +55,14 @@ def test_runner_with_the_kernel_matches_transformers(results):
     assert r["impl"] == "triton (one kernel)"
     assert r["rows"] == 28
     assert r["max_rel_err"] <= 1e-4, r
+
+
+def test_fp8_gemv_equals_the_dequantised_matmul(results):
+    """The FP8 GEMV kernels (qwen_chat.engine.model.fp8_gemv) on 1, 3 and 20 rows, plain and SwiGLU input, a
+    partial 128-row block: fp32 activations agree with x @ dequantised(w)^T to fp32 rounding; fp16 activations
+    to the fp16 rounding of the output (2^-11 relative); the dequantisation kernel equals PyTorch's bit for bit."""
+    r = dict(results["fp8_gemv"])
+    assert r.pop("dequant_equal") is True
+    assert len(r) == 12
+    for case, err in r.items():
+        assert err <= (1e-6 if case.startswith("float32") else 1e-3), (case, err)

@@ -6,10 +6,12 @@ max |ours - ref| / max |ref| over the vocabulary; ``TOL`` is the bound the CPU f
 runner to (measured: docs/performance.md, "Correctness").
 
 Used by tests/engine/test_runner.py, tests/engine/test_scheduler.py, tests/gpu/test_runner_cuda.py and
-tests/support/triton_checks.py.
+tests/support/triton_checks.py; ``tiny_prompts`` (a text and an image prompt for the tiny checkpoint) by
+tests/engine/test_lora.py and tests/engine/test_fp8.py.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +56,20 @@ def small_model() -> Qwen3_5ForConditionalGeneration:
             if "norm" in name and p.dim() == 1:
                 p.normal_(0.0, 0.3)
     return m
+
+
+def tiny_prompts(loaded, text: str) -> dict[str, PreparedPrompt]:
+    """{"text": ``text`` tokenized, "image": a user message with tests/fixtures/images/chelsea.png (64 visual
+    tokens) through the chat template} for the tiny checkpoint's ``LoadedModel``."""
+    from qwen_chat.chat_types import ChatMessage
+    from qwen_chat.engine.text.prompt import build_prompt
+
+    image = Path(__file__).resolve().parents[1] / "fixtures" / "images" / "chelsea.png"
+    ids = loaded.tokenizer(text, return_tensors="pt").input_ids[0]
+    message = ChatMessage("user", "What animal is this?", images=(str(image),))
+    return {"text": PreparedPrompt(input_ids=ids),
+            "image": build_prompt(loaded, [message], enable_thinking=False, image_token_budget=64,
+                                  context_length=4096, max_new_tokens=16)}
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,5 +1,6 @@
 """Checks of the Triton decode kernels on CPU under Triton's interpreter, run by tests/engine/test_triton_kernels.py in a
-subprocess with ``TRITON_INTERPRET=1`` (the variable must be set before the kernels are defined).
+subprocess with ``TRITON_INTERPRET=1`` (the variable must be set before the kernels are defined): the Gated
+DeltaNet decode kernel (``gdn``) and the FP8 GEMV and dequantisation kernels (``fp8_gemv``).
 
 ``python -m tests.support.triton_checks`` prints one JSON object: for each check, the measured errors that the test
 asserts on.
@@ -12,7 +13,7 @@ import os
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-from qwen_chat.engine.model import gdn, glue
+from qwen_chat.engine.model import fp8, fp8_gemv, gdn, glue
 from tests.support.small_model import rel_err
 
 
@@ -119,6 +120,34 @@ def check_runner_parity(seed=7) -> dict:
     return dict(max_rel_err=max(batch.errs), rows=len(batch.errs), impl=runner.impl["gdn_decode"])
 
 
+def check_fp8_gemv(seed=11) -> dict:
+    """The FP8 GEMV kernels (one row: ``_fp8_row_kernel``; 3 and 20 rows: ``_fp8_dot_kernel`` with 16- and 32-row
+    tiles) against x @ dequantised(w)^T in fp64, for fp32 and fp16 activations, a plain and a SwiGLU input, N = 200
+    (a partial tile and a partial 128-row block) and K = 256, with blocks of very different scales; and the
+    dequantisation kernel against ``Fp8Weight.dequantize`` on PyTorch (N = 200, K = 200: partial blocks both ways).
+    Returns {case: worst relative error} plus ``dequant_equal``; every case must have run through a kernel."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(200, 256, generator=gen) * torch.logspace(-3, 1, 4).repeat_interleave(64)[None, :]
+    q = fp8.quantize_blocks(w)
+    ref_w = q.dequantize(torch.float64)
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        for rows in (1, 3, 20):
+            for swiglu in (False, True):
+                x = torch.randn(rows, 512 if swiglu else 256, generator=gen).to(dtype)
+                assert fp8_gemv.supports(x, q.data, q.scale, swiglu)
+                y = fp8_gemv.gemv_fp8(x, q.data, q.scale, swiglu=swiglu)
+                xin = x.double()
+                if swiglu:
+                    g, u = x.float().chunk(2, dim=-1)
+                    xin = (torch.nn.functional.silu(g) * u).to(dtype).double()
+                out[f"{str(dtype)[6:]}_rows{rows}{'_swiglu' if swiglu else ''}"] = rel_err(y, xin @ ref_w.t())
+    d = fp8.quantize_blocks(torch.randn(200, 200, generator=gen))
+    out["dequant_equal"] = torch.equal(fp8_gemv.dequantize(d.data, d.scale, torch.float32),
+                                       fp8.Fp8Weight(d.data, d.scale).dequantize(torch.float32))
+    return out
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     print(json.dumps(dict(
@@ -126,7 +155,8 @@ def main() -> None:
         fp32_one_key_head=check_against_reference(torch.float32, B=2, nk=1, rep=1, dk=32, dv=16, seed=3),
         bf16=check_against_reference(torch.bfloat16, B=4, dk=16, dv=32, seed=2),
         padding=check_padding_rows(),
-        runner=check_runner_parity())))
+        runner=check_runner_parity(),
+        fp8_gemv=check_fp8_gemv())))
 
 
 if __name__ == "__main__":

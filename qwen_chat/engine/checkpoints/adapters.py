@@ -13,9 +13,10 @@ Merge (peft's ``LoraLayer.get_delta_weight``): W += s * (B @ A), s = alpha / r, 
 ``alpha_pattern`` with peft's matching rule (``get_pattern_key``: the pattern matches the end of the module
 name at a dot).  ``fan_in_fan_out`` only describes GPT-2-style ``Conv1D`` weights; peft turns it off for
 ``nn.Linear`` (all Qwen3.5 projections), so it changes nothing here.  Computed in fp32 and rounded once to the
-weight's dtype, on the weight's device, before sharding (bootstrap: load -> merge -> shard), so every
+weight's dtype, on the weight's device, before sharding (bootstrap: load -> merge -> quantise -> shard), so every
 projection the adapter names is covered: the Gated DeltaNet ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/
-``in_proj_a``/``out_proj``, attention, MLP, the vision tower and ``lm_head``.
+``in_proj_a``/``out_proj``, attention, MLP, the vision tower and ``lm_head``.  A layer an FP8 checkpoint holds in
+FP8 (``fp8.Fp8Linear``) is dequantised to fp32, merged and quantised again in its 128 x 128 blocks.
 
 Refused with one ``AdapterError`` line: another ``peft_type``, features that are not a plain low-rank delta
 (DoRA, ``modules_to_save``, trained biases, ...), ``.bin`` weights, tensors other than lora_A/lora_B, a module
@@ -36,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from qwen_chat.engine.checkpoints.layout import CheckpointError
+from qwen_chat.engine.model.fp8 import Fp8Linear, quantize_blocks
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -155,8 +157,8 @@ def _target_names(config: dict) -> tuple[Any, ...]:
     return tuple(t for t in targets if t != "all-linear")
 
 
-def resolve_modules(adapter: LoraAdapter, model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Linear]]:
-    """Map each adapted module to the base model's ``nn.Linear`` and check the shapes.
+def resolve_modules(adapter: LoraAdapter, model: torch.nn.Module) -> dict[str, tuple[str, torch.nn.Module]]:
+    """Map each adapted module to the base model's ``nn.Linear`` (or ``fp8.Fp8Linear``) and check the shapes.
 
     Returns: base model module name -> (name as stored in the adapter, the module).
 
@@ -179,7 +181,7 @@ def resolve_modules(adapter: LoraAdapter, model: torch.nn.Module) -> dict[str, t
             raise AdapterError(f"{weights}: module {stored} does not exist in the base model (adapter made for "
                                f"another architecture? base_model_name_or_path "
                                f"{adapter.config.get('base_model_name_or_path')!r})")
-        if not isinstance(module, torch.nn.Linear):
+        if not isinstance(module, (torch.nn.Linear, Fp8Linear)):
             raise AdapterError(f"{weights}: module {name} is a {type(module).__name__}, only nn.Linear layers can "
                                "be merged")
         want = (module.out_features, module.in_features)
@@ -203,6 +205,11 @@ def merge_adapter(model: torch.nn.Module, adapter: LoraAdapter) -> list[str]:
     if is_zero3_partitioned(model):
         raise AdapterError(f"--adapter {adapter.folder}: the weights are ZeRO-3-partitioned; cannot merge")
     for stored, module in resolved.values():
+        if isinstance(module, Fp8Linear):  # dequantise, merge in fp32, quantise again
+            a, b = (t.to(module.weight.device, torch.float32) for t in adapter.pairs[stored])
+            merged = module.fp8_weight().dequantize(torch.float32) + adapter.scaling(stored) * (b @ a)
+            module.set_weight(quantize_blocks(merged))
+            continue
         w, scale = module.weight, adapter.scaling(stored)
         a, b = (t.to(w.device, torch.float32) for t in adapter.pairs[stored])
         rows = max(1, MERGE_CHUNK // w.shape[1])  # bounds the fp32 temporaries (lm_head: 248,320 rows)

@@ -11,8 +11,9 @@ BF16; ``from_pretrained`` casts every tensor to the requested dtype.
 
 ``inspect_checkpoint(folder)`` reads only JSON files and the safetensors headers (no weights) and raises
 ``CheckpointError`` with one line naming the file for: a foreign ``model_type``, a missing or unreadable
-shard, an index entry its shard lacks, no weights at all, a quantised checkpoint (``quantization_config``:
-the one place where quantised formats are recognised).  ``check_tokenizer`` refuses a tokenizer whose special
+shard, an index entry its shard lacks, no weights at all, a quantised checkpoint other than FP8 in the block
+format or a broken FP8 one (``fp8_format.check_fp8_tensors``: the one place where quantised formats are
+recognised).  ``check_tokenizer`` refuses a tokenizer whose special
 ids differ from Qwen3.5's (docs/facts.md, "Tokens"); ``check_loading_info`` refuses a load that left model
 weights uninitialised.  ``write_weights`` writes tensors in this layout (the tiny model, the benchmark's
 random full-size checkpoint); ``mtp_head`` makes the random MTP tensors.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import struct
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -61,7 +62,8 @@ class CheckpointReport:
 
     ``shards``: weight file names in index order.  ``tensors``: name -> (safetensors dtype string such as
     ``"BF16"``, ``"F32"``, ``"F8_E4M3"``; shape).  ``quantization``: config.json's ``quantization_config`` or
-    None.  ``generation_config``: whether ``generation_config.json`` is present.
+    None.  ``generation_config``: whether ``generation_config.json`` is present.  ``shard_of``: tensor name ->
+    shard file name.  ``fp8``: the FP8 weights (``fp8_format.Fp8Spec``) of an FP8 checkpoint, else None.
     """
 
     folder: Path
@@ -69,6 +71,8 @@ class CheckpointReport:
     tensors: Mapping[str, tuple[str, tuple[int, ...]]]
     quantization: Optional[dict]
     generation_config: bool
+    shard_of: Mapping[str, str] = field(default_factory=dict)
+    fp8: Optional[Any] = None
 
     @property
     def mtp_tensors(self) -> int:
@@ -79,7 +83,9 @@ class CheckpointReport:
         """One log line: shards, tensor count by dtype, MTP head, generation config."""
         dtypes = Counter(dtype for dtype, _ in self.tensors.values())
         by_dtype = ", ".join(f"{d} {n}" for d, n in sorted(dtypes.items()))
-        return (f"{len(self.shards)} shard(s), {len(self.tensors)} tensors ({by_dtype}), MTP head "
+        fp8 = (f", FP8 block format ({len(self.fp8.modules)} F8_E4M3 weights with 128 x 128 block scales)"
+               if self.fp8 is not None else "")
+        return (f"{len(self.shards)} shard(s), {len(self.tensors)} tensors ({by_dtype}){fp8}, MTP head "
                 f"{self.mtp_tensors} tensors (not loaded), generation_config.json "
                 f"{'present' if self.generation_config else 'absent (model card presets apply)'}")
 
@@ -120,9 +126,12 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
 def inspect_checkpoint(folder: Path) -> CheckpointReport:
     """Check a checkpoint folder before loading (module docstring) and report what it holds.
 
-    Raises: CheckpointError (one line naming the file) for a foreign ``model_type``, a quantised checkpoint,
-    no weights, a shard the index names that is missing or unreadable, or an index entry its shard lacks.
+    Raises: CheckpointError (one line naming the file) for a foreign ``model_type``, a quantised checkpoint
+    other than FP8 in the block format or a broken FP8 one (``fp8_format.check_fp8_tensors``), no weights, a
+    shard the index names that is missing or unreadable, or an index entry its shard lacks.
     """
+    from qwen_chat.engine.checkpoints.fp8_format import check_fp8_tensors, check_quantization
+
     folder = Path(folder)
     config = _read_json(folder / "config.json")
     model_type = config.get("model_type") if isinstance(config, dict) else None
@@ -130,11 +139,9 @@ def inspect_checkpoint(folder: Path) -> CheckpointReport:
         raise CheckpointError(f"{folder / 'config.json'}: model_type {model_type!r} is not a Qwen3.5 checkpoint "
                               f"(expected {MODEL_TYPE!r})")
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    quantization = config.get("quantization_config") or text_config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise CheckpointError(f"{folder / 'config.json'}: quantization_config (quant_method {method!r}) is not "
-                              "supported yet; use a bf16 checkpoint")
+    quantization = config.get("quantization_config") or text_config.get("quantization_config") or None
+    if quantization is not None:  # the format first, before any shard is read
+        check_quantization(folder / "config.json", quantization)
     index_path = folder / INDEX_FILE
     if index_path.is_file():
         weight_map = _read_json(index_path).get("weight_map")
@@ -146,6 +153,7 @@ def inspect_checkpoint(folder: Path) -> CheckpointReport:
     else:
         raise CheckpointError(f"{folder}: no weights ({INDEX_FILE} or {SINGLE_WEIGHTS_FILE})")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    shard_of: dict[str, str] = {}
     for shard in shards:
         if not (folder / shard).is_file():
             raise CheckpointError(f"{folder / shard}: weight shard is missing (named by {INDEX_FILE})")
@@ -156,8 +164,11 @@ def inspect_checkpoint(folder: Path) -> CheckpointReport:
             raise CheckpointError(f"{folder / shard}: lacks {len(absent)} tensor(s) that {INDEX_FILE} places "
                                   f"there, e.g. {absent[0]}")
         tensors.update((n, header[n]) for n in wanted)
-    return CheckpointReport(folder=folder, shards=shards, tensors=tensors, quantization=quantization or None,
-                            generation_config=(folder / "generation_config.json").is_file())
+        shard_of.update((n, shard) for n in wanted)
+    fp8 = check_fp8_tensors(folder, folder / "config.json", quantization, tensors, shard_of)
+    return CheckpointReport(folder=folder, shards=shards, tensors=tensors, quantization=quantization,
+                            generation_config=(folder / "generation_config.json").is_file(), shard_of=shard_of,
+                            fp8=fp8)
 
 
 def _tokenizer_file(folder: Path) -> Path:

@@ -10,7 +10,9 @@ Loading always goes through ``from_pretrained`` (``AutoProcessor`` and ``Qwen3_5
 so the tiny model and a real checkpoint share one code path.  Before it, ``layout.inspect_checkpoint`` checks
 the folder (model type, shards, quantisation) from its JSON files and safetensors headers, and after the
 processor and the weights load, ``layout.check_tokenizer`` and ``layout.check_loading_info`` refuse a foreign
-tokenizer or missing weights: each refusal is one ``CheckpointError`` line naming the file.  bf16 on CUDA,
+tokenizer or missing weights: each refusal is one ``CheckpointError`` line naming the file.  An FP8 checkpoint
+(the 128 x 128 block format) loads through the same call without transformers' quantizer, and its FP8 layers
+become ``fp8.Fp8Linear`` before the model moves to its device (``fp8_loading``).  bf16 on CUDA,
 fp32 on CPU (the published weights are bf16, docs/facts.md, "Shape"; CPU matmuls in bf16 are slow and less
 exact).
 
@@ -25,13 +27,14 @@ Gated DeltaNet kernels.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from huggingface_hub import snapshot_download
@@ -43,6 +46,7 @@ from transformers.utils import is_torchvision_available
 
 from qwen_chat.chat_types import ModelInfo
 from qwen_chat.config import MODEL_HINT, local_checkpoint_problem
+from qwen_chat.engine.checkpoints.fp8_loading import config_without_quantization, convert_fp8_modules, scales_ignored
 from qwen_chat.engine.checkpoints.layout import (CheckpointReport, check_loading_info, check_tokenizer,
                                                  inspect_checkpoint)
 from qwen_chat.engine.checkpoints.tiny import DEMO_CONFIG_KEY, DEMO_MARKER_FILE, build_tiny_checkpoint
@@ -179,9 +183,13 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
         name: name shown to users (default: the folder name; "tiny" shows as "qwen3.5-tiny (demo)").
         report: the folder's ``layout.inspect_checkpoint`` result when the caller already has it.
 
+    An FP8 checkpoint (``report.fp8``) keeps its FP8 layers as ``fp8.Fp8Linear`` (``fp8_loading``); the rest
+    loads in ``dtype``.
+
     Raises:
         CheckpointError (``layout``): one line naming the file, for a foreign model type, a missing shard, a
-            quantised checkpoint, a tokenizer with other special ids, or weights the checkpoint lacks.
+            quantised checkpoint other than FP8 in the block format or a broken FP8 one, a tokenizer with other
+            special ids, or weights the checkpoint lacks.
         OSError / ValueError from transformers when the folder does not hold a loadable Qwen3.5 checkpoint.
     """
     path = Path(path)
@@ -190,9 +198,16 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
     log.info("checkpoint %s: %s", path, report.describe())
     processor = load_processor(path)
     check_tokenizer(processor.tokenizer, path)
-    model, loading_info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=dtype,
-                                                                         output_loading_info=True)
+    if report.fp8 is None:
+        model, loading_info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=dtype,
+                                                                             output_loading_info=True)
+    else:
+        with scales_ignored(Qwen3_5ForConditionalGeneration):
+            model, loading_info = Qwen3_5ForConditionalGeneration.from_pretrained(
+                path, config=config_without_quantization(path), dtype=dtype, output_loading_info=True)
     check_loading_info(loading_info, path)
+    if report.fp8 is not None:
+        convert_fp8_modules(model, report)
     if place_on_device:
         model.to(device)
     model.eval()
@@ -240,6 +255,26 @@ def describe_kernels() -> dict[str, str]:
             package = module.split(".")[0]
             result[label] = f"{package} ({module}.{getattr(impl, '__name__', '?')})"
     return result
+
+
+@contextlib.contextmanager
+def torch_reference_kernels() -> Iterator[None]:
+    """While active, transformers' Qwen3.5 runs its PyTorch reference for every Gated DeltaNet op
+    (``_KERNEL_FUNCTIONS``: the functions under transformers' kernel decorator, ``inspect.unwrap``) and cuBLAS
+    and cuDNN run fp32 without TF32: an exact fp32 reference (fla's kernels, which the decorator prefers, round
+    fp32 inputs of their ``tl.dot`` calls to TF32).  For accuracy checks (bench/fp8_accuracy.py, tests/gpu);
+    restores everything on exit."""
+    saved = {name: getattr(modeling_qwen3_5, name) for name in _KERNEL_FUNCTIONS.values()}
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for name, func in saved.items():
+            setattr(modeling_qwen3_5, name, inspect.unwrap(func))
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        yield
+    finally:
+        for name, func in saved.items():
+            setattr(modeling_qwen3_5, name, func)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
 
 
 if __name__ == "__main__":

@@ -18,11 +18,15 @@ from typing import Callable, Optional, Sequence
 import torch
 
 
-def resolve_chunk_rule(device: torch.device) -> tuple[Callable, str, bool, Optional[Callable]]:
+def resolve_chunk_rule(device: torch.device, dtype: torch.dtype
+                       ) -> tuple[Callable, str, bool, Optional[Callable]]:
     """Pick the chunked gated-delta-rule implementation for prefill: fla-core's Triton kernel on CUDA if
     importable (it takes packed sequences: ``cu_seqlens``), else transformers' reference
     ``torch_chunk_gated_delta_rule`` (one sequence at a time).  Both take q, k, v [B, L, H, D], g, beta
-    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  Returns (rule, name, varlen,
+    [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  In fp32 on CUDA the reference is
+    used and TF32 is switched off in cuBLAS and cuDNN (process-wide), so an fp32 run is exact fp32: fla's
+    ``tl.dot`` calls and both libraries' defaults (cuDNN's conv1d) round fp32 inputs to TF32, which made the
+    full model differ from an fp32 reference by about 0.4% (docs/performance.md).  Returns (rule, name, varlen,
     tail_rule): ``tail_rule`` is fla's ``fused_recurrent_gated_delta_rule`` (same inputs and outputs, packed,
     one kernel) for the tails after keep points, or None (the rule itself runs them)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -30,6 +34,9 @@ def resolve_chunk_rule(device: torch.device) -> tuple[Callable, str, bool, Optio
     reference = (torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False,
                  None)
     if device.type != "cuda":
+        return reference
+    if dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         return reference
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # type: ignore

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers.activations import ACT2FN
 
-from qwen_chat.engine.model import delta_rule, gdn, gemv
+from qwen_chat.engine.model import delta_rule, fp8, gdn
 from qwen_chat.engine.model.fusion import Fused, Groups
 from qwen_chat.engine.model.glue import apply_rotary, l2norm
 from qwen_chat.engine.model.options import RunnerOptions
@@ -170,13 +170,12 @@ class ModelForward:
     def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of layer ``i``'s projection group ``group`` ("mix": the token mixer's input projections,
         "mlp": gate and up) for input x [..., hidden]: one GEMM over the fused weight when the group was fused
-        (``fusion.fuse_linears``), else one module call each.  Returns a tuple of [..., out_features] tensors
-        (views into one output when fused)."""
+        (``fusion.fuse_group``: one GEMM per run of bf16 or FP8 layers), else one module call each.  Returns a
+        tuple of [..., out_features] tensors (views into one output per GEMM when fused)."""
         fused = self._fused[i].get(group)
         if fused is None:
             return tuple(m(x) for m in self._groups[i][group])
-        w, sizes = fused
-        return (gemv.linear(x, w) if self._opts.fast_gemv else F.linear(x, w)).split(sizes, dim=-1)
+        return tuple(y for w, sizes in fused for y in fp8.linear(x, w, fast=self._opts.fast_gemv).split(sizes, dim=-1))
 
     def _attn_prefill(self, i, at, seqs, x, cos, sin):
         g = self._geo[i]
@@ -303,16 +302,19 @@ class ModelForward:
     def _mlp_decode(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
         """Qwen3_5MLP for decode rows x [B, hidden]: down(act(gate(x)) * up(x)).  For one row, with the Triton
         GEMV, a fused gate/up weight, a down projection the step runs itself and SiLU, the SwiGLU is computed
-        inside the down projection's kernel as it loads its input (``gemv.gemv(..., swiglu=True)``: one kernel
-        fewer per layer); otherwise the compiled glue does it.  Only for one row, where it is faster (measured:
+        inside the down projection's kernel as it loads its input (``fp8.linear(..., swiglu=True)``, bf16 or FP8
+        weights: one kernel fewer per layer); otherwise the compiled glue does it.  Only for one row, where it is faster (measured:
         docs/performance.md)."""
         fused = self._fused[i].get("mlp")
         down = self.tp.weight(mlp.down_proj)
-        if self._opts.fast_gemv and fused is not None and self._silu_mlp and down is not None and x.shape[0] == 1:
-            gate_up = gemv.linear(x, fused[0])                                   # [B, 2 * intermediate]
-            if gemv.supports(gate_up, down, swiglu=True):
-                return self.tp.run(mlp.down_proj, 1, lambda out: gemv.gemv(gate_up, down, out=out, swiglu=True))
-            gate, up = gate_up.split(fused[1], dim=-1)
+        if (self._opts.fast_gemv and fused is not None and len(fused) == 1 and self._silu_mlp and down is not None
+                and x.shape[0] == 1):
+            w, sizes = fused[0]
+            gate_up = fp8.linear(x, w, fast=True)                                # [B, 2 * intermediate]
+            if fp8.fuses_swiglu(gate_up, down):
+                return self.tp.run(mlp.down_proj, 1,
+                                   lambda out: fp8.linear(gate_up, down, out=out, fast=True, swiglu=True))
+            gate, up = gate_up.split(sizes, dim=-1)
         else:
             gate, up = self._project(i, "mlp", x)
         return self.tp.linear(mlp.down_proj, self._glue["swiglu"](gate, up, mlp.act_fn))

@@ -3,8 +3,13 @@
 Each layer has two projection groups: ``"mix"``, the token mixer's input projections (Gated DeltaNet
 ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a``, or attention ``q_proj``/``k_proj``/``v_proj``), and
 ``"mlp"``, the MLP's ``gate_proj``/``up_proj``.  A group is fused when every module computes ``x @ weight^T`` on a
-local weight (``is_local_linear``); the modules' ``weight`` parameters are rebound to row blocks (views) of the
-fused matrix, so the model keeps working unchanged and no memory is added.
+local weight (``is_local_linear``, or ``fp8.is_local_fp8`` for an FP8 layer); the modules' ``weight`` parameters
+are rebound to row blocks (views) of the fused matrix, so the model keeps working unchanged and no memory is
+added.  A group that mixes bf16 and FP8 layers (the Gated DeltaNet ``in_proj_qkv``/``in_proj_z`` in FP8,
+``in_proj_b``/``in_proj_a`` in bf16, as the published FP8 checkpoint has them) is fused into one GEMM per run of
+layers of one kind; FP8 layers are fused only on 128-row block boundaries (each layer but the run's last has a
+multiple of 128 rows: otherwise its last scale block would also cover the next layer's rows), else they stay
+separate.
 """
 from __future__ import annotations
 
@@ -12,12 +17,16 @@ from typing import Optional, Sequence
 
 import torch
 
+from qwen_chat.engine.model.fp8 import BLOCK, Fp8Weight, Weight, blocks, is_local_fp8
 from qwen_chat.engine.parallel.tp_layers import column_parallel_weight
 
 #: One layer's projection groups: group name -> the modules, in output order.
 Groups = dict[str, list]
-#: A fused group: (weight [sum(out_features), in_features], out_features of each module).
-Fused = tuple[torch.Tensor, list[int]]
+#: One GEMM of a fused group: (weight [sum(out_features), in_features] (a tensor or an ``Fp8Weight``), the
+#: out_features of each module it covers).
+Part = tuple[Weight, list[int]]
+#: A fused group: its GEMMs in module order (one when every module is of one kind).
+Fused = list[Part]
 
 
 def is_plain_linear(m: torch.nn.Module) -> bool:
@@ -72,6 +81,73 @@ def fuse_linears(mods: Sequence[torch.nn.Module]) -> Optional[Fused]:
     return fused, sizes
 
 
+def _view(like: torch.Tensor, offset: int, shape: tuple[int, int]) -> torch.Tensor:
+    """A contiguous view of ``like``'s storage at element ``offset`` with ``shape``."""
+    return like.new_empty(0).set_(like.untyped_storage(), offset, shape, (shape[1], 1))
+
+
+def fuse_fp8(mods: Sequence[torch.nn.Module]) -> Optional[tuple[Fp8Weight, list[int]]]:
+    """``fuse_linears`` for FP8 layers (``fp8.is_local_fp8``): their data and block scales stacked by rows into one
+    ``Fp8Weight`` and each layer rebound to its rows (views).  Only on block boundaries: every layer but the last
+    must have a multiple of 128 rows; all on one device with one input width.  Called again on fused layers it
+    returns the same storage.  Returns ``(weight, out_sizes)`` or None when they cannot be fused."""
+    if len(mods) < 2 or not all(is_local_fp8(m) for m in mods):
+        return None
+    ws = [m.fp8_weight() for m in mods]
+    if (len({(w.device, w.shape[1]) for w in ws}) != 1 or any(w.shape[0] % BLOCK for w in ws[:-1])
+            or ws[0].device.type == "meta" or not all(w.data.is_contiguous() and w.scale.is_contiguous() for w in ws)):
+        return None
+    sizes = [int(w.shape[0]) for w in ws]
+    n_in, kb = int(ws[0].shape[1]), int(ws[0].scale.shape[1])
+    d0, s0 = ws[0].data, ws[0].scale
+    data_at = [d0.storage_offset() + n_in * sum(sizes[:j]) for j in range(len(ws))]
+    scale_at = [s0.storage_offset() + kb * (sum(sizes[:j]) // BLOCK) for j in range(len(ws))]
+    shape, scale_shape = (sum(sizes), n_in), (blocks(sum(sizes)), kb)
+    with torch.no_grad():
+        if all(w.data.untyped_storage().data_ptr() == d0.untyped_storage().data_ptr() and w.data.storage_offset() == a
+               and w.scale.untyped_storage().data_ptr() == s0.untyped_storage().data_ptr()
+               and w.scale.storage_offset() == b for w, a, b in zip(ws, data_at, scale_at)):
+            return Fp8Weight(_view(d0, data_at[0], shape), _view(s0, scale_at[0], scale_shape)), sizes
+        fused = Fp8Weight.cat_rows(ws)
+        start = 0
+        for m, n in zip(mods, sizes):
+            m.set_weight(fused.rows(start, start + n))
+            start += n
+    return fused, sizes
+
+
+def _kind(m: torch.nn.Module) -> Optional[str]:
+    return "fp8" if is_local_fp8(m) else "bf16" if is_local_linear(m) else None
+
+
+def _local_weight(m: torch.nn.Module) -> Weight:
+    if is_local_fp8(m):
+        return m.fp8_weight()
+    return m.weight if is_plain_linear(m) else column_parallel_weight(m)
+
+
+def fuse_group(mods: Sequence[torch.nn.Module]) -> Optional[Fused]:
+    """One group's GEMMs: each run of consecutive modules of one kind (bf16 ``is_local_linear``, FP8
+    ``fp8.is_local_fp8``; an FP8 run also ends after a layer whose rows are not a multiple of 128) fused by
+    ``fuse_linears`` / ``fuse_fp8``, a module left alone as its own part.  None when a module is neither kind
+    (hooked, ZeRO-3, offloaded: every module is then called) or when nothing fuses."""
+    kinds = [_kind(m) for m in mods]
+    if len(mods) < 2 or None in kinds:
+        return None
+    runs: list[list] = [[mods[0]]]
+    for prev, m, kind, prev_kind in zip(mods, mods[1:], kinds[1:], kinds):
+        aligned = prev_kind != "fp8" or prev.out_features % BLOCK == 0
+        if kind == prev_kind and aligned:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    parts: Fused = []
+    for run in runs:
+        fused = (fuse_fp8 if _kind(run[0]) == "fp8" else fuse_linears)(run) if len(run) > 1 else None
+        parts += [fused] if fused is not None else [(w, [int(w.shape[0])]) for w in map(_local_weight, run)]
+    return parts if len(parts) < len(mods) else None
+
+
 def projection_groups(layer: torch.nn.Module) -> Groups:
     """The projection groups of one decoder layer: ``{"mix": [...], "mlp": [gate_proj, up_proj]}``."""
     if hasattr(layer, "linear_attn"):
@@ -85,10 +161,9 @@ def projection_groups(layer: torch.nn.Module) -> Groups:
 
 
 def fuse_layers(layers: Sequence[torch.nn.Module], enabled: bool = True) -> tuple[list[Groups], list[dict[str, Fused]]]:
-    """Every layer's projection groups and the fused weight of each group that ``fuse_linears`` accepts (none
-    when ``enabled`` is false, e.g. under ZeRO-3).  Returns (groups per layer, {group: (weight, sizes)} per
-    layer)."""
+    """Every layer's projection groups and the GEMMs of each group that ``fuse_group`` fuses (none when
+    ``enabled`` is false, e.g. under ZeRO-3).  Returns (groups per layer, {group: Fused} per layer)."""
     groups = [projection_groups(layer) for layer in layers]
-    fused = [{} if not enabled else {k: f for k, mods in g.items() if (f := fuse_linears(mods)) is not None}
+    fused = [{} if not enabled else {k: f for k, mods in g.items() if (f := fuse_group(mods)) is not None}
              for g in groups]
     return groups, fused

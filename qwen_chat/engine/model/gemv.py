@@ -35,9 +35,10 @@ MAX_ROWS = 16
 if triton is not None:
 
     @triton.jit
-    def _load_x(x_ptrs, K, mask, SWIGLU: tl.constexpr):
+    def load_input(x_ptrs, K, mask, SWIGLU: tl.constexpr):
         """Input tile as fp32: x, or with SWIGLU silu(gate) * up from [gate | up] rows of width 2K, rounded to
-        the input dtype once (as the compiled glue's ``act(gate) * up`` is)."""
+        the input dtype once (as the compiled glue's ``act(gate) * up`` is).  Shared with the FP8 kernels
+        (``fp8_gemv``)."""
         if SWIGLU:
             g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
             u = tl.load(x_ptrs + K, mask=mask, other=0.0).to(tl.float32)
@@ -46,29 +47,42 @@ if triton is not None:
         return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                         SWIGLU: tl.constexpr):
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    def load_weight_tile(w_ptrs, offs_n, N, EVEN_N: tl.constexpr):
+        """A weight tile [BLOCK_N, BLOCK_K] streamed once (evict first); rows >= N read as zeros unless EVEN_N.
+        Shared with the FP8 kernels."""
+        if EVEN_N:
+            return tl.load(w_ptrs, eviction_policy="evict_first")
+        return tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
+
+    @triton.jit
+    def row_tile(w_ptr, x_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The one-row kernels' first tile of program ``program_id(0)``: (offs_n, offs_k, weight pointers
+        [BLOCK_N, BLOCK_K], input pointers [BLOCK_K]).  Shared with the FP8 kernels."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-        x_ptrs = x_ptr + offs_k
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            if EVEN_N:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)
-            acc += w.to(tl.float32) * x[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1)
+        return offs_n, offs_k, w_ptr + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], x_ptr + offs_k
+
+    @triton.jit
+    def store_row(y_ptr, offs_n, y, N, EVEN_N: tl.constexpr):
+        """Store one output row's features ``offs_n`` (masked at N unless EVEN_N).  Shared with the FP8 kernels."""
         if EVEN_N:
             tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty))
         else:
             tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+
+    @triton.jit
+    def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                         SWIGLU: tl.constexpr):
+        offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
+            x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)
+            acc += w.to(tl.float32) * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
 
     @triton.jit
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, B, N, K,
@@ -84,11 +98,8 @@ if triton is not None:
         b_mask = offs_b[:, None] < B
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         for _ in range(0, K, BLOCK_K):
-            if EVEN_N:
-                w = tl.load(w_ptrs, eviction_policy="evict_first")
-            else:
-                w = tl.load(w_ptrs, mask=offs_n[:, None] < N, other=0.0, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, K, b_mask, SWIGLU).to(w.dtype)
+            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
+            x = load_input(x_ptrs, K, b_mask, SWIGLU).to(w.dtype)
             acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -144,6 +155,15 @@ def pick_config(B: int, N: int, K: int) -> dict:
     return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
 
 
+def launch_setup(x: torch.Tensor, n: int, config: dict,
+                 out: Optional[torch.Tensor]) -> tuple[dict, torch.Tensor, bool]:
+    """(launch config, output [B, n] in x's dtype (``out`` or a new one), whether BLOCK_N divides n) for a
+    GEMV launch; shared with ``fp8_gemv``."""
+    if out is None:
+        out = torch.empty(x.shape[0], n, device=x.device, dtype=x.dtype)
+    return dict(config), out, n % config["BLOCK_N"] == 0
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
          config: Optional[dict] = None, swiglu: bool = False) -> torch.Tensor:
     """y = x @ w.T with the Triton kernel.  x: [B, K], w: [N, K] (same dtype, contiguous, ``supports``);
@@ -156,11 +176,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
                          f"w{tuple(w.shape)} {w.dtype} (swiglu={swiglu})")
     B = x.shape[0]
     N, K = w.shape
-    cfg = dict(config or pick_config(B, N, K))
-    if out is None:
-        out = torch.empty(B, N, device=x.device, dtype=x.dtype)
+    cfg, out, even = launch_setup(x, N, config or pick_config(B, N, K), out)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-    even = N % cfg["BLOCK_N"] == 0
     if B == 1:
         _gemv_row_kernel[grid](x, w, out, N, K, EVEN_N=even, SWIGLU=swiglu, **cfg)
     else:

@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from qwen_chat.chat_types import ContextTooLong
-from qwen_chat.engine.model import gemv, graphs, prefix_cache
+from qwen_chat.engine.model import fp8_gemv, gemv, graphs, prefix_cache
 from qwen_chat.engine.model.delta_rule import resolve_chunk_rule
 from qwen_chat.engine.model.forward import ModelForward, PackedSeq
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
@@ -126,7 +126,7 @@ class ModelRunner:
         self.vocab_size = int(tc.vocab_size)
         layers = list(lm.layers)
         self._embed = lm.embed_tokens
-        chunk_rule, chunk_name, varlen, tail_rule = resolve_chunk_rule(self.device)
+        chunk_rule, chunk_name, varlen, tail_rule = resolve_chunk_rule(self.device, self.dtype)
         groups, self._fused = fuse_layers(layers, enabled=not zero3)
         if geometry is None:
             geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
@@ -161,7 +161,8 @@ class ModelRunner:
                      "attention": "torch.sdpa (prefill), paged %d-token blocks" % self.block_tokens,
                      "cuda_graphs": self.use_cuda_graphs, "decode_glue": glue_name,
                      "fused_projection_groups": sum(len(f) for f in self._fused),
-                     "projections": "triton gemv (<= %d rows)" % gemv.MAX_ROWS if opts.fast_gemv else "torch",
+                     "projections": ("triton gemv (<= %d rows, fp8 <= %d)" % (gemv.MAX_ROWS, fp8_gemv.MAX_ROWS)
+                                     if opts.fast_gemv else "torch"),
                      "tp_all_reduce": self.tp.kind, "tp_fused_all_reduce_norm": self.tp.fused,
                      "gdn_decode": "triton (one kernel)" if opts.gdn_kernel else glue_name,
                      "prefill": "eager, prompt chunks packed"}

@@ -10,7 +10,9 @@ This is the only module of the service that imports ``deepspeed``.  Modes (``Sha
   ``colwise_gather_output`` (``_split_gated_deltanet``: one all-reduce per layer).  The input embedding, which
   that plan leaves whole, is split by vocabulary rows here (``tp_layers.VocabParallelEmbedding``), and the
   lm_head by output rows with gathered logits (``tp_layers.GatheredColumnLinear``, the plan's own style for it,
-  applied here so it does not depend on the transformers version).  Needs deepspeed >= 0.19.6 and
+  applied here so it does not depend on the transformers version).  A model with FP8 weights (``fp8.Fp8Linear``)
+  has its attention and MLP projections split here too, on the 128 x 128 blocks (``_split_fp8_model``; a share
+  that would cut a block is refused with one line), and AutoTP only replicates the rest.  Needs deepspeed >= 0.19.6 and
   transformers >= 5.13 (older versions silently fall back to name heuristics that split Gated DeltaNet
   wrongly: docs/facts.md, "Sharding with DeepSpeed: tensor parallel").  N must divide the KV heads (4 on the
   9B): N in {1, 2, 4}.
@@ -39,8 +41,10 @@ from typing import Any, Mapping, Optional
 import torch
 
 from qwen_chat.config import ConfigError
+from qwen_chat.engine.model.fp8 import BlockAlignmentError, Fp8Linear
 from qwen_chat.engine.parallel.layout import resolve_tp_size
-from qwen_chat.engine.parallel.tp_layers import shard_input_embedding, shard_lm_head, split_gated_deltanet_heads
+from qwen_chat.engine.parallel.tp_layers import (shard_input_embedding, shard_lm_head, split_gated_deltanet_heads,
+                                                 split_projections)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,11 @@ MIN_TRANSFORMERS = (5, 13)
 #: a Gated DeltaNet layer: (2 x 16 x 128 + 32 x 128) channels x width 4 = 32,768 elements
 #: (docs/facts.md, "Shape"); norms are 4,096, ``A_log``/``dt_bias`` 32.
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+
+#: Why ZeRO-3 and FP8 weights do not go together (start-up refusal, before any weight loads).
+ZERO3_FP8_REFUSAL = ("ZeRO-3 cannot hold FP8 weights (it partitions each parameter while the checkpoint loads, apart "
+                     "from its block scales); serve FP8 on one GPU or with tensor parallel, or use a bf16 checkpoint "
+                     "without --quantize fp8 under ZeRO-3")
 
 # Objects that must live as long as the process: HfDeepSpeedConfig (held weakly by transformers; once
 # collected, ZeRO-3 loading and synced generation silently turn off) and the DeepSpeed engines (they own the
@@ -260,8 +269,11 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
     already partitioned at load time.  Every rank must call this at the same time (collectives inside).
 
     Raises:
-        ShardingError: versions too old for AutoTP.
+        ShardingError: versions too old for AutoTP; FP8 weights whose rank shares would cut their 128 x 128
+            blocks (one line naming the module), or ZeRO-3 with FP8 weights.
     """
+    if plan.is_zero3 and any(isinstance(m, Fp8Linear) for m in model.modules()):
+        raise ShardingError(ZERO3_FP8_REFUSAL)
     if not plan.uses_deepspeed:
         return model.to(device).eval()
     import deepspeed
@@ -270,7 +282,16 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
         check_versions()
         shard_input_embedding(model)
         shard_lm_head(model)
-        _split_gated_deltanet(model)
+        fp8 = any(isinstance(m, Fp8Linear) for m in model.model.language_model.layers.modules())
+        try:
+            if _split_gated_deltanet(model) == 0 and fp8:
+                raise ShardingError("tensor parallel with FP8 weights needs the Gated DeltaNet layers split by "
+                                    "heads, and this model's tp_plan could not be edited")
+            if fp8:
+                _split_fp8_model(model)
+        except BlockAlignmentError as exc:
+            raise ShardingError(f"tensor parallel over {plan.tp_size} ranks would cut the 128 x 128 FP8 blocks of "
+                                f"{exc}; serve this model on fewer GPUs (or one), or in bf16") from None
     engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
     _KEEP_ALIVE.append(engine)
     module = engine.module.eval()
@@ -289,29 +310,49 @@ def _split_gated_deltanet(model: torch.nn.Module) -> int:
     ``linear_attn`` entries are removed so AutoTP leaves these layers alone.  Skipped (returns 0) when the plan
     cannot be edited on this model.
     """
-    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
-
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    plan = model.__dict__.get("_tp_plan")
-    if isinstance(plan, dict):
-        model._tp_plan = {k: v for k, v in plan.items() if ".linear_attn." not in k}
-    cfg_plan = getattr(model.config, "base_model_tp_plan", None)
-    if isinstance(cfg_plan, dict):
-        model.config.base_model_tp_plan = {k: v for k, v in cfg_plan.items() if ".linear_attn." not in k}
-    left = [k for k in (_get_hf_tp_plan(model) or {}) if ".linear_attn." in k]
+    left = _drop_plan_entries(model, (".linear_attn.",))
     if left:
         log.warning("TP: tp_plan entries %s could not be removed; Gated DeltaNet stays gathered", left)
         return 0
     count, nk_l, nv_l = 0, 0, 0
-    for layer in model.model.language_model.layers:
+    for i, layer in enumerate(model.model.language_model.layers):
         la = getattr(layer, "linear_attn", None)
         if la is None:
             continue
-        nk_l, nv_l = split_gated_deltanet_heads(la, rank, world)
+        nk_l, nv_l = split_gated_deltanet_heads(la, rank, world, f"model.language_model.layers.{i}.")
         count += 1
     log.info("TP: %d Gated DeltaNet layers split by heads over %d ranks (%d key / %d value heads each)", count,
              world, nk_l, nv_l)
     return count
+
+
+def _drop_plan_entries(model: torch.nn.Module, parts: tuple[str, ...]) -> list[str]:
+    """Remove the tp_plan entries whose pattern contains one of ``parts`` from the model's and its config's plans
+    (so AutoTP leaves those modules alone); returns the matching entries still in the plan DeepSpeed reads."""
+    from deepspeed.runtime.tensor_parallel.config import _get_hf_tp_plan
+
+    plan = model.__dict__.get("_tp_plan")
+    if isinstance(plan, dict):
+        model._tp_plan = {k: v for k, v in plan.items() if not any(p in k for p in parts)}
+    cfg_plan = getattr(model.config, "base_model_tp_plan", None)
+    if isinstance(cfg_plan, dict):
+        model.config.base_model_tp_plan = {k: v for k, v in cfg_plan.items() if not any(p in k for p in parts)}
+    return [k for k in (_get_hf_tp_plan(model) or {}) if any(p in k for p in parts)]
+
+
+def _split_fp8_model(model: torch.nn.Module) -> None:
+    """TP for a model with FP8 weights: every decoder layer's attention and MLP projections split here
+    (``tp_layers.split_projections``, bf16 and FP8 layers alike) and their tp_plan entries removed, so AutoTP
+    never slices an FP8 weight without its scales.  Raises BlockAlignmentError (``split_projections``) and
+    ShardingError when the plan cannot be edited on this model."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    left = _drop_plan_entries(model, (".self_attn.", ".mlp."))
+    if left:
+        raise ShardingError(f"tensor parallel with FP8 weights: tp_plan entries {left} could not be removed")
+    for i, layer in enumerate(model.model.language_model.layers):
+        split_projections(layer, rank, world, f"model.language_model.layers.{i}.")
+    log.info("TP: FP8 model: attention and MLP projections split on 128 x 128 blocks over %d ranks", world)
 
 
 def _gather_persistent(module: torch.nn.Module) -> None:

@@ -4,8 +4,8 @@ The runner's decode step always calls one of these (``decode_projections`` picks
 
 - ``LocalDecode`` (world size 1, ZeRO-3, or a model without row-parallel layers): the identity of tensor
   parallelism.  The single projections (each layer's token-mixer ``out_proj``/``o_proj``, ``down_proj`` and the
-  lm_head) run on their local weight (the Triton GEMV of ``qwen_chat.engine.model.gemv`` when enabled, else the
-  module itself); no communication.
+  lm_head) run on their local weight, bf16 or FP8 (the Triton GEMVs of ``qwen_chat.engine.model.gemv`` and
+  ``fp8_gemv`` through ``fp8.linear`` when enabled, else the module itself); no communication.
 - ``TensorParallelDecode``: the same, plus the tensor-parallel completions over a
   ``collectives.TensorParallelComm``: the all-reduce after each row-parallel projection (DeepSpeed AutoTP's
   ``LinearAllreduce``, ``tp_layers.RowParallelLinear``), the all-gather of the vocabulary-split lm_head
@@ -23,10 +23,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from qwen_chat.engine.model import gemv
-from qwen_chat.engine.model.fusion import is_plain_linear
+from qwen_chat.engine.model import fp8
 from qwen_chat.engine.parallel.collectives import TensorParallelComm
 from qwen_chat.engine.parallel.tp_layers import GatheredColumnLinear, VocabParallelEmbedding, row_parallel_weight
 
@@ -68,16 +66,18 @@ class LocalDecode:
         self._embed, self._first_norm = lm.embed_tokens, lm.layers[0].input_layernorm
         self._dtype, self._fast_gemv, self._add_norm = dtype, bool(fast_gemv), add_norm
         self._singles = single_projections(model)
-        # id(module) -> (this rank's weight, how to finish: None, "all_reduce" or "all_gather")
-        self._direct: dict[int, tuple[torch.Tensor, Optional[str]]] = {}
+        # id(module) -> (this rank's weight (tensor or fp8.Fp8Weight), how to finish: None, "all_reduce" or
+        # "all_gather")
+        self._direct: dict[int, tuple[fp8.Weight, Optional[str]]] = {}
         for m in ([] if zero3 else self._singles):
             entry = self._entry(m)
             if entry is not None:
                 self._direct[id(m)] = entry
 
-    def _entry(self, m: torch.nn.Module) -> Optional[tuple[torch.Tensor, Optional[str]]]:
+    def _entry(self, m: torch.nn.Module) -> Optional[tuple[fp8.Weight, Optional[str]]]:
         """How the step runs module ``m`` itself: (weight, finish), or None to call the module."""
-        return (m.weight, None) if is_plain_linear(m) else None
+        w = fp8.weight_of(m)
+        return None if w is None else (w, None)
 
     # ------------------------------------------------------------------ step
     def begin_step(self, rows: int) -> None:
@@ -98,8 +98,9 @@ class LocalDecode:
         ``last``: the step's final one."""
         return self._add_norm(h, x, norm)
 
-    def weight(self, mod: torch.nn.Module) -> Optional[torch.Tensor]:
-        """This rank's weight [N, in] of a projection the step runs itself, or None (the module is called)."""
+    def weight(self, mod: torch.nn.Module) -> Optional[fp8.Weight]:
+        """This rank's weight [N, in] (a tensor or an ``fp8.Fp8Weight``) of a projection the step runs itself, or
+        None (the module is called)."""
         entry = self._direct.get(id(mod))
         return None if entry is None else entry[0]
 
@@ -119,15 +120,13 @@ class LocalDecode:
         w, finish = self._direct[id(mod)]
         return self._run(w, finish, rows, compute)
 
-    def _run(self, w: torch.Tensor, finish: Optional[str], rows: int, compute: Compute) -> torch.Tensor:
+    def _run(self, w: fp8.Weight, finish: Optional[str], rows: int, compute: Compute) -> torch.Tensor:
         return compute(None)
 
-    def _matmul(self, x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x [B, in] @ w[out, in]^T, into ``out`` [B, out] when given: the Triton GEMV when enabled and it
-        applies, else cuBLAS."""
-        if self._fast_gemv and gemv.supports(x, w):
-            return gemv.gemv(x, w, out=out)
-        return F.linear(x, w) if out is None else torch.matmul(x, w.t(), out=out)
+    def _matmul(self, x: torch.Tensor, w: fp8.Weight, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, in] @ w[out, in]^T, into ``out`` [B, out] when given: the Triton GEMVs when enabled and they
+        apply, else cuBLAS (``fp8.linear``)."""
+        return fp8.linear(x, w, out, fast=self._fast_gemv)
 
 
 class TensorParallelDecode(LocalDecode):
@@ -151,9 +150,9 @@ class TensorParallelDecode(LocalDecode):
                       and all(type(n).__name__ == "Qwen3_5RMSNorm" and hasattr(n, "eps") for n in norms))
         self._step_fused = False  # set while a decode step that uses it is traced or run
 
-    def _entry(self, m: torch.nn.Module) -> Optional[tuple[torch.Tensor, Optional[str]]]:
-        if is_plain_linear(m):
-            return m.weight, None
+    def _entry(self, m: torch.nn.Module) -> Optional[tuple[fp8.Weight, Optional[str]]]:
+        if (w := fp8.weight_of(m)) is not None:
+            return w, None
         if (w := row_parallel_weight(m)) is not None:
             return w, "all_reduce"
         if isinstance(m, GatheredColumnLinear):
@@ -188,7 +187,7 @@ class TensorParallelDecode(LocalDecode):
             return self._comm.all_reduce_add_norm(x, h, norm.weight, norm.eps, end_barrier=last)
         return self._add_norm(h, x, norm)
 
-    def _run(self, w: torch.Tensor, finish: Optional[str], rows: int, compute: Compute) -> torch.Tensor:
+    def _run(self, w: fp8.Weight, finish: Optional[str], rows: int, compute: Compute) -> torch.Tensor:
         """In a fused step a row-parallel output goes to the comm's staging slot [rows, N] and is returned
         unreduced (the next ``add_norm`` reduces it); with the fused kernels the vocabulary-split lm_head's output
         is staged and gathered by one kernel (``all_gather_staged``, fp32); otherwise the output is summed over

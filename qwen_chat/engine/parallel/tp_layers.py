@@ -4,6 +4,8 @@
 - ``GatheredColumnLinear``: the lm_head split by output rows, logits all-gathered (``shard_lm_head``);
 - ``RowParallelLinear`` and ``split_gated_deltanet_heads``: a Gated DeltaNet layer split by heads, its
   ``out_proj`` row-parallel;
+- ``shard_fp8_projections``: a model with FP8 weights (``fp8.Fp8Linear``) has its attention and MLP projections
+  split here, on 128 x 128 block boundaries (DeepSpeed AutoTP would slice the FP8 data without its scales);
 - ``column_parallel_weight`` / ``row_parallel_weight``: this rank's weight of a projection whose forward is one
   local ``x @ w^T`` (DeepSpeed AutoTP's ``LinearLayer``; ``LinearAllreduce`` or ``RowParallelLinear``, then a
   sum-all-reduce), matched by class name and attributes so that nothing here imports deepspeed.
@@ -15,9 +17,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+
+from qwen_chat.engine.model.fp8 import BlockAlignmentError, Fp8Linear, Fp8Weight, Weight, linear
 
 log = logging.getLogger(__name__)
 
@@ -93,26 +97,68 @@ class GatheredColumnLinear(torch.nn.Module):
 
 
 class RowParallelLinear(torch.nn.Module):
-    """One rank's input columns of a bias-free ``nn.Linear``; the partial outputs are summed by an all-reduce.
+    """One rank's input columns of a bias-free linear layer; the partial outputs are summed by an all-reduce.
 
     Holds ``weight_cols`` [O, I_local]: the columns of the full [O, I] weight that multiply this rank's slice
-    of the input (which the caller already has locally, e.g. its own attention heads).  Output [..., O] equals
-    the unsharded layer's (sum over ranks of the partial products).  Megatron-LM's RowParallelLinear (Shoeybi
-    et al. 2019, sec. 3).  The weight is not called ``weight`` so that DeepSpeed AutoTP, which matches plan
-    entries by parameter name, never splits it again.
+    of the input (which the caller already has locally, e.g. its own attention heads): a tensor, or for an
+    ``fp8.Fp8Weight`` its float8 data, with the block scales in the buffer ``weight_cols_scale_inv``.  Output
+    [..., O] equals the unsharded layer's (sum over ranks of the partial products).  Megatron-LM's
+    RowParallelLinear (Shoeybi et al. 2019, sec. 3).  The weight is not called ``weight`` so that DeepSpeed
+    AutoTP, which matches plan entries by parameter name, never splits it again.
     """
 
-    def __init__(self, weight_cols: torch.Tensor, world_size: int) -> None:
+    def __init__(self, weight_cols: Weight, world_size: int) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight_cols.shape
+        self.out_features, self.in_features = (int(d) for d in weight_cols.shape)
         self.world_size = world_size
-        self.weight_cols = torch.nn.Parameter(weight_cols, requires_grad=False)
+        data = weight_cols.data if isinstance(weight_cols, Fp8Weight) else weight_cols
+        self.weight_cols = torch.nn.Parameter(data, requires_grad=False)
+        self.register_buffer("weight_cols_scale_inv",
+                             weight_cols.scale if isinstance(weight_cols, Fp8Weight) else None)
+
+    def local_weight(self) -> Weight:
+        """This rank's weight [O, I_local]: the tensor, or an ``fp8.Fp8Weight`` (built on each call)."""
+        if self.weight_cols_scale_inv is None:
+            return self.weight_cols
+        return Fp8Weight(self.weight_cols, self.weight_cols_scale_inv)
+
+    def fp8_weight(self) -> Optional[Fp8Weight]:
+        """The FP8 weight, or None for a bf16 one (``fp8.fp8_summary``)."""
+        return None if self.weight_cols_scale_inv is None else self.local_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(x, self.weight_cols)
+        w = self.local_weight()
+        out = linear(x, w, fast=x.is_cuda and isinstance(w, Fp8Weight))
         if self.world_size > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(out)
         return out
+
+
+def rows_of(lin: torch.nn.Module, ranges: Sequence[tuple[int, int]], name: str) -> torch.nn.Module:
+    """A new bias-free layer holding the output rows ``ranges`` ([start, stop) pairs, concatenated in order) of
+    ``lin``: an ``nn.Linear`` (copied rows) or an ``Fp8Linear`` (data and block scales, copied).  Raises
+    BlockAlignmentError naming ``name`` when an FP8 range does not start and end on a 128-row block boundary."""
+    if isinstance(lin, Fp8Linear):
+        w = lin.fp8_weight()
+        try:
+            return Fp8Linear(Fp8Weight.cat_rows([w.rows(a, b) for a, b in ranges]))
+        except BlockAlignmentError as exc:
+            raise BlockAlignmentError(f"{name}: {exc}") from None
+    rows = torch.cat([torch.arange(a, b) for a, b in ranges]).to(lin.weight.device)
+    out = torch.nn.Linear(lin.in_features, len(rows), bias=False, device="meta")
+    out.weight = torch.nn.Parameter(lin.weight.data[rows].clone(), requires_grad=False)
+    return out
+
+
+def cols_of(lin: torch.nn.Module, start: int, stop: int, name: str) -> Weight:
+    """Input columns start..stop-1 of ``lin``'s weight (copied): a tensor, or an ``fp8.Fp8Weight`` (raises
+    BlockAlignmentError naming ``name`` off the 128-column block boundaries)."""
+    if isinstance(lin, Fp8Linear):
+        try:
+            return lin.fp8_weight().cols(start, stop)
+        except BlockAlignmentError as exc:
+            raise BlockAlignmentError(f"{name}: {exc}") from None
+    return lin.weight.data[:, start:stop].clone()
 
 
 def shard_lm_head(model: torch.nn.Module) -> None:
@@ -139,7 +185,7 @@ def shard_input_embedding(model: torch.nn.Module) -> None:
              -(-full.weight.shape[0] // world), full.weight.shape[1])
 
 
-def split_gated_deltanet_heads(la: torch.nn.Module, rank: int, world: int) -> tuple[int, int]:
+def split_gated_deltanet_heads(la: torch.nn.Module, rank: int, world: int, prefix: str = "") -> tuple[int, int]:
     """Keep rank ``rank``'s heads of one Gated DeltaNet layer ``la`` (of ``world`` ranks); returns its
     (key heads, value heads).
 
@@ -149,19 +195,21 @@ def split_gated_deltanet_heads(la: torch.nn.Module, rank: int, world: int) -> tu
     ``out_proj`` (``RowParallelLinear``: one all-reduce per layer).  Value head j reads key head j // (nv / nk)
     (the ``repeat_interleave`` grouping), so a rank's value heads only need its own key heads; the gated
     RMSNorm weight is per head dimension and stays whole.  The layer's head counts and widths are updated.
+    FP8 projections are split on their 128 x 128 blocks (``rows_of``, ``cols_of``: BlockAlignmentError naming
+    ``prefix`` + the projection when a rank's rows or columns would cut a block).
     """
     nk, nv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
     nk_l, nv_l = nk // world, nv // world
-    k_rows = torch.arange(rank * nk_l * dk, (rank + 1) * nk_l * dk)
-    v_rows = torch.arange(rank * nv_l * dv, (rank + 1) * nv_l * dv)
-    heads = torch.arange(rank * nv_l, (rank + 1) * nv_l)
-    qkv_rows = torch.cat([k_rows, nk * dk + k_rows, 2 * nk * dk + v_rows])
+    k0, k1 = rank * nk_l * dk, (rank + 1) * nk_l * dk
+    v0, v1 = rank * nv_l * dv, (rank + 1) * nv_l * dv
+    h0, h1 = rank * nv_l, (rank + 1) * nv_l
+    qkv_ranges = [(k0, k1), (nk * dk + k0, nk * dk + k1), (2 * nk * dk + v0, 2 * nk * dk + v1)]
+    qkv_rows = torch.cat([torch.arange(a, b) for a, b in qkv_ranges])
+    heads = torch.arange(h0, h1)
     with torch.no_grad():
-        for lin, rows in ((la.in_proj_qkv, qkv_rows), (la.in_proj_z, v_rows), (la.in_proj_b, heads),
-                          (la.in_proj_a, heads)):
-            lin.weight = torch.nn.Parameter(lin.weight.data[rows.to(lin.weight.device)].clone(),
-                                            requires_grad=False)
-            lin.out_features = lin.weight.shape[0]
+        for attr, ranges in (("in_proj_qkv", qkv_ranges), ("in_proj_z", [(v0, v1)]), ("in_proj_b", [(h0, h1)]),
+                             ("in_proj_a", [(h0, h1)])):
+            setattr(la, attr, rows_of(getattr(la, attr), ranges, f"{prefix}linear_attn.{attr}"))
         conv = la.conv1d
         conv.weight = torch.nn.Parameter(conv.weight.data[qkv_rows.to(conv.weight.device)].clone(),
                                          requires_grad=False)
@@ -172,12 +220,33 @@ def split_gated_deltanet_heads(la: torch.nn.Module, rank: int, world: int) -> tu
         la.A_log = torch.nn.Parameter(la.A_log.data[heads.to(la.A_log.device)].clone(), requires_grad=False)
         la.dt_bias = torch.nn.Parameter(la.dt_bias.data[heads.to(la.dt_bias.device)].clone(),
                                         requires_grad=False)
-        w = la.out_proj.weight.data
-        la.out_proj = RowParallelLinear(w[:, v_rows.to(w.device)].clone(), world)
+        la.out_proj = RowParallelLinear(cols_of(la.out_proj, v0, v1, f"{prefix}linear_attn.out_proj"), world)
     la.num_k_heads, la.num_v_heads = nk_l, nv_l
     la.key_dim, la.value_dim = nk_l * dk, nv_l * dv
     la.conv_dim = 2 * la.key_dim + la.value_dim
     return nk_l, nv_l
+
+
+def split_projections(layer: torch.nn.Module, rank: int, world: int, prefix: str = "") -> None:
+    """Split one decoder layer's attention (``q_proj``/``k_proj``/``v_proj`` by output rows, ``o_proj`` by input
+    columns) and MLP (``gate_proj``/``up_proj`` by rows, ``down_proj`` by columns) over ``world`` ranks, as
+    transformers' tp_plan does (colwise / rowwise), for bf16 and FP8 layers alike: rank r keeps rows (columns)
+    [r * n / world, (r + 1) * n / world) as an ``nn.Linear`` / ``Fp8Linear`` (``rows_of``) or a
+    ``RowParallelLinear`` (``cols_of``: one all-reduce).  Used for models with FP8 weights, whose blocks DeepSpeed
+    AutoTP cannot split.  Raises BlockAlignmentError naming the module when an FP8 rank share cuts a block."""
+    owners = [("mlp", layer.mlp, ("gate_proj", "up_proj"), "down_proj")]
+    if hasattr(layer, "self_attn"):
+        owners.insert(0, ("self_attn", layer.self_attn, ("q_proj", "k_proj", "v_proj"), "o_proj"))
+    with torch.no_grad():
+        for label, owner, columns, row in owners:
+            for attr in columns:
+                lin = getattr(owner, attr)
+                per = lin.out_features // world
+                setattr(owner, attr, rows_of(lin, [(rank * per, (rank + 1) * per)], f"{prefix}{label}.{attr}"))
+            lin = getattr(owner, row)
+            per = lin.in_features // world
+            setattr(owner, row, RowParallelLinear(cols_of(lin, rank * per, (rank + 1) * per, f"{prefix}{label}.{row}"),
+                                                  world))
 
 
 def is_deepspeed_layer(m: torch.nn.Module, name: str) -> bool:
@@ -202,15 +271,15 @@ def column_parallel_weight(m: torch.nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
-def row_parallel_weight(m: torch.nn.Module) -> Optional[torch.Tensor]:
-    """This rank's weight [out, in_local] of a row-parallel projection whose forward is ``x @ w^T`` followed by a
+def row_parallel_weight(m: torch.nn.Module) -> Optional[Weight]:
+    """This rank's weight [out, in_local] (a tensor, or an ``fp8.Fp8Weight``) of a row-parallel projection whose forward is ``x @ w^T`` followed by a
     sum-all-reduce over all ranks: ``RowParallelLinear`` or DeepSpeed AutoTP's ``LinearAllreduce`` (bias-free,
     collectives not deferred to a compiler; deepspeed/module_inject/layers.py, DeepSpeed 0.19.8), without hooks.
     None for any other module."""
     if _hooked(m):
         return None
     if isinstance(m, RowParallelLinear):
-        return m.weight_cols
+        return m.local_weight()
     w = getattr(m, "weight", None)
     if (is_deepspeed_layer(m, "LinearAllreduce") and getattr(m, "bias", None) is None
             and isinstance(w, torch.Tensor) and w.dim() == 2

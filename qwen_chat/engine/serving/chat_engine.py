@@ -38,6 +38,7 @@ from qwen_chat.chat_types import (
     StreamUpdate,
 )
 from qwen_chat.config import ServiceConfig
+from qwen_chat.engine.model.fp8 import weights_report
 from qwen_chat.engine.model.paged import BLOCK_TOKENS
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.text.prompt import build_prompt
@@ -152,6 +153,8 @@ class ChatEngine:
         if overlap is None:
             overlap = isinstance(executor, LocalExecutor) or bool(getattr(executor, "tokens_on_device", False))
         self.memory = memory
+        model = getattr(loaded, "model", None)
+        self.weights = weights_report(model) if hasattr(model, "get_input_embeddings") else None
         self.scheduler = Scheduler(executor, num_slots=num_slots, max_queue=max_queue, eos_ids=self.eos_ids,
                                    max_context=self.max_context, on_fatal=on_fatal, overlap=overlap,
                                    constraints=self.structure.table if self.structure is not None else None,
@@ -275,15 +278,18 @@ class ChatEngine:
     def memory_report(self) -> dict:
         """What the memory budget holds, for ``/v1/models``: ``state_slots`` (= ``max_concurrent_sequences``),
         ``kv_blocks``, ``kv_block_tokens``, ``kv_tokens`` (tokens of KV cache in all), ``max_context`` (tokens),
-        ``memory_budget_gib``, ``conversation_cache`` (bool); {} when the engine was built without a memory
-        plan."""
+        ``memory_budget_gib``, ``conversation_cache`` (bool), and ``weights`` (``fp8.weights_report``: which
+        weights are FP8); {} when the engine was built without a memory plan."""
         plan = self.memory
         if plan is None:
             return {}
-        return {"state_slots": plan.num_slots, "max_concurrent_sequences": plan.num_slots,
-                "kv_blocks": plan.num_blocks, "kv_block_tokens": plan.block_tokens, "kv_tokens": plan.kv_tokens,
-                "max_context": self.max_context, "memory_budget_gib": round(plan.budget_bytes / 2 ** 30, 3),
-                "conversation_cache": self.scheduler.stats()["cache"] is not None}
+        report = {"state_slots": plan.num_slots, "max_concurrent_sequences": plan.num_slots,
+                  "kv_blocks": plan.num_blocks, "kv_block_tokens": plan.block_tokens, "kv_tokens": plan.kv_tokens,
+                  "max_context": self.max_context, "memory_budget_gib": round(plan.budget_bytes / 2 ** 30, 3),
+                  "conversation_cache": self.scheduler.stats()["cache"] is not None}
+        if self.weights is not None:
+            report["weights"] = self.weights
+        return report
 
     # ---- building blocks (public for the API layer and tests) ----------------------------------------------
     def prepare(self, messages: Sequence[ChatMessage], settings: GenerationSettings) -> PreparedPrompt:

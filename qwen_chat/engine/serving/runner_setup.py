@@ -3,7 +3,8 @@
 ``build_runner(loaded, config)`` is called on every rank (the sizes are agreed across ranks: each rank measures
 its own budget and all take the smallest, so every rank holds the same slots and blocks).  The budget
 (``size_memory``): ``--memory-budget-gib`` when given; on CUDA what ``--gpu-memory-utilization`` leaves after the
-weights and the activation reserve (``memory.gpu_memory``, ``memory.activation_reserve``); on CPU
+weights (measured: what the process holds after loading, so FP8 weights count at their size) and the activation
+reserve (``memory.gpu_memory``, ``memory.activation_reserve``, plus ``fp8.dequant_bytes`` with FP8); on CPU
 ``CPU_BUDGET_GIB``.  Its split into state slots, KV blocks and the longest context is ``memory.plan_memory``.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 import torch
 
 from qwen_chat.config import ServiceConfig
-from qwen_chat.engine.model import memory
+from qwen_chat.engine.model import fp8, memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
 from qwen_chat.engine.model.state import Geometry, probe_geometry
 
@@ -69,9 +70,11 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
         slots = max(1, memory.state_slots(geometry, usable - held, config.max_batch))
         reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots)
         gathered = _largest_gathered_parameter(model)
-        budget = usable - held - reserve - gathered
+        dequant = fp8.dequant_bytes(model, dtype)
+        budget = usable - held - reserve - gathered - dequant
         how += (f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
-                + (f" - {gathered / GIB:.2f} GiB for the largest parameter ZeRO-3 gathers" if gathered else ""))
+                + (f" - {gathered / GIB:.2f} GiB for the largest parameter ZeRO-3 gathers" if gathered else "")
+                + (f" - {dequant / GIB:.2f} GiB for the largest FP8 weight a prefill dequantises" if dequant else ""))
     else:
         budget, how = int(CPU_BUDGET_GIB * GIB), f"CPU default ({CPU_BUDGET_GIB} GiB)"
         chunk = chunk or memory.CHUNK_CHOICES[0]
