@@ -113,12 +113,12 @@ def _start(b, req: Request, hit, pinned: set) -> None:
 
 
 def _keep_point(b, req: Request, start: int, end: int, plan: StepPlan, pinned: set) -> Optional[tuple[int, int]]:
-    """(position, row) when the chunk start..end of ``req`` covers its keep point and a row can be had (the
-    prefix is then registered in the cache), else None."""
+    """(position, row) when the chunk start..end of ``req`` covers its keep point and a row can be had without
+    taking one that a waiting request needs (the prefix is then registered in the cache), else None."""
     if b.cache is None or req.kept is not None:
         return None
     p = req.key.keep_at
-    if not start < p <= end:
+    if not start < p <= end or (b.waiting and len(b.free_rows) <= len(b.waiting)):
         return None
     row = take_row(b, plan, pinned)
     if row is None:
