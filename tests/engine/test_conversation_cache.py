@@ -148,6 +148,9 @@ def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
         # the last reply's slot is freed in the runner by the scheduler's next (idle) step
         wait_until(lambda: all(runner.lengths[r] == 0 and runner.tables.count(r) == 0
                                for r in range(runner.num_slots) if r not in kept), timeout_s=30)
+        stats = engine.scheduler.stats()                     # the scheduler's count equals the runner's
+        assert stats["kv_blocks_used"] == 0
+        assert stats["kv_blocks_cached"] == runner.num_blocks - runner.tables.free_blocks > 0
         for r in list(kept):
             runner.free(r)
         assert runner.tables.free_blocks == runner.num_blocks

@@ -242,8 +242,9 @@ class ChatEngine:
         """Flat numbers for /metrics (``qwen_chat.web.ops`` reads them at scrape time).
 
         Keys: ``queue_depth`` and ``running`` (requests now), ``num_slots`` (state slots: the most concurrent
-        sequences), ``max_queue``, ``kv_blocks``/``kv_blocks_used``/``kv_block_tokens``/``kv_tokens`` (the paged KV
-        cache: blocks, blocks charged now, tokens per block, tokens in all), ``max_context`` (the longest
+        sequences), ``max_queue``, ``kv_blocks``/``kv_blocks_used``/``kv_blocks_cached``/``kv_block_tokens``/
+        ``kv_tokens`` (the paged KV cache: blocks, blocks running sequences hold now, blocks only kept conversation
+        states hold (evictable), tokens per block, tokens in all), ``max_context`` (the longest
         context), ``*_total`` counters since start (requests, rejected_busy, prompt_tokens, generated_tokens,
         decode_steps, step_seconds: wall seconds the engine spent inside steps, preemptions, prefill_chunks,
         and finished_<reason>), ``max_decode_batch``
@@ -257,6 +258,7 @@ class ChatEngine:
         t = s["totals"]
         out = {"queue_depth": s["queued"], "running": s["active"], "num_slots": s["num_slots"],
                "max_queue": s["max_queue"], "kv_blocks": s["kv_blocks"], "kv_blocks_used": s["kv_blocks_used"],
+               "kv_blocks_cached": s["kv_blocks_cached"],
                "kv_block_tokens": s["block_tokens"], "kv_tokens": s["kv_blocks"] * s["block_tokens"],
                "max_context": self.max_context}
         for key in ("requests", "rejected_busy", "prompt_tokens", "generated_tokens", "decode_steps", "step_seconds",

@@ -49,6 +49,15 @@ class BlockBudget:
         """Blocks held by sequences and kept prefixes (each shared block once)."""
         return self.num_blocks - self.free
 
+    def only_held_by(self, rows) -> int:
+        """Blocks that no row outside ``rows`` holds (e.g. those only kept prefixes hold: evictable)."""
+        t = self._tables
+        mine: dict[int, int] = {}
+        for row in rows:
+            for block in t.blocks(row):
+                mine[block] = mine.get(block, 0) + 1
+        return sum(1 for block, n in mine.items() if n == t.owners(block))
+
     def blocks(self, n_tokens: int) -> int:
         """Blocks that hold n_tokens positions (``paged.blocks_for``)."""
         return blocks_for(n_tokens, self.block_tokens)

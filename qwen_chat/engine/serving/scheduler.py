@@ -147,7 +147,8 @@ class Scheduler:
         """Counters for metrics: active/queued now, slots, totals since start, health.
 
         Keys: ``active`` (running sequences), ``queued`` (waiting for a slot), ``num_slots``, ``max_queue``,
-        ``kv_blocks`` and ``kv_blocks_used`` (KV blocks of the runner held by sequences and kept prefixes now),
+        ``kv_blocks``, ``kv_blocks_used`` (KV blocks of the runner that running sequences hold now) and
+        ``kv_blocks_cached`` (blocks only kept prefixes hold: evicted as soon as a sequence needs them),
         ``block_tokens``, ``cache`` (None with the conversation cache off, else {entries (kept prefixes now),
         queries (prompts admitted), hits, cached_tokens (prompt tokens not prefilled thanks to a hit)}),
         ``healthy`` (bool), ``reason`` (why unhealthy), ``step_running_s`` (seconds the step in progress has
@@ -158,6 +159,7 @@ class Scheduler:
         started = self._step_started_at
         batch = self._batch
         with batch.cond:
+            cached_blocks = batch.kv.only_held_by(batch.cache.rows()) if batch.cache is not None else 0
             totals = dict(batch.totals)
             totals["finished"] = dict(batch.totals["finished"])
             return {
@@ -166,7 +168,8 @@ class Scheduler:
                 "num_slots": batch.num_slots,
                 "max_queue": batch.max_queue,
                 "kv_blocks": batch.kv.num_blocks,
-                "kv_blocks_used": batch.kv.used,
+                "kv_blocks_used": batch.kv.used - cached_blocks,
+                "kv_blocks_cached": cached_blocks,
                 "cache": None if batch.cache is None else {
                     "entries": len(batch.cache), "queries": batch.cache.queries, "hits": batch.cache.hits,
                     "cached_tokens": batch.cache.cached_tokens},
