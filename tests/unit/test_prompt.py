@@ -325,3 +325,33 @@ def test_prompts_built_on_many_threads_equal_the_single_threaded_ids(tiny_loaded
     for t in threads:
         t.join()
     assert bad == []
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
+def test_the_next_prompt_shares_exactly_up_to_the_last_assistant_header(tiny_loaded, thinking):
+    """What the conversation cache keeps: the next turn's prompt equals this one up to ``shared_prefix`` (the
+    end of the last ``<|im_start|>assistant\\n`` header) and differs right after it (the generation prompt is
+    not rendered into the history, reasoning neither)."""
+    m1 = [ChatMessage(role="system", text="Be brief."), ChatMessage(role="user", text="Hello there")]
+    p1 = build(tiny_loaded, m1, enable_thinking=thinking)
+    m2 = m1 + [ChatMessage(role="assistant", text="Hi! How can I help?", reasoning="a greeting"),
+               ChatMessage(role="user", text="Tell me a joke")]
+    p2 = build(tiny_loaded, m2, enable_thinking=thinking)
+    a, b = p1.input_ids.tolist(), p2.input_ids.tolist()
+    n = p1.shared_prefix
+    assert 0 < n < len(a) and a[:n] == b[:n] and a[n] != b[n]
+    tok = tiny_loaded.processor.tokenizer
+    assert tok.decode(a[n - 3:n]) == "<|im_start|>assistant\n"
+    assert p2.shared_prefix > len(a)
+
+
+def test_long_message_ids_are_kept_between_turns_and_equal_a_fresh_encoding(tiny_loaded):
+    from qwen_chat.engine.text import text_ids
+
+    long = ("The sea is calm tonight, <|im_start|> stays text. " * 80).strip()
+    first = build(tiny_loaded, [ChatMessage(role="user", text=long)])
+    assert (id(tiny_loaded.processor.tokenizer), long) in text_ids._TEXT_IDS
+    again = build(tiny_loaded, [ChatMessage(role="user", text=long)])
+    assert torch.equal(first.input_ids, again.input_ids)
+    fresh = tiny_loaded.processor.tokenizer.encode(long, add_special_tokens=False, split_special_tokens=True)
+    assert list(text_ids._TEXT_IDS[(id(tiny_loaded.processor.tokenizer), long)]) == fresh

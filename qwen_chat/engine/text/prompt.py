@@ -64,6 +64,7 @@ from qwen_chat.chat_types import (
     is_blank,
 )
 from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.text.text_ids import shared_prefix, text_ids
 from qwen_chat.engine.text.toolcalls import check_no_control_text, template_tool_calls, template_tools
 
 #: Pixels per visual token: one token per 32 x 32 px block (16 px patches, 2 x 2 merge; docs/facts.md,
@@ -252,9 +253,7 @@ def _encode_locked(processor: Any, system: Optional[ChatMessage], turns: Sequenc
             raise RuntimeError("The chat template reordered the messages; cannot build the prompt safely.")
         text = _content_text(message)
         if text:
-            content_ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
-            if special_ids.intersection(content_ids):  # invariant: no control id from message text
-                raise RuntimeError("Message text produced a control token; refusing to build the prompt.")
+            content_ids = text_ids(tokenizer, text, special_ids)
             ids.extend(content_ids)
             turn_tokens[slot] += len(content_ids)
     add_template(pieces[-1], n_turn_slots - 1)
@@ -273,23 +272,6 @@ def _vision_inputs(processor: Any, encoded: _Encoded, kwargs: dict) -> dict:
         raise RuntimeError(f"Visual token counts disagree: size-based {encoded.image_token_counts}, "
                            f"processor {got}")
     return {"pixel_values": out["pixel_values"].to(torch.float32), "image_grid_thw": grid}
-
-
-#: The template text that opens the reply's turn (docs/facts.md, "Chat template behaviour").
-ASSISTANT_HEADER = "<|im_start|>assistant\n"
-
-
-def shared_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
-    """Tokens of ``ids`` that the next prompt of the same conversation shares: up to the end of the last
-    ``<|im_start|>assistant\n`` header.  The template renders an earlier reply as its text only (no reasoning,
-    no empty think block), so what follows the header (the generation prompt) is not shared.  0 when the
-    prompt has no such header."""
-    header = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False)
-    h = len(header)
-    for i in range(len(ids) - h, -1, -1):
-        if list(ids[i:i + h]) == header:
-            return i + h
-    return 0
 
 
 def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, enable_thinking: bool,

@@ -1,0 +1,52 @@
+"""Token ids of message texts, kept between requests, and what the next prompt of a conversation shares.
+
+Used by ``prompt.build_prompt``: every turn of a conversation sends its earlier messages again, so the ids of
+long texts are kept (``text_ids``), and the conversation cache keeps the state where the next prompt stops
+sharing this one (``shared_prefix``; docs/conversation-cache.md).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Sequence
+
+#: Token ids of long message texts, kept between requests (least recently used dropped first): every turn of a
+#: conversation sends its earlier messages again, and encoding a 30k-token history takes ~50 ms of CPU
+#: (measured: docs/performance.md, "Conversation cache").  Only texts of at least ``TEXT_IDS_MIN_CHARS``.
+_TEXT_IDS: "OrderedDict[tuple[int, str], tuple[int, ...]]" = OrderedDict()
+TEXT_IDS_ENTRIES = 256
+TEXT_IDS_MIN_CHARS = 2000
+
+
+def text_ids(tokenizer: Any, text: str, special_ids: set) -> Sequence[int]:
+    """The ids of one message text (``split_special_tokens``: text that looks like a control token stays text),
+    from ``_TEXT_IDS`` when it was encoded before.  Raises RuntimeError if a control id came out anyway (the
+    invariant that no control id ever comes from a message).  Called under ``prompt._ENCODE_LOCK``."""
+    key = (id(tokenizer), text) if len(text) >= TEXT_IDS_MIN_CHARS else None
+    if key is not None and key in _TEXT_IDS:
+        _TEXT_IDS.move_to_end(key)
+        return _TEXT_IDS[key]
+    content_ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    if special_ids.intersection(content_ids):
+        raise RuntimeError("Message text produced a control token; refusing to build the prompt.")
+    if key is not None:
+        _TEXT_IDS[key] = tuple(content_ids)
+        while len(_TEXT_IDS) > TEXT_IDS_ENTRIES:
+            _TEXT_IDS.popitem(last=False)
+    return content_ids
+
+
+#: The template text that opens the reply's turn (docs/facts.md, "Chat template behaviour").
+ASSISTANT_HEADER = "<|im_start|>assistant\n"
+
+
+def shared_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
+    """Tokens of ``ids`` that the next prompt of the same conversation shares: up to the end of the last
+    ``<|im_start|>assistant\\n`` header.  The template renders an earlier reply as its text only (no reasoning,
+    no empty think block), so what follows the header (the generation prompt) is not shared.  0 when the
+    prompt has no such header."""
+    header = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False)
+    h = len(header)
+    for i in range(len(ids) - h, -1, -1):
+        if list(ids[i:i + h]) == header:
+            return i + h
+    return 0
