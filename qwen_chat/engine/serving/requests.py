@@ -22,7 +22,7 @@ class PreparedPrompt:
     ``max_new_tokens``: tokens the reply may take after the context policy (may be clamped).
     ``notice``: user-facing description of what the context policy did ('' if nothing).
     ``dropped_messages``: messages the context policy left out (whole oldest turns), 0 if none.
-    ``shared_prefix``: tokens the next prompt of the same conversation will share (``prompt.shared_prefix``;
+    ``shared_prefix``: tokens the next prompt of the same conversation will share (``text_ids.shared_prefix``;
     the conversation cache keeps the state there), 0 if unknown.
     """
 
