@@ -48,7 +48,8 @@ class PromptKey:
 def prompt_key(prompt: PreparedPrompt) -> PromptKey:
     """The key of a prompt: its ids, a blake2b digest of each image's pixel rows and grid (the i-th run of
     image-pad positions in ``mm_token_type_ids`` is image i; ``image_grid_thw`` t*h*w rows of
-    ``pixel_values`` each), and its keep point."""
+    ``pixel_values`` each; without ``mm_token_type_ids`` one digest of all pixels, at position 0, so that only
+    prompts with the same images match), and its keep point."""
     ids = prompt.input_ids.reshape(-1).to(torch.long).cpu()
     images = []
     if prompt.pixel_values is not None and prompt.image_grid_thw is not None and prompt.mm_token_type_ids is not None:
@@ -65,6 +66,9 @@ def prompt_key(prompt: PreparedPrompt) -> PromptKey:
             h.update(pixels[rows:rows + n].numpy().tobytes())
             images.append((int(start), h.digest()))
             rows += n
+    elif prompt.pixel_values is not None:  # images without their positions: one digest of all, at position 0
+        h = hashlib.blake2b(prompt.pixel_values.detach().cpu().contiguous().numpy().tobytes(), digest_size=16)
+        images.append((0, h.digest()))
     keep = int(prompt.shared_prefix)
     return PromptKey(ids, tuple(images), keep if 0 < keep < ids.numel() else 0)
 
