@@ -119,6 +119,17 @@ def test_two_users_with_the_same_system_prompt_at_once_equal_their_solo_runs(eng
     assert [results[i][:3] for i in range(3)] == [s[:3] for s in solo]
 
 
+def assert_cached_count(batch) -> None:
+    """The scheduler's running count of blocks only kept states hold equals a count from its block tables."""
+    with batch.cond:
+        tables, rows = batch.kv._tables, batch.cache.rows()
+        held = {}
+        for r in rows:
+            for blk in tables.blocks(r):
+                held[blk] = held.get(blk, 0) + 1
+        assert batch.kv.cached == sum(1 for blk, n in held.items() if n == tables.owners(blk))
+
+
 def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
     """500 random turns of 6 conversations (follow-ups, regenerates, edits) on 3 slots and few blocks: every
     reply finishes, kept states are evicted for running sequences, and afterwards every block not held by a
@@ -138,6 +149,8 @@ def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
                 msgs = [u(f"Conversation {c} edited {turn}.")] + msgs[1:]
             out = reply(engine, msgs, n=rng.choice([1, 2, 3]))
             finished += 1
+            if turn % 25 == 0:
+                assert_cached_count(engine.scheduler._batch)
             convs[c] = (msgs + [a(out), u(f"turn {turn}")])[-7:] if len(msgs) < 7 else [u(f"restart {turn}")]
         batch = engine.scheduler._batch
         stats = engine.scheduler.stats()

@@ -127,6 +127,7 @@ class Batch:
                 f"prompt is {n} tokens but the context holds {self.max_context}; shorten the conversation",
                 prompt_tokens=n, context_length=self.max_context,
             )
+        key = prompt_key(prompt) if self.cache is not None else None  # hashes images: not under the lock
         with self.cond:
             if self.stopping:
                 raise NotReady("the engine is shutting down")
@@ -136,7 +137,6 @@ class Batch:
                 self.totals["rejected_busy"] += 1
                 raise Busy(f"busy, {max(queued, 0)} requests queued, try again in a moment")
             sink = queue.Queue() if len(samplings) > 1 else None
-            key = prompt_key(prompt) if self.cache is not None else None
             group = []
             for index, sampling in enumerate(samplings):
                 handle = RequestHandle(next(self._ids), n, cancel, self.notify, index=index, sink=sink)
@@ -202,12 +202,8 @@ class Batch:
         kv = self.kv
         while True:
             growing = [r for r in decoded if kv.blocks(r.cached + 1) > kv.held(r.slot)]
-            if len(growing) <= kv.free:
+            if prefill_plan.make_room(self, len(growing), plan, set(), alone=True):  # no watermark for growth
                 break
-            kept = self.cache.victim(set()) if self.cache is not None else None
-            if kept is not None:
-                prefill_plan.evict(self, kept, plan)
-                continue
             victim = max((r for r in self.running.values() if r.target is not None), key=lambda r: r.order)
             self._preempt(victim, plan)
             decoded = [r for r in decoded if r is not victim]

@@ -153,6 +153,7 @@ class ChatEngine:
         if overlap is None:
             overlap = isinstance(executor, LocalExecutor) or bool(getattr(executor, "tokens_on_device", False))
         self.memory = memory
+        self.conversation_cache = bool(conversation_cache)
         model = getattr(loaded, "model", None)
         self.weights = weights_report(model) if hasattr(model, "get_input_embeddings") else None
         self.scheduler = Scheduler(executor, num_slots=num_slots, max_queue=max_queue, eos_ids=self.eos_ids,
@@ -288,7 +289,7 @@ class ChatEngine:
         report = {"state_slots": plan.num_slots, "max_concurrent_sequences": plan.num_slots,
                   "kv_blocks": plan.num_blocks, "kv_block_tokens": plan.block_tokens, "kv_tokens": plan.kv_tokens,
                   "max_context": self.max_context, "memory_budget_gib": round(plan.budget_bytes / 2 ** 30, 3),
-                  "conversation_cache": self.scheduler.stats()["cache"] is not None}
+                  "conversation_cache": self.conversation_cache}
         if self.weights is not None:
             report["weights"] = self.weights
         return report

@@ -26,7 +26,8 @@ class BlockBudget:
         block_tokens: positions per block.
 
     Attributes: ``num_blocks``, ``block_tokens``, ``watermark`` (blocks an admission must leave free, so that
-    the running sequences can grow for a while before anyone is preempted: 1 % of the blocks, at least 1).
+    the running sequences can grow for a while before anyone is preempted: 1 % of the blocks, at least 1),
+    ``cached`` (blocks that only kept prefixes hold, counted as ownership changes: evictable).
     Raises ValueError for ``num_blocks`` < 1.
     """
 
@@ -38,6 +39,9 @@ class BlockBudget:
         self.watermark = max(1, self.num_blocks // 100)
         self._tables = BlockTables(num_slots=num_rows, num_blocks=self.num_blocks, max_blocks=max(1, max_blocks),
                                    device=None, block_tokens=self.block_tokens)
+        self._live = [0] * self.num_blocks  # owners of each block that are running sequences' rows
+        self._kept_rows: set[int] = set()   # rows that hold kept prefixes
+        self.cached = 0
 
     @property
     def free(self) -> int:
@@ -49,14 +53,14 @@ class BlockBudget:
         """Blocks held by sequences and kept prefixes (each shared block once)."""
         return self.num_blocks - self.free
 
-    def only_held_by(self, rows) -> int:
-        """Blocks that no row outside ``rows`` holds (e.g. those only kept prefixes hold: evictable)."""
+    def _live_gain(self, blocks) -> None:
+        """A running sequence's row took ``blocks`` (already owned by it): those only kept prefixes held are no
+        longer ``cached``."""
         t = self._tables
-        mine: dict[int, int] = {}
-        for row in rows:
-            for block in t.blocks(row):
-                mine[block] = mine.get(block, 0) + 1
-        return sum(1 for block, n in mine.items() if n == t.owners(block))
+        for b in blocks:
+            if self._live[b] == 0 and t.owners(b) > 1:
+                self.cached -= 1
+            self._live[b] += 1
 
     def blocks(self, n_tokens: int) -> int:
         """Blocks that hold n_tokens positions (``paged.blocks_for``)."""
@@ -79,19 +83,34 @@ class BlockBudget:
     def ensure(self, row: int, n_tokens: int) -> None:
         """``row`` holds the blocks of positions 0..n_tokens-1.  Raises ``paged.OutOfBlocks`` when too few are
         free (check ``fits`` first)."""
+        held = self._tables.count(row)
         self._tables.ensure(row, n_tokens)
+        self._live_gain(self._tables.blocks(row)[held:])
 
     def start_from(self, row: int, src: int, n_prefix: int, n_tokens: int) -> None:
         """``row`` (empty) starts from the prefix ``src`` keeps: it shares the prefix's full blocks and takes
         its own for the rest of ``n_tokens`` (the runner copies the partly filled block into one of them)."""
         self._tables.share(row, self._tables.blocks(src)[:n_prefix // self.block_tokens])
-        self._tables.ensure(row, n_tokens)
+        self._live_gain(self._tables.blocks(row))
+        self.ensure(row, n_tokens)
 
     def keep(self, row: int, src: int, n_prefix: int) -> None:
         """``row`` (empty) keeps the prefix of ``n_prefix`` tokens of the sequence in ``src``: it shares that
         sequence's first ``blocks(n_prefix)`` blocks."""
         self._tables.share(row, self._tables.blocks(src)[:self.blocks(n_prefix)])
+        self._kept_rows.add(row)
 
     def release(self, row: int) -> None:
         """Give back everything ``row`` holds (shared blocks stay with their other owners)."""
-        self._tables.release(row)
+        t = self._tables
+        kept = row in self._kept_rows
+        self._kept_rows.discard(row)
+        for b in t.blocks(row):
+            if kept:
+                if self._live[b] == 0 and t.owners(b) == 1:
+                    self.cached -= 1  # its last kept owner lets go: free now
+            else:
+                self._live[b] -= 1
+                if self._live[b] == 0 and t.owners(b) > 1:
+                    self.cached += 1  # only kept prefixes hold it now
+        t.release(row)

@@ -159,7 +159,7 @@ class Scheduler:
         started = self._step_started_at
         batch = self._batch
         with batch.cond:
-            cached_blocks = batch.kv.only_held_by(batch.cache.rows()) if batch.cache is not None else 0
+            cached_blocks = batch.kv.cached
             totals = dict(batch.totals)
             totals["finished"] = dict(batch.totals["finished"])
             return {
