@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.support.servers import free_port
-from tests.support.service_harness import rank_pids
+from tests.support.service_harness import rank_pids, running
 from tests.support.waiting import log_tail, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -230,7 +230,7 @@ def test_zero3_matches_single_process_and_a_killed_rank_ends_the_group(work, ref
         elapsed = time.monotonic() - t0
         assert code != 0
         assert elapsed < 30, f"group took {elapsed:.1f} s to exit"
-        assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+        assert not running(pids[0])
     finally:
         kill_group(proc)
 
@@ -266,8 +266,7 @@ def test_start_sh_only_rank0_listens_and_sigterm_stops_all_ranks(work):
         assert listening_pids(port) == {pids[0]}
         # Supervisor stops the program group with SIGTERM (deploy/qwen3.5-9b.conf: stopasgroup=true).
         os.killpg(proc.pid, signal.SIGTERM)
-        wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                   for p in pids.values()), 60, "all ranks to exit", poll_s=0.5, log=log)
+        wait_until(lambda: not any(running(p) for p in pids.values()), 60, "all ranks to exit", poll_s=0.5, log=log)
         text = log.read_text(errors="replace")
         assert re.search(r"rank 0: exit sent to 1 worker rank\(s\)", text), log_tail(log)
         assert "rank 1: exit message after" in text and "rank 1: worker stopped cleanly" in text, log_tail(log)

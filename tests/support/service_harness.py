@@ -101,6 +101,15 @@ def wait_healthy(base_url: str, timeout_s: float = 180.0, poll_s: float = 0.5) -
     raise TimeoutError(f"{base_url}/healthz not 200 within {timeout_s:.0f} s; last answer: {last}")
 
 
+def running(pid: int) -> bool:
+    """True while ``pid`` is a live (non-zombie) process; False once it is gone, also when it exits while being
+    looked at."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def group_pids(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
     out = []
