@@ -1,14 +1,17 @@
 """The FP8 decode GEMV (qwen_chat.engine.model.fp8_gemv) on the 9B's decode shapes: GB/s against the bf16 GEMV.
 
-Usage (one GPU host, repository root; a few minutes on an H200, ``--quick`` under one):  python bench/fp8_gemv_probe.py [--quick]
+Usage (one GPU host, repository root; about 4 minutes on an H200, ``--quick`` under one):
+
+    python bench/fp8_gemv_probe.py [--quick] [--save-tiles]
 
 For each FP8 projection of the full config on one GPU (Gated DeltaNet in_proj_qkv + in_proj_z fused, attention
 q/k/v fused, out_proj / o_proj, MLP gate/up fused, down) and B = 1, 4, 16, 32, 64 rows: the kernels' default
 tiles (``fp8_gemv.pick_config``) and, unless ``--quick``, a sweep of tile sizes; the bf16 Triton GEMV
 (``gemv``, up to 16 rows) and cuBLAS on the same shape for comparison.  Timing: ``gemv_probe.graph_time`` (a
 CUDA graph of calls rotating over >= 256 MiB of weights, so L2 cannot serve them).  GB/s = bytes of the weight
-read (FP8: 1 per weight + the scales; bf16: 2) / time.  The best tiles are what ``fp8_gemv.pick_config`` should
-return; writes <out>/<date>-<gpu>-fp8-gemv-probe.json (and $OUT/) and prints a table last.
+read (FP8: 1 per weight + the scales; bf16: 2) / time.  With ``--save-tiles`` the best tiles of B = 1, 4 and 32 (the
+batch classes 1, 2-16, 17-32) go to ``qwen_chat/engine/model/fp8_tiles.json``, which ``fp8_gemv.pick_config``
+reads; writes <out>/<date>-<gpu>-fp8-gemv-probe.json (and $OUT/) and prints a table last.
 """
 from __future__ import annotations
 
@@ -31,26 +34,32 @@ from gemv_probe import graph_time  # noqa: E402
 
 from qwen_chat.engine.model import fp8, fp8_gemv, gemv  # noqa: E402
 
-SHAPES = {  # name: (N, K) of the FP8 GEMMs of the full config, one GPU (in_proj_b/a stay bf16)
-    "gdn_in_proj(qkv+z)": (12288, 4096), "attn_qkv": (10240, 4096), "out_proj/o_proj": (4096, 4096),
-    "mlp_gate_up": (24576, 4096), "mlp_down": (4096, 12288),
+SHAPES = {  # name: (N, K) of the FP8 GEMMs of the full config, one GPU (in_proj_b/a stay bf16); most bytes first
+    "mlp_gate_up": (24576, 4096), "mlp_down": (4096, 12288), "gdn_in_proj(qkv+z)": (12288, 4096),
+    "out_proj/o_proj": (4096, 4096), "attn_qkv": (10240, 4096),
 }
 BATCHES = (1, 4, 16, 32, 64)
+#: Batches whose best tiles are saved for their class (``fp8_gemv.batch_class``): 4 stands for 2-16 rows.
+SWEPT = (1, 4, 32)
 
 
-def configs(B: int):
-    """The tiles swept (about 15 at one row, 4-12 at more: some 250 compilations in all, a few minutes)."""
+def configs(B: int, K: int):
+    """The tiles swept.  One row: the row kernel with tiles of 4, 8 or 16 KiB of weight (BLOCK_N x BLOCK_K),
+    grouped scales at 4 and 8 warps and per-column scales at 4, and the dot kernel (16 padded rows) at 3 and 5
+    stages: 47 per shape.  More rows: the dot kernel's BLOCK_B 16 and the batch's class x BLOCK_N: 4-8."""
     if B == 1:
-        for bn, bk in itertools.product((2, 4, 8, 16, 32), (256, 512, 1024, 2048)):
-            if 1024 <= bn * bk <= 16384:
-                yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-    else:
-        for bb, bn in itertools.product((16, 32, 64), (16, 32, 64, 128)):
-            if bb >= min(B, 64):
-                yield dict(BLOCK_B=bb, BLOCK_N=bn, num_warps=4, num_stages=3)
+        for bn, bk in itertools.product((2, 4, 8, 16, 32), (256, 512, 1024, 2048, 4096)):
+            if bn * bk in (4096, 8192, 16384) and K % bk == 0:
+                for grouped, nw in ((True, 4), (True, 8), (False, 4)):
+                    yield dict(BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, num_warps=nw, num_stages=3)
+        for bn, ns in itertools.product((16, 32, 64, 128), (3, 5)):
+            yield dict(BLOCK_B=16, BLOCK_N=bn, num_warps=4, num_stages=ns)
+        return
+    for bb, bn in itertools.product(sorted({16, int(fp8_gemv.batch_class(B))}), (16, 32, 64, 128)):
+        yield dict(BLOCK_B=bb, BLOCK_N=bn, num_warps=4, num_stages=3)
 
 
-def probe(name: str, N: int, K: int, quick: bool) -> dict:
+def probe(name: str, N: int, K: int, quick: bool, sweep=SWEPT) -> dict:
     q = fp8.quantize_blocks(torch.randn(N, K, device="cuda") * 0.02)
     nbytes = q.nbytes
     copies = max(1, -(-(256 << 20) // nbytes))
@@ -64,9 +73,7 @@ def probe(name: str, N: int, K: int, quick: bool) -> dict:
         t = graph_time([lambda w=w, o=o: fp8_gemv.gemv_fp8(x, w.data, w.scale, out=o) for w, o in zip(ws, outs)])
         row["fp8_default"] = {"config": fp8_gemv.pick_config(B, N, K), "us": t * 1e6, "gb_s": nbytes / t / 1e9}
         best = None
-        for cfg in ([] if quick else configs(B)):
-            if B == 1 and K % cfg["BLOCK_K"]:
-                continue
+        for cfg in ([] if quick or B not in sweep else configs(B, K)):
             try:
                 t = graph_time([lambda w=w, o=o: fp8_gemv.gemv_fp8(x, w.data, w.scale, out=o, config=cfg)
                                 for w, o in zip(ws, outs)])
@@ -92,26 +99,53 @@ def probe(name: str, N: int, K: int, quick: bool) -> dict:
     return res
 
 
+def tiles_doc(doc: dict) -> dict:
+    """The best tiles per (batch class, N, K) of a probe's results, in ``fp8_gemv.TILES_FILE``'s layout (a tile
+    only where the sweep beat the default by more than 1%, else the default's)."""
+    tiles = {}
+    for r in doc["shapes"].values():
+        for B, row in r["by_batch"].items():
+            best, default = row.get("fp8_best"), row["fp8_default"]
+            if int(B) not in SWEPT or best is None:
+                continue
+            pick = best if best["us"] < 0.99 * default["us"] else default
+            tiles[f"{fp8_gemv.batch_class(int(B))}:{r['N']}:{r['K']}"] = dict(pick["config"])
+    return {"source": {**doc["env"], "date_utc": doc["date_utc"],
+                       "note": "best tiles of bench/fp8_gemv_probe.py (fp8_gemv.pick_config reads them)"},
+            "tiles": tiles}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="default tiles only (no sweep)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--save-tiles", action="store_true",
+                    help=f"write the best tiles to {fp8_gemv.TILES_FILE.relative_to(ROOT)} (read by pick_config)")
     args = ap.parse_args(argv)
     gpu = torch.cuda.get_device_name().replace(" ", "-")
-    stem = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}-{gpu}-fp8-gemv-probe"
-    doc = {"env": {"gpu": gpu, "torch": torch.__version__, "command": " ".join(["python", "bench/fp8_gemv_probe.py"]
-                                                                                 + (argv or sys.argv[1:]))},
-           "shapes": {name: probe(name, N, K, args.quick) for name, (N, K) in SHAPES.items()}}
-    for p in [args.out / f"{stem}.json"] + ([Path(os.environ["OUT"]) / f"{stem}.json"] if os.environ.get("OUT") else []):
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(doc, indent=1))
-    print(f"\n{'shape':20s} {'B':>3s} {'fp8 default us':>15s} {'fp8 best us':>12s} {'bf16 us':>9s}  best tiles")
+    now = dt.datetime.now(dt.timezone.utc)
+    stem = f"{now:%Y-%m-%d}-{gpu}-fp8-gemv-probe"
+    doc = {"date_utc": now.isoformat(timespec="seconds"),
+           "env": {"gpu": gpu, "torch": torch.__version__, "triton": fp8_gemv.triton.__version__,
+                   "command": " ".join(["python", "bench/fp8_gemv_probe.py"] + (argv or sys.argv[1:]))},
+           "shapes": {}}
+    paths = [args.out / f"{stem}.json"] + ([Path(os.environ["OUT"]) / f"{stem}.json"] if os.environ.get("OUT") else [])
+    for name, (N, K) in SHAPES.items():
+        doc["shapes"][name] = probe(name, N, K, args.quick)
+        for p in paths:  # after every shape: a cut-short run keeps what it measured
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(json.dumps(doc, indent=1))
+        if args.save_tiles and not args.quick:
+            fp8_gemv.TILES_FILE.write_text(json.dumps(tiles_doc(doc), indent=1) + "\n")
+    print(f"\n{'shape':20s} {'B':>3s} {'fp8 default us':>15s} {'GB/s':>5s} {'fp8 best us':>12s} {'GB/s':>5s} "
+          f"{'bf16 us':>9s}  best tiles")
     for name, r in doc["shapes"].items():
         for B, row in r["by_batch"].items():
             bf16 = row.get("bf16_triton", row["bf16_cublas"])["us"]
             best = row.get("fp8_best", {})
-            print(f"{name:20s} {B:>3s} {row['fp8_default']['us']:15.1f} {best.get('us', float('nan')):12.1f} "
-                  f"{bf16:9.1f}  {best.get('config', '')}")
+            print(f"{name:20s} {B:>3s} {row['fp8_default']['us']:15.1f} {row['fp8_default']['gb_s']:5.0f} "
+                  f"{best.get('us', float('nan')):12.1f} {best.get('gb_s', float('nan')):5.0f} {bf16:9.1f}  "
+                  f"{best.get('config', '')}")
     return 0
 
 

@@ -5,7 +5,8 @@ Usage (repository root):
     python bench/serve_bench.py                    # GPU host: random full-config checkpoint, ~9 min on one H200
     python bench/serve_bench.py --model PATH       # an existing checkpoint folder instead
     python bench/serve_bench.py --smoke            # CPU: --model tiny, everything scaled down (checks the script)
-    python bench/serve_bench.py --skip-cap24 --skip-long   # partial runs
+    python bench/serve_bench.py --skip-cap24 --skip-long   # partial runs (also --skip-followups)
+    QWEN_CHAT_QUANTIZE=fp8 python bench/serve_bench.py     # FP8 weights (start.sh reads the variable)
     CUDA_VISIBLE_DEVICES=0 python bench/serve_bench.py     # one GPU of a multi-GPU host (start.sh uses every
                                                            # visible GPU; NUM_GPUS=1 works too)
     CUDA_VISIBLE_DEVICES=0,1 python bench/serve_bench.py --data-parallel 2   # two replicas, one GPU each
@@ -31,8 +32,9 @@ mode; random-word prompts, since the API has no ignore-EOS, so tokens are counte
   history, keyed "8k" / "30k", each with "cached" (the conversation cache holds the first turn) and "uncached"
   (one word changed at the start: everything prefilled) (``serve_followup.py``; 3 repeats each);
 - ``cap24``: the service restarted with its CUDA allocator capped at 22.5 GiB by a ``sitecustomize.py`` on
-  PYTHONPATH (``torch.cuda.set_per_process_memory_fraction``; no flag changed): whether it started, and
-  aggregate tok/s + TTFT at 8 and 32 streams;
+  PYTHONPATH (``torch.cuda.set_per_process_memory_fraction``; no flag changed): whether it started, aggregate
+  tok/s + TTFT at 8 and 32 streams, and ``long_context``: 32 prompts of 32k tokens at once, how many the KV
+  cache holds by arithmetic and how many ran at once (``serve_capacity.py``);
 - ``peak_gpu_memory_gib``: the largest nvidia-smi used memory sampled during the run (GiB, all GPUs summed);
   ``/metrics``' ``qwen_chat_gpu_memory_bytes`` is kept per phase in ``detail``.
 
@@ -54,7 +56,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,23 +64,24 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_http as H  # noqa: E402
 import serve_report as R  # noqa: E402
+from serve_capacity import capped_service  # noqa: E402
 from serve_followup import followups  # noqa: E402
 from serve_ckpt import DEFAULT_CKPT_DIR  # noqa: E402
-from serve_proc import (FRACTION_ENV, Service, cap_sitecustomize, free_port, kernel_lines, port_is_free,  # noqa: E402
-                        server_versions)
+from serve_proc import Service, free_port, kernel_lines, port_is_free, server_versions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CAP_GIB = 22.5
 FULL = dict(calib_words=(200, 4000), warmup_new=32, batch1_prompt=100, batch1_new=1024, batch1_runs=2,
             burst_prompt=600, burst_new=256, prompt_new=8,
             prompts={"1k": 1000, "8k": 8000, "32k": 32000, "128k": 128000},
             followups={"8k": 8000, "30k": 30000}, followup_reply=32, followup_new=20, followup_repeats=3,
-            repeats={"1k": 3, "8k": 3, "32k": 2, "128k": 1}, startup_timeout_s=420, budget_s=540)
+            repeats={"1k": 3, "8k": 3, "32k": 2, "128k": 1}, startup_timeout_s=420, budget_s=540,
+            cap_long=dict(tokens=32000, streams=32, new_tokens=16))
 SMOKE = dict(calib_words=(20, 200), warmup_new=4, batch1_prompt=20, batch1_new=24, batch1_runs=1,
              burst_prompt=40, burst_new=4, prompt_new=2,
              prompts={"1k": 60, "8k": 120, "32k": 240, "128k": 40000},
              followups={"8k": 120, "30k": 240}, followup_reply=4, followup_new=10, followup_repeats=2,
-             repeats={"1k": 2, "8k": 2, "32k": 1, "128k": 1}, startup_timeout_s=300, budget_s=0)
+             repeats={"1k": 2, "8k": 2, "32k": 1, "128k": 1}, startup_timeout_s=300, budget_s=0,
+             cap_long=dict(tokens=240, streams=4, new_tokens=2))
 T0 = time.monotonic()
 
 
@@ -141,7 +143,9 @@ class Bench:
                         "checkpoint": None, "sizes": sizes, "errors": [],
                         "sampling": "the service's defaults (model-card preset of thinking mode), max_tokens set",
                         "detail": {"calibration": None, "batch1": [], "bursts": {}, "prompts": {}, "phases": {}}}
-        self.context["service_env"] = dict(self.env)  # what start.sh got besides the flags (DATA_PARALLEL...)
+        # what start.sh got besides the flags (DATA_PARALLEL..., and QWEN_CHAT_QUANTIZE passed through from here)
+        self.context["service_env"] = {**self.env, **({"QWEN_CHAT_QUANTIZE": os.environ["QWEN_CHAT_QUANTIZE"]}
+                                                      if os.environ.get("QWEN_CHAT_QUANTIZE") else {})}
         self.detail = self.context["detail"]
         self.services: list[Service] = []
 
@@ -273,47 +277,17 @@ class Bench:
             self.run_burst(url, model, streams, self.bursts, "")
             self.detail["bursts"][str(streams)] = self.bursts[str(streams)]
             self.save()
-        progress("follow-up TTFT, cached and uncached")
-        self.run_followups(url, model)
+        if not self.args.skip_followups:
+            progress("follow-up TTFT, cached and uncached")
+            self.run_followups(url, model)
         progress("prompt TTFT, one prompt at a time")
         self.run_prompts(url, model, svc)
         svc.stop()
         return True
 
     def cap_service(self, model_arg: str, port: int, log: Path) -> None:
-        total = H.nvidia_smi("memory.total", H.visible_gpus()) if self.gpus else None
-        # No GPU (--smoke): fraction 1, so the sitecustomize still hooks the service's torch import (the
-        # mechanism is exercised) while CUDA never starts and nothing is capped.
-        fraction = CAP_GIB * 1024 / float(total[0]) if total else 1.0
-        tmp = Path(tempfile.mkdtemp(prefix="serve-bench-cap-"))
-        cap_sitecustomize(tmp)
-        env = {FRACTION_ENV: f"{fraction:.6f}",
-               "PYTHONPATH": str(tmp) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-        svc = Service(["--model", model_arg] + (["--port", str(port)] if port != 7860 else []), port, log,
-                      {**self.env, **env})
-        self.services.append(svc)
-        self.cap24 = {"started": False, "cap_gib": CAP_GIB, "fraction": round(fraction, 6),
-                      "note": None if total else "no GPU: the sitecustomize hooks torch but nothing is capped",
-                      "error": None, "startup_s": None, "bursts": {}}
-        progress(f"starting the service with the allocator capped at {CAP_GIB} GiB (fraction {fraction:.4f}"
-                 + ("" if total else "; no GPU: nothing to cap") + ")")
-        try:
-            if not svc.start(self.P["startup_timeout_s"]):
-                self.cap24["error"] = svc.error
-                progress(f"capped service did not start: {svc.error}")
-                return
-            self.cap24.update(started=True, startup_s=svc.startup_s)
-            progress(f"capped service up after {svc.startup_s:.1f} s")
-            self.phase_memory("cap24_after_startup", svc.base_url)
-            model = httpx.get(svc.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            for streams in R.CAP_CONCURRENCY:
-                self.run_burst(svc.base_url, model, streams, self.cap24["bursts"], "cap24 ")
-                self.save()
-            if not svc.alive():
-                self.cap24["error"] = f"the service exited: {svc.error or svc.proc.returncode}"
-        finally:
-            svc.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
+        """The service restarted under the 24 GB cap: bursts and the long-context phase (``serve_capacity``)."""
+        capped_service(self, model_arg, port, log, progress)
 
 
 def _raise_interrupt(signum, frame):
@@ -333,6 +307,7 @@ def main(argv=None) -> int:
                          "ranks); results get a -dpN suffix")
     ap.add_argument("--skip-cap24", action="store_true", help="skip the restart under the 24 GB cap")
     ap.add_argument("--skip-long", action="store_true", help="skip the 32k and 128k-token prompts")
+    ap.add_argument("--skip-followups", action="store_true", help="skip the follow-up (conversation cache) phase")
     ap.add_argument("--budget-s", type=float, help="skip the 24 GB run when fewer seconds are left than its "
                                                    "start-up needs (default 540 on a GPU host; 0: no budget)")
     args = ap.parse_args(argv)
@@ -342,6 +317,7 @@ def main(argv=None) -> int:
     if args.data_parallel < 1:
         ap.error("--data-parallel must be >= 1")
     dp = f"-dp{args.data_parallel}" if args.data_parallel > 1 else ""
+    dp += f"-{os.environ['QWEN_CHAT_QUANTIZE']}" if os.environ.get("QWEN_CHAT_QUANTIZE") else ""
     prefix = args.out or ROOT / "bench" / "results" / (f"{date}-{gpu}-serve{dp}" + ("-smoke" if args.smoke else ""))
     log = with_ext(prefix, ".log")
     prefix.parent.mkdir(parents=True, exist_ok=True)

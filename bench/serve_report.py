@@ -75,6 +75,10 @@ def table(doc: dict) -> str:
         k = str(c)
         rows.append((f"24 GB cap, {c:>2} streams: aggregate tok/s, TTFT p50 / p99 ms",
                      f"{_f(cap['aggregate_tok_s'][k])}, {_f(cap['ttft_ms_p50'][k])} / {_f(cap['ttft_ms_p99'][k])}"))
+    lc = cap.get("long_context")
+    if lc:
+        rows.append((f"24 GB cap, {lc['streams']} x {lc['tokens']} tokens: fit by KV / ran at once / ok",
+                     f"{lc['kv_fit']} / {lc['max_running']} / {lc['burst']['ok']} ({lc['preemptions']} preemptions)"))
     rows.append(("peak GPU memory (GiB, nvidia-smi)", _f(doc.get("peak_gpu_memory_gib"), "{:.2f}")))
     width = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)

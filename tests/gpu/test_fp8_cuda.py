@@ -28,6 +28,10 @@ from tests.support.small_model import TOL, rel_err, small_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+#: Every kernel of one row: the row kernel with the scale per column and grouped, the dot kernel.
+ONE_ROW_OTHERS = (dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
+                  dict(BLOCK_N=16, BLOCK_K=256, GROUPED=True, num_warps=8, num_stages=3),
+                  dict(BLOCK_B=16, BLOCK_N=32, num_warps=4, num_stages=3))
 SHAPES = ((12288, 4096), (10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (200, 256))
 
 
@@ -52,6 +56,9 @@ def test_fp8_gemv_matches_the_dequantised_matmul(rows):
             err, err_cublas = (ours.float() - ref).abs().max().item(), (cublas - ref).abs().max().item()
             assert ours.shape == (rows, N) and ours.dtype == torch.bfloat16
             assert err <= 2 * err_cublas + 1e-3, (N, K, swiglu, err, err_cublas)
+            for other in (ONE_ROW_OTHERS if rows == 1 else ()):  # pick_config's measured tiles choose one of them
+                y = fp8_gemv.gemv_fp8(x, w.data, w.scale, swiglu=swiglu, config=other)
+                assert (y.float() - ref).abs().max().item() <= 2 * err_cublas + 1e-3, (N, K, swiglu, other)
 
 
 def _kernel_sized_model():

@@ -120,8 +120,14 @@ def check_runner_parity(seed=7) -> dict:
     return dict(max_rel_err=max(batch.errs), rows=len(batch.errs), impl=runner.impl["gdn_decode"])
 
 
+#: The other launches of one row: the dot kernel (16 padded rows, 32 features per program) and the row kernel
+#: with grouped scales (16 features: a partial tile at N = 200).
+ONE_ROW_VARIANTS = {"dot": dict(BLOCK_B=16, BLOCK_N=32, num_warps=4, num_stages=3),
+                    "grouped": dict(BLOCK_N=16, BLOCK_K=256, GROUPED=True, num_warps=4, num_stages=3)}
+
+
 def check_fp8_gemv(seed=11) -> dict:
-    """The FP8 GEMV kernels (one row: ``_fp8_row_kernel``; 3 and 20 rows: ``_fp8_dot_kernel`` with 16- and 32-row
+    """The FP8 GEMV kernels (one row: ``_fp8_row_kernel`` with and without grouped scales, and ``_fp8_dot_kernel``; 3 and 20 rows: ``_fp8_dot_kernel`` with 16- and 32-row
     tiles) against x @ dequantised(w)^T in fp64, for fp32 and fp16 activations, a plain and a SwiGLU input, N = 200
     (a partial tile and a partial 128-row block) and K = 256, with blocks of very different scales; and the
     dequantisation kernel against ``Fp8Weight.dequantize`` on PyTorch (N = 200, K = 200: partial blocks both ways).
@@ -142,6 +148,9 @@ def check_fp8_gemv(seed=11) -> dict:
                     g, u = x.float().chunk(2, dim=-1)
                     xin = (torch.nn.functional.silu(g) * u).to(dtype).double()
                 out[f"{str(dtype)[6:]}_rows{rows}{'_swiglu' if swiglu else ''}"] = rel_err(y, xin @ ref_w.t())
+                for name, cfg in (ONE_ROW_VARIANTS.items() if rows == 1 else ()):  # the measured tiles may pick them
+                    y = fp8_gemv.gemv_fp8(x, q.data, q.scale, swiglu=swiglu, config=cfg)
+                    out[f"{str(dtype)[6:]}_rows1_{name}{'_swiglu' if swiglu else ''}"] = rel_err(y, xin @ ref_w.t())
     d = fp8.quantize_blocks(torch.randn(200, 200, generator=gen))
     out["dequant_equal"] = torch.equal(fp8_gemv.dequantize(d.data, d.scale, torch.float32),
                                        fp8.Fp8Weight(d.data, d.scale).dequantize(torch.float32))

@@ -10,6 +10,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -245,3 +246,42 @@ def test_sitecustomize_caps_only_the_service_processes(tmp_path, argv0, local_ra
     assert queued == ("1 1" if capped else "0 1")  # the next sitecustomize on the path ran too
     assert calls == ("[(0.15625, 0)]" if capped else "[]")
     assert ("capped at 22.50 GiB" in out.stderr) is capped
+
+
+def test_long_context_phase_reads_metrics_and_reports_the_fit(monkeypatch):
+    """The 24 GB phase's long-context check (bench/serve_capacity.py) against a fake service: the KV fit by
+    arithmetic (KV tokens // (prompt + new tokens), capped by the state slots), the most sequences running in a
+    sample of /metrics, the preemptions over the phase, and its row in the table."""
+    import serve_capacity as C
+
+    page = ('# HELP x\nqwen_chat_running_sequences{replica="0"} 3.0\nqwen_chat_running_sequences{replica="1"} 2.0\n'
+            'qwen_chat_engine_preemptions_total 7.0\nqwen_chat_engine_preemptions_created 1.7e9\n')
+    assert C._metric(page, "qwen_chat_running_sequences") == 5.0
+    assert C._metric(page, "qwen_chat_engine_preemptions_total") == 7.0
+    assert C._metric(page, "qwen_chat_missing") == 0.0
+    polls = iter(range(1, 1000))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "engine": {"kv_tokens": 100_000, "state_slots": 2}}]})
+        n = next(polls)
+        return httpx.Response(200, text=f"qwen_chat_running_sequences {min(n, 4)}\nqwen_chat_engine_preemptions_total {n}\n")
+
+    transport = httpx.MockTransport(handler)
+    real_client = httpx.Client
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: real_client(transport=transport).get(url))
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(transport=transport))
+    done = {"ok": 3, "streams": 3}
+
+    def fake_burst(url, prompts, new_tokens, model):
+        time.sleep(1.2)  # several /metrics samples
+        assert len(prompts) == 3 and new_tokens == 16 and model == "m"
+        return done
+
+    monkeypatch.setattr(C.H, "burst", fake_burst)
+    lc = C.long_context("http://svc", "m", lambda n: "w " * n, tokens=32000, streams=3, new_tokens=16)
+    assert lc["kv_fit"] == 2  # 100,000 // 32,016 = 3 sequences of KV, but 2 state slots
+    assert lc["max_running"] == 4 and lc["preemptions"] >= 3 and lc["burst"] is done
+    doc = _fake_doc()
+    doc["cap24"]["long_context"] = lc
+    assert "24 GB cap, 3 x 32000 tokens: fit by KV / ran at once / ok  2 / 4 / 3" in R.table(doc)

@@ -8,8 +8,9 @@ traffic that bounds the step (docs/facts.md, "Per-token cost (batch 1 decode, bf
 - ``_fp8_row_kernel`` (one row): each program owns ``BLOCK_N`` output features inside one 128-row block and walks
   K in ``BLOCK_K`` tiles (multiples of 128); the input tile is multiplied by its scales (one per 128 columns)
   in fp32, then by the weight tile converted to fp32, and reduced across K on the CUDA cores, as the bf16
-  ``gemv._gemv_row_kernel`` does;
-- ``_fp8_dot_kernel`` (2 .. ``MAX_ROWS`` rows): programs over (``BLOCK_N`` features, ``BLOCK_B`` rows); each
+  ``gemv._gemv_row_kernel`` does; with ``GROUPED`` the tile is held as [BLOCK_N, BLOCK_K / 128, 128] so each
+  128 columns load their scale once (else the scale is gathered per column);
+- ``_fp8_dot_kernel`` (up to ``MAX_ROWS`` rows; one row too where the measured tiles pick it): programs over (``BLOCK_N`` features, ``BLOCK_B`` rows); each
   128 x 128 tile of the weight is converted to the activation dtype (exact: every e4m3 value is a bf16 value)
   and multiplied on the tensor cores (``tl.dot``, ``input_precision="ieee"`` so fp32 activations are not
   rounded to TF32), and the tile's fp32 product is scaled by the block's scale before it is accumulated;
@@ -20,13 +21,16 @@ Both GEMV kernels take the MLP's fused [gate | up] rows with ``swiglu`` (``gemv.
 compile-time constant (one kernel per input width: the model has three), which also lets the loops run under
 Triton's interpreter (triton 3.6 with numpy 2 cannot take a run-time loop bound there).  ``supports``
 says when they apply (CUDA, or Triton's interpreter for the CPU tests); tile sizes come from ``pick_config``
-(fixed per shape: the same weights give the same bits, restart after restart).  Compared with the dequantised
+(fixed per shape, measured ones read from ``fp8_tiles.json``: the same weights give the same bits, restart after
+restart).  Compared with the dequantised
 matmul under Triton's interpreter (tests/engine/test_triton_kernels.py) and on CUDA (tests/gpu).
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -51,19 +55,41 @@ if triton is not None:
     @triton.jit
     def _fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, KB: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        SWIGLU: tl.constexpr):
-        offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
+                        SWIGLU: tl.constexpr, GROUPED: tl.constexpr):
         # BLOCK_N divides 128, so the program's rows share one row of scale blocks
-        s_ptrs = s_ptr + ((tl.program_id(0) * BLOCK_N) // 128) * KB + offs_k // 128
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for _ in range(0, K, BLOCK_K):
-            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
-            x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)
-            acc += w.to(tl.float32) * x[None, :]
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-            s_ptrs += BLOCK_K // 128
-        store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
+        s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // 128) * KB
+        if GROUPED:  # tiles as [BLOCK_N, BLOCK_K // 128, 128]: one scale load per 128 columns, not per column
+            R: tl.constexpr = BLOCK_K // 128
+            offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_r = tl.arange(0, R)
+            offs_k = offs_r[:, None] * 128 + tl.arange(0, 128)[None, :]
+            w_ptrs = w_ptr + offs_n[:, None, None].to(tl.int64) * K + offs_k[None, :, :]
+            x_ptrs = x_ptr + offs_k
+            s_ptrs = s_row + offs_r
+            acc3 = tl.zeros((BLOCK_N, R, 128), dtype=tl.float32)
+            for _ in range(0, K, BLOCK_K):
+                if EVEN_N:
+                    w = tl.load(w_ptrs, eviction_policy="evict_first")
+                else:
+                    w = tl.load(w_ptrs, mask=offs_n[:, None, None] < N, other=0.0, eviction_policy="evict_first")
+                x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)[:, None]
+                acc3 += w.to(tl.float32) * x[None, :, :]
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+                s_ptrs += R
+            store_row(y_ptr, offs_n, tl.sum(tl.sum(acc3, axis=2), axis=1), N, EVEN_N)
+        else:  # tiles as [BLOCK_N, BLOCK_K], the scale gathered per column
+            offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
+            s_ptrs = s_row + offs_k // 128
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for _ in range(0, K, BLOCK_K):
+                w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
+                x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)
+                acc += w.to(tl.float32) * x[None, :]
+                w_ptrs += BLOCK_K
+                x_ptrs += BLOCK_K
+                s_ptrs += BLOCK_K // 128
+            store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
 
     @triton.jit
     def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, B, N, K: tl.constexpr, KB: tl.constexpr,
@@ -130,10 +156,49 @@ def supports(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, swiglu: b
             and x.is_contiguous() and data.is_contiguous() and scale.is_contiguous())
 
 
+#: Tiles measured fastest on an H200 per (batch class, N, K) (``bench/fp8_gemv_probe.py --save-tiles``; the
+#: file also records the date, GPU, versions and command).  Batch classes: "1", "16" (2-16 rows), "32", "64".
+TILES_FILE = Path(__file__).with_name("fp8_tiles.json")
+
+
+@functools.lru_cache(maxsize=1)
+def tuned() -> dict:
+    """{(batch class, N, K): launch config} from ``TILES_FILE`` ({} when it is absent or unreadable: then the
+    default pattern of ``pick_config`` applies; tiles only affect speed)."""
+    try:
+        doc = json.loads(TILES_FILE.read_text())
+        return {(k.split(":")[0], int(k.split(":")[1]), int(k.split(":")[2])): dict(v)
+                for k, v in doc["tiles"].items()}
+    except (OSError, ValueError, KeyError, IndexError):
+        return {}
+
+
+def batch_class(B: int) -> str:
+    """The tiles' batch class of B rows: "1", "16" (2-16), "32" (17-32) or "64" (33-64)."""
+    return "1" if B == 1 else "16" if B <= 16 else "32" if B <= 32 else "64"
+
+
+def valid_config(cfg: dict, B: int, K: int) -> bool:
+    """Whether ``cfg`` can launch for B rows and input width K.  Both kernels read one scale row per program,
+    so BLOCK_N must divide 128; the row kernel serves one row only and needs BLOCK_K a multiple of 128 that
+    divides K; the dot kernel takes BLOCK_B of 16, 32 or 64 rows (programs over the batch cover any B)."""
+    bn = cfg.get("BLOCK_N", 0)
+    if not (0 < bn <= 128 and 128 % bn == 0):
+        return False
+    if "BLOCK_B" in cfg:
+        return cfg["BLOCK_B"] in (16, 32, 64) and bn >= 16
+    bk = cfg.get("BLOCK_K", 0)
+    return B == 1 and bk >= 128 and bk % 128 == 0 and K % bk == 0
+
+
 def pick_config(B: int, N: int, K: int) -> dict:
-    """Launch parameters for one shape: at one row BLOCK_N (divides 128) and BLOCK_K (a multiple of 128 that
-    divides K), else BLOCK_B (16, 32 or 64 rows) and BLOCK_N; num_warps and num_stages.  The bf16 kernels'
-    measured pattern with the tile's bytes kept (``gemv.pick_config``); they only affect speed."""
+    """Launch parameters for one shape: the measured tiles (``tuned``) when valid, else the pattern of the bf16
+    kernels with the tile's bytes kept (``gemv.pick_config``).  At one row either the row kernel (BLOCK_N,
+    BLOCK_K) or the dot kernel (BLOCK_B, BLOCK_N); above, the dot kernel; plus num_warps and num_stages.
+    Fixed per shape (no run-time autotuning: the same weights give the same bits, restart after restart)."""
+    cfg = tuned().get((batch_class(B), N, K))
+    if cfg is not None and valid_config(cfg, B, K):
+        return dict(cfg)
     if B == 1:
         bn, bk = (4, 2048) if N <= 4096 else (16, 512) if N >= 100_000 else (8, 512)
         while K % bk:
@@ -149,16 +214,19 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: Opti
     """y = x @ (data * scale)^T with the Triton kernels: x [B, K] (``swiglu``: [B, 2K] = [gate | up], y =
     (silu(gate) * up) @ w^T), data float8_e4m3fn [N, K], scale fp32 [ceil(N/128), K/128]; returns [B, N] in x's
     dtype, fp32 accumulation, into ``out`` when given.  ``config`` overrides ``pick_config`` (benchmarks).
-    Raises ValueError when ``supports`` is false."""
+    Raises ValueError when ``supports`` is false or ``config`` cannot launch (``valid_config``)."""
     if not supports(x, data, scale, swiglu):
         raise ValueError(f"gemv_fp8: unsupported operands x{tuple(x.shape)} {x.dtype} {x.device}, "
                          f"data{tuple(data.shape)} {data.dtype}, scale{tuple(scale.shape)} {scale.dtype} "
                          f"(swiglu={swiglu})")
     B = x.shape[0]
     N, K = data.shape
+    if config is not None and not valid_config(config, B, K):
+        raise ValueError(f"gemv_fp8: config {config} cannot launch for {B} rows and K={K}")
     cfg, out, even = gemv.launch_setup(x, N, config or pick_config(B, N, K), out)
-    if B == 1:
+    if "BLOCK_B" not in cfg:  # the row kernel (one row)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+        cfg.setdefault("GROUPED", False)
         _fp8_row_kernel[grid](x, data, scale, out, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg)
     else:
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(B, cfg["BLOCK_B"]))
