@@ -40,23 +40,20 @@ SHAPES = {  # name: (N, K) of the FP8 GEMMs of the full config, one GPU (in_proj
 }
 BATCHES = (1, 4, 16, 32, 64)
 #: Batches whose best tiles are saved for their class (``fp8_gemv.batch_class``): 4 stands for 2-16 rows.
-SWEPT = (1, 4, 32)
+SWEPT = (1, 4, 32, 64)
 
 
 def configs(B: int, K: int):
-    """The tiles swept.  One row: the row kernel with tiles of 4, 8 or 16 KiB of weight (BLOCK_N x BLOCK_K),
-    grouped scales at 4 and 8 warps and per-column scales at 4, and the dot kernel (16 padded rows) at 3 and 5
-    stages: 47 per shape.  More rows: the dot kernel's BLOCK_B 16 and the batch's class x BLOCK_N: 4-8."""
+    """The tiles swept.  One row: the row kernel with tiles of 4, 8 or 16 KiB of weight (BLOCK_N x BLOCK_K) at
+    4 and 8 warps, and the dot kernel (16 padded rows) with BLOCK_N 16-64 and 256-1024 columns per iteration:
+    35 per shape.  More rows: the dot kernel's BLOCK_B 16 and the batch's class x BLOCK_N x BLOCK_K: 9-18."""
     if B == 1:
         for bn, bk in itertools.product((2, 4, 8, 16, 32), (256, 512, 1024, 2048, 4096)):
             if bn * bk in (4096, 8192, 16384) and K % bk == 0:
-                for grouped, nw in ((True, 4), (True, 8), (False, 4)):
-                    yield dict(BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, num_warps=nw, num_stages=3)
-        for bn, ns in itertools.product((16, 32, 64, 128), (3, 5)):
-            yield dict(BLOCK_B=16, BLOCK_N=bn, num_warps=4, num_stages=ns)
-        return
-    for bb, bn in itertools.product(sorted({16, int(fp8_gemv.batch_class(B))}), (16, 32, 64, 128)):
-        yield dict(BLOCK_B=bb, BLOCK_N=bn, num_warps=4, num_stages=3)
+                for nw in (4, 8):
+                    yield dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=3)
+    for bb, bn, bk in itertools.product(sorted({16, int(fp8_gemv.batch_class(B))}), (16, 32, 64), (256, 512, 1024)):
+        yield dict(BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
 
 
 def probe(name: str, N: int, K: int, quick: bool, sweep=SWEPT) -> dict:

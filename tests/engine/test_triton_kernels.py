@@ -58,7 +58,7 @@ def test_runner_with_the_kernel_matches_transformers(results):
 
 
 def test_fp8_gemv_equals_the_dequantised_matmul(results):
-    """The FP8 GEMV kernels (qwen_chat.engine.model.fp8_gemv) on 1 (both kernels, grouped scales too), 3 and 20 rows, plain and
+    """The FP8 GEMV kernels (qwen_chat.engine.model.fp8_gemv) on 1 (both kernels), 3 and 20 rows, plain and
     SwiGLU input, a partial 128-row block: fp32 activations agree with x @ dequantised(w)^T to fp32 rounding; fp16 activations
     to the fp16 rounding of the output (2^-11 relative); the dequantisation kernel equals PyTorch's bit for bit."""
     r = dict(results["fp8_gemv"])

@@ -28,10 +28,10 @@ from tests.support.small_model import TOL, rel_err, small_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-#: Every kernel of one row: the row kernel with the scale per column and grouped, the dot kernel.
+#: Every kernel of one row: the row kernel, the dot kernel with 128 and 256 columns per iteration.
 ONE_ROW_OTHERS = (dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=3),
-                  dict(BLOCK_N=16, BLOCK_K=256, GROUPED=True, num_warps=8, num_stages=3),
-                  dict(BLOCK_B=16, BLOCK_N=32, num_warps=4, num_stages=3))
+                  dict(BLOCK_B=16, BLOCK_N=32, num_warps=4, num_stages=3),
+                  dict(BLOCK_B=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3))
 SHAPES = ((12288, 4096), (10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (200, 256))
 
 

@@ -120,14 +120,14 @@ def check_runner_parity(seed=7) -> dict:
     return dict(max_rel_err=max(batch.errs), rows=len(batch.errs), impl=runner.impl["gdn_decode"])
 
 
-#: The other launches of one row: the dot kernel (16 padded rows, 32 features per program) and the row kernel
-#: with grouped scales (16 features: a partial tile at N = 200).
+#: The other launches of one row: the dot kernel (16 padded rows, 32 features per program: a partial tile at
+#: N = 200) with one and two scale blocks per iteration.
 ONE_ROW_VARIANTS = {"dot": dict(BLOCK_B=16, BLOCK_N=32, num_warps=4, num_stages=3),
-                    "grouped": dict(BLOCK_N=16, BLOCK_K=256, GROUPED=True, num_warps=4, num_stages=3)}
+                    "dot_k256": dict(BLOCK_B=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)}
 
 
 def check_fp8_gemv(seed=11) -> dict:
-    """The FP8 GEMV kernels (one row: ``_fp8_row_kernel`` with and without grouped scales, and ``_fp8_dot_kernel``; 3 and 20 rows: ``_fp8_dot_kernel`` with 16- and 32-row
+    """The FP8 GEMV kernels (one row: ``_fp8_row_kernel`` and ``_fp8_dot_kernel`` with 128 and 256 columns per iteration; 3 and 20 rows: ``_fp8_dot_kernel`` with 16- and 32-row
     tiles) against x @ dequantised(w)^T in fp64, for fp32 and fp16 activations, a plain and a SwiGLU input, N = 200
     (a partial tile and a partial 128-row block) and K = 256, with blocks of very different scales; and the
     dequantisation kernel against ``Fp8Weight.dequantize`` on PyTorch (N = 200, K = 200: partial blocks both ways).

@@ -50,6 +50,7 @@ from qwen_chat.engine.checkpoints.fp8_loading import config_without_quantization
 from qwen_chat.engine.checkpoints.layout import (CheckpointReport, check_loading_info, check_tokenizer,
                                                  inspect_checkpoint)
 from qwen_chat.engine.checkpoints.tiny import DEMO_CONFIG_KEY, DEMO_MARKER_FILE, build_tiny_checkpoint
+from qwen_chat.engine.model import precision
 
 log = logging.getLogger(__name__)
 
@@ -260,21 +261,20 @@ def describe_kernels() -> dict[str, str]:
 @contextlib.contextmanager
 def torch_reference_kernels() -> Iterator[None]:
     """While active, transformers' Qwen3.5 runs its PyTorch reference for every Gated DeltaNet op
-    (``_KERNEL_FUNCTIONS``: the functions under transformers' kernel decorator, ``inspect.unwrap``) and cuBLAS
-    and cuDNN run fp32 without TF32: an exact fp32 reference (fla's kernels, which the decorator prefers, round
-    fp32 inputs of their ``tl.dot`` calls to TF32).  For accuracy checks (bench/fp8_accuracy.py, tests/gpu);
+    (``_KERNEL_FUNCTIONS``: the functions under transformers' kernel decorator, ``inspect.unwrap``) and cuBLAS,
+    cuDNN and attention run exact fp32 (``precision.exact_fp32``): an exact fp32 reference (fla's kernels, which
+    the decorator prefers, round fp32 inputs of their ``tl.dot`` calls to TF32).  For accuracy checks (bench/fp8_accuracy.py, tests/gpu);
     restores everything on exit."""
     saved = {name: getattr(modeling_qwen3_5, name) for name in _KERNEL_FUNCTIONS.values()}
-    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    flags = precision.exact_fp32()
     try:
         for name, func in saved.items():
             setattr(modeling_qwen3_5, name, inspect.unwrap(func))
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         yield
     finally:
         for name, func in saved.items():
             setattr(modeling_qwen3_5, name, func)
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+        precision.restore(flags)
 
 
 if __name__ == "__main__":

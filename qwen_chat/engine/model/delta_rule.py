@@ -17,6 +17,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from qwen_chat.engine.model.precision import exact_fp32
+
 
 def resolve_chunk_rule(device: torch.device, dtype: torch.dtype
                        ) -> tuple[Callable, str, bool, Optional[Callable]]:
@@ -24,9 +26,10 @@ def resolve_chunk_rule(device: torch.device, dtype: torch.dtype
     importable (it takes packed sequences: ``cu_seqlens``), else transformers' reference
     ``torch_chunk_gated_delta_rule`` (one sequence at a time).  Both take q, k, v [B, L, H, D], g, beta
     [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  In fp32 on CUDA the reference is
-    used and TF32 is switched off in cuBLAS and cuDNN (process-wide), so an fp32 run is exact fp32: fla's
-    ``tl.dot`` calls and both libraries' defaults (cuDNN's conv1d) round fp32 inputs to TF32, which made the
-    full model differ from an fp32 reference by about 0.4% (docs/performance.md).  Returns (rule, name, varlen,
+    used and ``precision.exact_fp32`` switches TF32 and the fused attention kernels off (process-wide), so an
+    fp32 run is exact fp32: fla's ``tl.dot`` calls, cuDNN's conv1d and SDPA's memory-efficient kernel round
+    fp32 inputs to about TF32, which made the full model differ from an fp32 reference by about 0.4%
+    (docs/performance.md).  Returns (rule, name, varlen,
     tail_rule): ``tail_rule`` is fla's ``fused_recurrent_gated_delta_rule`` (same inputs and outputs, packed,
     one kernel) for the tails after keep points, or None (the rule itself runs them)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -36,7 +39,7 @@ def resolve_chunk_rule(device: torch.device, dtype: torch.dtype
     if device.type != "cuda":
         return reference
     if dtype == torch.float32:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        exact_fp32()
         return reference
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # type: ignore

@@ -8,11 +8,11 @@ traffic that bounds the step (docs/facts.md, "Per-token cost (batch 1 decode, bf
 - ``_fp8_row_kernel`` (one row): each program owns ``BLOCK_N`` output features inside one 128-row block and walks
   K in ``BLOCK_K`` tiles (multiples of 128); the input tile is multiplied by its scales (one per 128 columns)
   in fp32, then by the weight tile converted to fp32, and reduced across K on the CUDA cores, as the bf16
-  ``gemv._gemv_row_kernel`` does; with ``GROUPED`` the tile is held as [BLOCK_N, BLOCK_K / 128, 128] so each
-  128 columns load their scale once (else the scale is gathered per column);
-- ``_fp8_dot_kernel`` (up to ``MAX_ROWS`` rows; one row too where the measured tiles pick it): programs over (``BLOCK_N`` features, ``BLOCK_B`` rows); each
-  128 x 128 tile of the weight is converted to the activation dtype (exact: every e4m3 value is a bf16 value)
-  and multiplied on the tensor cores (``tl.dot``, ``input_precision="ieee"`` so fp32 activations are not
+  ``gemv._gemv_row_kernel`` does;
+- ``_fp8_dot_kernel`` (up to ``MAX_ROWS`` rows; one row too where the measured tiles pick it): programs over
+  (``BLOCK_N`` features, ``BLOCK_B`` rows), ``BLOCK_K`` columns (R scale blocks) per iteration; each
+  [BLOCK_N, 128] tile of the weight is converted to the activation dtype (exact: every e4m3 value is a bf16
+  value) and multiplied on the tensor cores (``tl.dot``, ``input_precision="ieee"`` so fp32 activations are not
   rounded to TF32), and the tile's fp32 product is scaled by the block's scale before it is accumulated;
 - ``_dequant_kernel``: data * scale into the activation dtype, one 128 x 128 block per program, computed in
   fp32 and rounded once (prefill, and batches above ``MAX_ROWS``, multiply the dequantised weight).
@@ -22,8 +22,8 @@ compile-time constant (one kernel per input width: the model has three), which a
 Triton's interpreter (triton 3.6 with numpy 2 cannot take a run-time loop bound there).  ``supports``
 says when they apply (CUDA, or Triton's interpreter for the CPU tests); tile sizes come from ``pick_config``
 (fixed per shape, measured ones read from ``fp8_tiles.json``: the same weights give the same bits, restart after
-restart).  Compared with the dequantised
-matmul under Triton's interpreter (tests/engine/test_triton_kernels.py) and on CUDA (tests/gpu).
+restart).  Compared with the dequantised matmul under Triton's interpreter (tests/engine/test_triton_kernels.py)
+and on CUDA (tests/gpu).
 """
 from __future__ import annotations
 
@@ -55,46 +55,24 @@ if triton is not None:
     @triton.jit
     def _fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, KB: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        SWIGLU: tl.constexpr, GROUPED: tl.constexpr):
+                        SWIGLU: tl.constexpr):
+        offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
         # BLOCK_N divides 128, so the program's rows share one row of scale blocks
-        s_row = s_ptr + ((tl.program_id(0) * BLOCK_N) // 128) * KB
-        if GROUPED:  # tiles as [BLOCK_N, BLOCK_K // 128, 128]: one scale load per 128 columns, not per column
-            R: tl.constexpr = BLOCK_K // 128
-            offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_r = tl.arange(0, R)
-            offs_k = offs_r[:, None] * 128 + tl.arange(0, 128)[None, :]
-            w_ptrs = w_ptr + offs_n[:, None, None].to(tl.int64) * K + offs_k[None, :, :]
-            x_ptrs = x_ptr + offs_k
-            s_ptrs = s_row + offs_r
-            acc3 = tl.zeros((BLOCK_N, R, 128), dtype=tl.float32)
-            for _ in range(0, K, BLOCK_K):
-                if EVEN_N:
-                    w = tl.load(w_ptrs, eviction_policy="evict_first")
-                else:
-                    w = tl.load(w_ptrs, mask=offs_n[:, None, None] < N, other=0.0, eviction_policy="evict_first")
-                x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)[:, None]
-                acc3 += w.to(tl.float32) * x[None, :, :]
-                w_ptrs += BLOCK_K
-                x_ptrs += BLOCK_K
-                s_ptrs += R
-            store_row(y_ptr, offs_n, tl.sum(tl.sum(acc3, axis=2), axis=1), N, EVEN_N)
-        else:  # tiles as [BLOCK_N, BLOCK_K], the scale gathered per column
-            offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
-            s_ptrs = s_row + offs_k // 128
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-            for _ in range(0, K, BLOCK_K):
-                w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
-                x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)
-                acc += w.to(tl.float32) * x[None, :]
-                w_ptrs += BLOCK_K
-                x_ptrs += BLOCK_K
-                s_ptrs += BLOCK_K // 128
-            store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
+        s_ptrs = s_ptr + ((tl.program_id(0) * BLOCK_N) // 128) * KB + offs_k // 128
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
+            x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)
+            acc += w.to(tl.float32) * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            s_ptrs += BLOCK_K // 128
+        store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
 
     @triton.jit
     def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, B, N, K: tl.constexpr, KB: tl.constexpr,
-                        BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
-                        SWIGLU: tl.constexpr):
+                        BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        EVEN_N: tl.constexpr, SWIGLU: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_b = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,13 +84,15 @@ if triton is not None:
         b_mask = offs_b[:, None] < B
         s_row = s_ptr + ((pid_n * BLOCK_N) // 128) * KB
         acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, KB):
-            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
-            x = load_input(x_ptrs, K, b_mask, SWIGLU).to(x_ptr.dtype.element_ty)
-            part = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), input_precision="ieee")
-            acc += part * tl.load(s_row + kb)
-            w_ptrs += 128
-            x_ptrs += 128
+        R: tl.constexpr = BLOCK_K // 128
+        for kb in range(0, KB, R):  # BLOCK_K columns per iteration, as R scale blocks of 128
+            for r in tl.static_range(R):
+                w = load_weight_tile(w_ptrs + r * 128, offs_n, N, EVEN_N)
+                x = load_input(x_ptrs + r * 128, K, b_mask, SWIGLU).to(x_ptr.dtype.element_ty)
+                part = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), input_precision="ieee")
+                acc += part * tl.load(s_row + kb + r)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
         out = y_ptr + offs_b[:, None].to(tl.int64) * N + offs_n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=b_mask & (offs_n[None, :] < N))
 
@@ -180,15 +160,15 @@ def batch_class(B: int) -> str:
 
 def valid_config(cfg: dict, B: int, K: int) -> bool:
     """Whether ``cfg`` can launch for B rows and input width K.  Both kernels read one scale row per program,
-    so BLOCK_N must divide 128; the row kernel serves one row only and needs BLOCK_K a multiple of 128 that
-    divides K; the dot kernel takes BLOCK_B of 16, 32 or 64 rows (programs over the batch cover any B)."""
-    bn = cfg.get("BLOCK_N", 0)
-    if not (0 < bn <= 128 and 128 % bn == 0):
+    so BLOCK_N must divide 128, and BLOCK_K (columns per iteration, default 128 for the dot kernel) must be a
+    multiple of 128 that divides K; the row kernel serves one row only; the dot kernel takes BLOCK_B of 16, 32
+    or 64 rows (programs over the batch cover any B) and BLOCK_N >= 16 (``tl.dot``'s smallest tile)."""
+    bn, bk = cfg.get("BLOCK_N", 0), cfg.get("BLOCK_K", BLOCK)
+    if not (0 < bn <= 128 and 128 % bn == 0 and bk >= BLOCK and bk % BLOCK == 0 and K % bk == 0):
         return False
     if "BLOCK_B" in cfg:
         return cfg["BLOCK_B"] in (16, 32, 64) and bn >= 16
-    bk = cfg.get("BLOCK_K", 0)
-    return B == 1 and bk >= 128 and bk % 128 == 0 and K % bk == 0
+    return B == 1 and "BLOCK_K" in cfg
 
 
 def pick_config(B: int, N: int, K: int) -> dict:
@@ -226,9 +206,9 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: Opti
     cfg, out, even = gemv.launch_setup(x, N, config or pick_config(B, N, K), out)
     if "BLOCK_B" not in cfg:  # the row kernel (one row)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-        cfg.setdefault("GROUPED", False)
         _fp8_row_kernel[grid](x, data, scale, out, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg)
     else:
+        cfg.setdefault("BLOCK_K", BLOCK)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(B, cfg["BLOCK_B"]))
         _fp8_dot_kernel[grid](x, data, scale, out, B, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg)
     return out
