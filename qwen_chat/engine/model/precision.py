@@ -1,15 +1,13 @@
 """Exact fp32 on CUDA: the library defaults that round fp32 inputs to lower precision, switched off in one place.
 
-By default on an NVIDIA GPU several kernels do not compute fp32 in fp32: cuDNN's convolutions (the Gated
-DeltaNet conv1d) use TF32 (``torch.backends.cudnn.allow_tf32`` is True by default), and
-``F.scaled_dot_product_attention`` on fp32 inputs picks the memory-efficient (CUTLASS) kernel, whose matrix
-products differ from fp32 products at about the TF32 level, as the full-size fp32 comparison showed
-(docs/performance.md, "Correctness": the prefill's logits 3.6e-3 away from an fp32 reference while every
-decode step, whose attention is compiled, drifted back towards it).  cuBLAS rounds to TF32 only when
-``torch.backends.cuda.matmul.allow_tf32`` is set (off by default; switched off here too).  ``exact_fp32``
-turns all of these to exact fp32 (SDPA: the math backend only) for the whole process and returns what was set
-before, for ``restore``.  An fp32 engine on CUDA (``delta_rule.resolve_chunk_rule``) and the fp32 reference of
-the accuracy checks (``loading.torch_reference_kernels``) both call it, so both compute the same exact fp32.
+By default on an NVIDIA GPU not every kernel computes fp32 in fp32: cuDNN's convolutions (the Gated DeltaNet
+conv1d) use TF32 (``torch.backends.cudnn.allow_tf32`` is True by default), cuBLAS does when
+``torch.backends.cuda.matmul.allow_tf32`` is set, and ``F.scaled_dot_product_attention`` on fp32 inputs picks a
+fused kernel (memory-efficient, CUTLASS) whose arithmetic is not the plain fp32 of its math backend.
+``exact_fp32`` turns all of these to plain fp32 (SDPA: the math backend only) for the whole process and
+returns what was set before, for ``restore``.  An fp32 engine on CUDA (``delta_rule.resolve_chunk_rule``) and
+the fp32 reference of the accuracy checks (``loading.torch_reference_kernels``) both call it, so both compute
+the same plain fp32 (measured: docs/performance.md, "FP8 weights", accuracy).
 """
 from __future__ import annotations
 
