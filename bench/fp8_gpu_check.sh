@@ -8,10 +8,7 @@
 # Writes OUTDIR/{probe,pytest,accuracy}.log, the probe's and the accuracy run's JSON; prints the tails last.
 set -uo pipefail
 out="${1:?OUTDIR}"; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl .whl-serve/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source bench/device_env.sh .whl .whl-serve || exit 1
 timeout -k 5 "${PROBE_S:-150}" python3 bench/fp8_gemv_probe.py --save-tiles --out "$out" >"$out/probe.log" 2>&1
 echo "probe exit $?"
 cp qwen_chat/engine/model/fp8_tiles.json "$out/" 2>/dev/null

@@ -4,10 +4,7 @@
 # Writes OUTDIR/bench.log, OUTDIR/pytest.log and OUTDIR/res/<date>-<gpu>-single.{json,png}; prints both tails.
 set -uo pipefail
 out="${1:?OUTDIR}"; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl .whl-dist/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source bench/device_env.sh .whl .whl-dist || exit 1
 CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind-pytest timeout -k 5 "${PYTEST_S:-500}" \
     python3 -m pytest -q -p no:cacheprovider -rA tests/gpu >"$out/pytest.log" 2>&1 &
 CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=/tmp/ind-bench timeout -k 5 "${BENCH_S:-540}" \

@@ -3,6 +3,8 @@ it, two calls) and the per-sequence path give the same outputs, final states and
 reference rule on each sequence with a stop at its keep point."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as rule
 
@@ -53,3 +55,30 @@ def test_packed_and_per_sequence_paths_agree_with_stopping_at_each_keep_point():
         assert kept.shape[0] == 3
         for got, want in ((out, want_out), (final, want_final), (kept, want_kept)):
             assert torch.allclose(got, want, atol=1e-5), (varlen, (got - want).abs().max())
+
+
+def test_the_reference_rule_is_the_pytorch_function_not_transformers_dispatcher(monkeypatch):
+    """transformers wraps ``torch_chunk_gated_delta_rule`` in a dispatcher that runs fla's Triton kernel when
+    fla is installed (TF32 ``tl.dot`` in fp32).  The rule an fp32 or fla-less engine gets must be the PyTorch
+    function itself, whichever the module attribute is when the runner is built: here a dispatcher that would
+    call another kernel stands in the module."""
+    import functools
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    pure = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    calls = []
+
+    @functools.wraps(pure)
+    def dispatcher(*args, **kwargs):
+        calls.append(1)
+        raise AssertionError("the dispatcher ran: the engine would use fla's kernel")
+
+    monkeypatch.setattr(modeling_qwen3_5, "torch_chunk_gated_delta_rule", dispatcher)
+    for device, dtype in ((torch.device("cpu"), torch.float32), (torch.device("cpu"), torch.bfloat16)):
+        chosen, name, varlen, tail = delta_rule.resolve_chunk_rule(device, dtype)
+        assert chosen is pure and name.startswith("transformers.") and not varlen and tail is None
+    q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    v, g, beta = torch.randn(1, 8, 2, 16), -torch.rand(1, 8, 2), torch.rand(1, 8, 2)
+    out, state = chosen(q, k, v, g, beta, initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert out.shape == (1, 8, 2, 16) and state.shape == (1, 2, 16, 16) and not calls

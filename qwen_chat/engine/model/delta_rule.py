@@ -12,6 +12,7 @@ kernel (one launch; the tails are the few tokens of a generation prompt) where f
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -32,10 +33,12 @@ def resolve_chunk_rule(device: torch.device, dtype: torch.dtype
     (docs/performance.md).  Returns (rule, name, varlen,
     tail_rule): ``tail_rule`` is fla's ``fused_recurrent_gated_delta_rule`` (same inputs and outputs, packed,
     one kernel) for the tails after keep points, or None (the rule itself runs them)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    reference = (torch_chunk_gated_delta_rule, "transformers.torch_chunk_gated_delta_rule (per sequence)", False,
-                 None)
+    # transformers wraps its reference in a dispatcher that calls fla's kernel when fla is installed (its
+    # ``use_kernel_func_from_hub_with_fallback``); the reference itself is the unwrapped function
+    reference = (inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule),
+                 "transformers.torch_chunk_gated_delta_rule (per sequence)", False, None)
     if device.type != "cuda":
         return reference
     if dtype == torch.float32:
