@@ -262,9 +262,9 @@ def describe_kernels() -> dict[str, str]:
 def torch_reference_kernels() -> Iterator[None]:
     """While active, transformers' Qwen3.5 runs its PyTorch reference for every Gated DeltaNet op
     (``_KERNEL_FUNCTIONS``: the functions under transformers' kernel decorator, ``inspect.unwrap``) and cuBLAS,
-    cuDNN and attention run exact fp32 (``precision.exact_fp32``): an exact fp32 reference (fla's kernels, which
-    the decorator prefers, round fp32 inputs of their ``tl.dot`` calls to TF32).  For accuracy checks (bench/fp8_accuracy.py, tests/gpu);
-    restores everything on exit."""
+    cuDNN and attention run plain fp32 (``precision.exact_fp32``): an exact fp32 reference (fla's kernels, which
+    the decorator prefers, round fp32 inputs of their ``tl.dot`` calls to TF32).  For accuracy checks
+    (bench/fp8_accuracy.py, tests/gpu); restores everything on exit."""
     saved = {name: getattr(modeling_qwen3_5, name) for name in _KERNEL_FUNCTIONS.values()}
     flags = precision.exact_fp32()
     try:

@@ -27,12 +27,13 @@ def resolve_chunk_rule(device: torch.device, dtype: torch.dtype
     importable (it takes packed sequences: ``cu_seqlens``), else transformers' reference
     ``torch_chunk_gated_delta_rule`` (one sequence at a time).  Both take q, k, v [B, L, H, D], g, beta
     [B, L, H] and return (out [B, L, H, Dv], final_state [B, H, Dk, Dv]).  In fp32 on CUDA the reference is
-    used and ``precision.exact_fp32`` switches TF32 and the fused attention kernels off (process-wide), so an
-    fp32 run is exact fp32: fla's ``tl.dot`` calls, cuDNN's conv1d and SDPA's memory-efficient kernel round
-    fp32 inputs to about TF32, which made the full model differ from an fp32 reference by about 0.4%
-    (docs/performance.md).  Returns (rule, name, varlen,
-    tail_rule): ``tail_rule`` is fla's ``fused_recurrent_gated_delta_rule`` (same inputs and outputs, packed,
-    one kernel) for the tails after keep points, or None (the rule itself runs them)."""
+    used (the PyTorch function itself: transformers' module attribute is a dispatcher that runs fla's kernel
+    when fla is installed) and ``precision.exact_fp32`` switches TF32 and SDPA's fused kernels off
+    (process-wide), so an fp32 run is plain fp32: fla's ``tl.dot`` calls and cuDNN's conv1d round fp32 inputs
+    to TF32, which made the full model differ from an fp32 reference by 0.3-0.4% (docs/performance.md, "FP8
+    weights").  Returns (rule, name, varlen, tail_rule): ``tail_rule`` is fla's
+    ``fused_recurrent_gated_delta_rule`` (same inputs and outputs, packed, one kernel) for the tails after keep
+    points, or None (the rule itself runs them)."""
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
     # transformers wraps its reference in a dispatcher that calls fla's kernel when fla is installed (its
