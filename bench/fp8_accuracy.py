@@ -112,11 +112,11 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def table(doc: dict) -> str:
-    lines = [f"{'run':<34} {'prompt':<6} {'median rel err':>15} {'max rel err':>12} {'top-1':>7}"]
+    lines = [f"{'run':<52} {'prompt':<6} {'median rel err':>15} {'max rel err':>12} {'top-1':>7}"]
     for run, by_prompt in doc["runs"].items():
         for name, r in by_prompt.items():
             if isinstance(r, dict) and "rel_err_median" in r:
-                lines.append(f"{run:<34} {name:<6} {r['rel_err_median']:>15.3e} {r['rel_err_max']:>12.3e} "
+                lines.append(f"{run:<52} {name:<6} {r['rel_err_median']:>15.3e} {r['rel_err_max']:>12.3e} "
                              f"{r['top1_agreement'] * 100:>6.1f}%")
     for name, value in doc.get("targets", {}).items():
         lines.append(f"target {name:<60} {'met' if value else 'NOT MET'}")

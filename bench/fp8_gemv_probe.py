@@ -1,6 +1,6 @@
 """The FP8 decode GEMV (qwen_chat.engine.model.fp8_gemv) on the 9B's decode shapes: GB/s against the bf16 GEMV.
 
-Usage (one GPU host, repository root; about 4 minutes on an H200, ``--quick`` under one):
+Usage (one GPU host, repository root; about 2 minutes on an H200, ``--quick`` under one):
 
     python bench/fp8_gemv_probe.py [--quick] [--save-tiles]
 
@@ -9,9 +9,10 @@ q/k/v fused, out_proj / o_proj, MLP gate/up fused, down) and B = 1, 4, 16, 32, 6
 tiles (``fp8_gemv.pick_config``) and, unless ``--quick``, a sweep of tile sizes; the bf16 Triton GEMV
 (``gemv``, up to 16 rows) and cuBLAS on the same shape for comparison.  Timing: ``gemv_probe.graph_time`` (a
 CUDA graph of calls rotating over >= 256 MiB of weights, so L2 cannot serve them).  GB/s = bytes of the weight
-read (FP8: 1 per weight + the scales; bf16: 2) / time.  With ``--save-tiles`` the best tiles of B = 1, 4 and 32 (the
-batch classes 1, 2-16, 17-32) go to ``qwen_chat/engine/model/fp8_tiles.json``, which ``fp8_gemv.pick_config``
-reads; writes <out>/<date>-<gpu>-fp8-gemv-probe.json (and $OUT/) and prints a table last.
+read (FP8: 1 per weight + the scales; bf16: 2) / time.  With ``--save-tiles`` the best tiles of B = 1, 4, 32 and 64 (the
+batch classes 1, 2-16, 17-32, 33-64) go to ``qwen_chat/engine/model/fp8_tiles.json``, which
+``fp8_gemv.pick_config`` reads (after each shape, merged into the file's other entries, so a cut-short run keeps
+the tiles of the shapes it did not reach); writes <out>/<date>-<gpu>-fp8-gemv-probe.json (and $OUT/) and prints a table last.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def probe(name: str, N: int, K: int, quick: bool, sweep=SWEPT) -> dict:
 
 def tiles_doc(doc: dict) -> dict:
     """The best tiles per (batch class, N, K) of a probe's results, in ``fp8_gemv.TILES_FILE``'s layout (a tile
-    only where the sweep beat the default by more than 1%, else the default's)."""
+    only where the sweep beat the default by more than 1%, else the default's), merged over the file's entries."""
     tiles = {}
     for r in doc["shapes"].values():
         for B, row in r["by_batch"].items():
@@ -107,9 +108,13 @@ def tiles_doc(doc: dict) -> dict:
                 continue
             pick = best if best["us"] < 0.99 * default["us"] else default
             tiles[f"{fp8_gemv.batch_class(int(B))}:{r['N']}:{r['K']}"] = dict(pick["config"])
+    try:  # entries this run did not measure (other shapes) are kept
+        kept = json.loads(fp8_gemv.TILES_FILE.read_text()).get("tiles", {})
+    except (OSError, ValueError):
+        kept = {}
     return {"source": {**doc["env"], "date_utc": doc["date_utc"],
                        "note": "best tiles of bench/fp8_gemv_probe.py (fp8_gemv.pick_config reads them)"},
-            "tiles": tiles}
+            "tiles": {**kept, **tiles}}
 
 
 def main(argv=None) -> int:

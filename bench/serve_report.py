@@ -48,15 +48,26 @@ def _f(x, fmt="{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _weights(doc: dict) -> str:
+    """What the service said of its weights (``/v1/models`` engine.weights): FP8 layers and the dtype."""
+    try:
+        w = doc["models"]["data"][0]["engine"]["weights"]
+    except (KeyError, IndexError, TypeError):
+        return "-"
+    fp8 = w.get("fp8_modules") or 0
+    return (f"FP8 for {fp8} layers ({(w.get('fp8_bytes') or 0) / 2 ** 30:.2f} GiB), {w.get('dtype')} for the rest"
+            if fp8 else str(w.get("dtype")))
+
+
 def table(doc: dict) -> str:
     """The summary table (plain text) of a ``result_doc``."""
-    rows = [("metric", "value"), ("start-up to /healthz 200 (s)", _f(doc.get("startup_s"))),
+    rows = [("metric", "value"), ("weights", _weights(doc)), ("start-up to /healthz 200 (s)", _f(doc.get("startup_s"))),
             ("batch-1 decode (tok/s)", _f(doc.get("batch1_tok_s")))]
     for size in PROMPT_SIZES:
         v = doc["prompt_ttft_ms"].get(size)
         why = ((doc.get("detail") or {}).get("prompts", {}).get(size) or {}).get("error")
         rows.append((f"TTFT {size}-token prompt p50 / p99 (ms)",
-                     f"{_f(v['p50'])} / {_f(v['p99'])}" if v else f"null ({(why or 'not measured')[:80]})"))
+                     f"{_f(v['p50'])} / {_f(v['p99'])}" if v else f"null ({(why or 'not measured')[:160]})"))
     for label, v in (doc.get("followup_ttft_ms") or {}).items():
         rows.append((f"follow-up TTFT after {label}, cached / uncached (ms)",
                      f"{_f(v['cached'])} / {_f(v['uncached'])}" if v else "null"))

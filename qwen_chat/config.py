@@ -128,10 +128,11 @@ class ServiceConfig:
         None, help="PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors), merged into the "
                    "weights at start-up")
     quantize: Optional[str] = _opt(
-        None, choices=("fp8",), env="QWEN_CHAT_QUANTIZE",
+        None, choices=("none", "fp8"), env="QWEN_CHAT_QUANTIZE",
         help="fp8: store the text decoder's linear weights as FP8 (e4m3, 128 x 128 block scales, the published "
              "FP8 checkpoint's format) at load time: about half the weight memory and bytes read per decode step; "
-             "an FP8 checkpoint needs no flag.  Default: $QWEN_CHAT_QUANTIZE or none")
+             "an FP8 checkpoint needs no flag.  none: the checkpoint's weights as they are (overrides "
+             "$QWEN_CHAT_QUANTIZE).  Default: $QWEN_CHAT_QUANTIZE or none")
     ds_config: Optional[Path] = _opt(
         None, env="QWEN_CHAT_DS_CONFIG",
         help="DeepSpeed config (tensor parallel or ZeRO-3); default: $QWEN_CHAT_DS_CONFIG or none")

@@ -380,10 +380,14 @@ def test_zero3_with_fp8_weights_is_refused(quantized):
 
 
 # ---------------------------------------------------------------------------------------------- the service
-def test_quantize_flag_takes_fp8_only(monkeypatch, tmp_path):
+def test_quantize_flag_takes_fp8_or_none(monkeypatch, tmp_path):
     assert ServiceConfig.from_argv(["--quantize", "fp8", "--history-dir", str(tmp_path)]).validate().quantize == "fp8"
+    monkeypatch.setenv("QWEN_CHAT_QUANTIZE", "fp8")  # e.g. set in a Supervisor program; the flag switches it off
+    assert ServiceConfig.from_argv(["--history-dir", str(tmp_path)]).validate().quantize == "fp8"
+    off = ServiceConfig.from_argv(["--quantize", "none", "--history-dir", str(tmp_path)]).validate()
+    assert off.quantize == "none"
     monkeypatch.setenv("QWEN_CHAT_QUANTIZE", "int4")
-    with pytest.raises(ConfigError, match="--quantize .* must be one of fp8, got 'int4'"):
+    with pytest.raises(ConfigError, match="--quantize .* must be one of none, fp8, got 'int4'"):
         ServiceConfig.from_argv(["--history-dir", str(tmp_path)]).validate()
 
 

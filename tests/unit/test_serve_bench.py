@@ -157,6 +157,10 @@ def test_table_and_plot(tmp_path):
     assert "batch-1 decode (tok/s)" in text and "210.0" in text and "context_length_exceeded" in text
     assert "128 streams" in text and "24 GB cap,  8 streams" in text
     assert "cannot start the engine" in R.table(_fake_doc(cap_started=False))
+    doc8 = _fake_doc()  # the weights row says what /v1/models said of them
+    doc8["models"] = {"data": [{"engine": {"weights": {"dtype": "bfloat16", "fp8_modules": 200,
+                                                       "fp8_bytes": 6913900544}}}]}
+    assert "FP8 for 200 layers (6.44 GiB), bfloat16 for the rest" in R.table(doc8)
     from PIL import Image
 
     R._plot_pillow(doc, tmp_path / "p.png", "title")
