@@ -92,7 +92,6 @@ def engine_logits(runner: ModelRunner, prompt: PreparedPrompt, tokens: list[int]
 
 def dequantize_to_linear(model) -> None:
     """Replace every ``Fp8Linear`` of ``model`` by a bias-free ``nn.Linear`` holding its dequantised weight (fp32)."""
-    from qwen_chat.engine.checkpoints.fp8_loading import _replace
     from qwen_chat.engine.model.fp8 import Fp8Linear
 
     for name, m in list(model.named_modules()):
@@ -100,7 +99,7 @@ def dequantize_to_linear(model) -> None:
             lin = torch.nn.Linear(m.in_features, m.out_features, bias=False, device=m.weight.device)
             with torch.no_grad():
                 lin.weight.copy_(m.fp8_weight().dequantize(torch.float32))
-            _replace(model, name, lin)
+            model.set_submodule(name, lin)
 
 
 def compare(x: torch.Tensor, ref: torch.Tensor) -> dict:

@@ -57,7 +57,7 @@ def configs(B: int, K: int):
         yield dict(BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
 
 
-def probe(name: str, N: int, K: int, quick: bool, sweep=SWEPT) -> dict:
+def probe(name: str, N: int, K: int, quick: bool) -> dict:
     q = fp8.quantize_blocks(torch.randn(N, K, device="cuda") * 0.02)
     nbytes = q.nbytes
     copies = max(1, -(-(256 << 20) // nbytes))
@@ -71,7 +71,7 @@ def probe(name: str, N: int, K: int, quick: bool, sweep=SWEPT) -> dict:
         t = graph_time([lambda w=w, o=o: fp8_gemv.gemv_fp8(x, w.data, w.scale, out=o) for w, o in zip(ws, outs)])
         row["fp8_default"] = {"config": fp8_gemv.pick_config(B, N, K), "us": t * 1e6, "gb_s": nbytes / t / 1e9}
         best = None
-        for cfg in ([] if quick or B not in sweep else configs(B, K)):
+        for cfg in ([] if quick or B not in SWEPT else configs(B, K)):
             try:
                 t = graph_time([lambda w=w, o=o: fp8_gemv.gemv_fp8(x, w.data, w.scale, out=o, config=cfg)
                                 for w, o in zip(ws, outs)])
@@ -104,7 +104,7 @@ def tiles_doc(doc: dict) -> dict:
     for r in doc["shapes"].values():
         for B, row in r["by_batch"].items():
             best, default = row.get("fp8_best"), row["fp8_default"]
-            if int(B) not in SWEPT or best is None:
+            if best is None:  # not swept (batch not in SWEPT, or --quick)
                 continue
             pick = best if best["us"] < 0.99 * default["us"] else default
             tiles[f"{fp8_gemv.batch_class(int(B))}:{r['N']}:{r['K']}"] = dict(pick["config"])

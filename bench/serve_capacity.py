@@ -12,7 +12,6 @@ allows by arithmetic: KV tokens // (tokens + new_tokens), capped by the state sl
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -28,11 +27,6 @@ from serve_proc import FRACTION_ENV, Service, cap_sitecustomize
 
 #: The allocator cap of the 24 GB phase (GiB): a 24 GB card less what the driver and CUDA context take.
 CAP_GIB = 22.5
-
-
-def _metric(text: str, name: str) -> float:
-    """Sum of a metric's samples (all labels) in a Prometheus text page; 0 when absent."""
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
 
 class MetricsSampler:
@@ -51,8 +45,8 @@ class MetricsSampler:
             while not self._stop.is_set():
                 try:
                     text = client.get(self.url + "/metrics").text
-                    self.max_running = max(self.max_running, _metric(text, "qwen_chat_running_sequences"))
-                    self.preemptions.append(_metric(text, "qwen_chat_engine_preemptions_total"))
+                    self.max_running = max(self.max_running, sum(H.metric_values(text, "qwen_chat_running_sequences")))
+                    self.preemptions.append(sum(H.metric_values(text, "qwen_chat_engine_preemptions_total")))
                 except httpx.HTTPError:
                     pass
                 self._stop.wait(self.period_s)

@@ -227,6 +227,11 @@ def result_dict(r: StreamResult) -> dict:
     return {**asdict(r), "decode_tok_s": r.decode_tok_s}
 
 
+def metric_values(text: str, name: str) -> list[float]:
+    """The values of every sample of metric ``name`` (any labels) in a Prometheus text page."""
+    return [float(m.group(1)) for m in re.finditer(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)]
+
+
 def metrics_gpu_gib(base_url: str) -> Optional[float]:
     """GiB of GPU memory the service reports in ``/metrics`` (``qwen_chat_gpu_memory_bytes``, summed over
     ranks), or None when it reports none or does not answer."""
@@ -234,7 +239,7 @@ def metrics_gpu_gib(base_url: str) -> Optional[float]:
         text = httpx.get(base_url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    values = [float(m.group(1)) for m in re.finditer(r"^qwen_chat_gpu_memory_bytes\{[^}]*\} (\S+)$", text, re.M)]
+    values = metric_values(text, "qwen_chat_gpu_memory_bytes")
     return sum(values) / 2 ** 30 if values else None
 
 

@@ -260,9 +260,9 @@ def test_long_context_phase_reads_metrics_and_reports_the_fit(monkeypatch):
 
     page = ('# HELP x\nqwen_chat_running_sequences{replica="0"} 3.0\nqwen_chat_running_sequences{replica="1"} 2.0\n'
             'qwen_chat_engine_preemptions_total 7.0\nqwen_chat_engine_preemptions_created 1.7e9\n')
-    assert C._metric(page, "qwen_chat_running_sequences") == 5.0
-    assert C._metric(page, "qwen_chat_engine_preemptions_total") == 7.0
-    assert C._metric(page, "qwen_chat_missing") == 0.0
+    assert sum(H.metric_values(page, "qwen_chat_running_sequences")) == 5.0
+    assert sum(H.metric_values(page, "qwen_chat_engine_preemptions_total")) == 7.0
+    assert sum(H.metric_values(page, "qwen_chat_missing")) == 0.0
     polls = iter(range(1, 1000))
 
     def handler(request: httpx.Request) -> httpx.Response:

@@ -147,9 +147,9 @@ def tuned() -> dict:
     default pattern of ``pick_config`` applies; tiles only affect speed)."""
     try:
         doc = json.loads(TILES_FILE.read_text())
-        return {(k.split(":")[0], int(k.split(":")[1]), int(k.split(":")[2])): dict(v)
-                for k, v in doc["tiles"].items()}
-    except (OSError, ValueError, KeyError, IndexError):
+        keys = {k: k.split(":") for k in doc["tiles"]}
+        return {(c, int(n), int(k)): dict(doc["tiles"][key]) for key, (c, n, k) in keys.items()}
+    except (OSError, ValueError, KeyError, TypeError):
         return {}
 
 
