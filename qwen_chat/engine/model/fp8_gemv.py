@@ -8,8 +8,7 @@ traffic that bounds the step (docs/facts.md, "Per-token cost (batch 1 decode, bf
 - ``_fp8_row_kernel`` (one row): each program owns ``BLOCK_N`` output features inside one 128-row block and walks
   K in ``BLOCK_K`` tiles (multiples of 128); the input tile is multiplied by its scales (one per 128 columns)
   in fp32, then by the weight tile converted to fp32, and reduced across K on the CUDA cores, as the bf16
-  ``gemv._gemv_row_kernel`` does (its first weight tile and scales loaded first: under programmatic dependent
-  launch, ``pdl``, they overlap the previous kernel);
+  ``gemv._gemv_row_kernel`` does;
 - ``_fp8_dot_kernel`` (up to ``MAX_ROWS`` rows; one row too where the measured tiles pick it): programs over
   (``BLOCK_N`` features, ``BLOCK_B`` rows), ``BLOCK_K`` columns (R scale blocks) per iteration; each
   [BLOCK_N, 128] tile of the weight is converted to the activation dtype (exact: every e4m3 value is a bf16
@@ -36,14 +35,13 @@ from typing import Optional
 
 import torch
 
-from qwen_chat.engine.model import gemv, pdl
+from qwen_chat.engine.model import gemv
 
 triton = gemv.triton
 if triton is not None:
     import triton.language as tl
 
     from qwen_chat.engine.model.gemv import load_input, load_weight_tile, row_tile, store_row
-    from qwen_chat.engine.model.pdl import wait_then_release
 
 #: Rows (activations) of the largest batch the GEMV kernels serve; larger batches multiply the dequantised
 #: weight (cuBLAS), whose extra traffic is then shared by many rows.
@@ -57,29 +55,24 @@ if triton is not None:
     @triton.jit
     def _fp8_row_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, KB: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                        SWIGLU: tl.constexpr, PDL: tl.constexpr):
+                        SWIGLU: tl.constexpr):
         offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
         # BLOCK_N divides 128, so the program's rows share one row of scale blocks
         s_ptrs = s_ptr + ((tl.program_id(0) * BLOCK_N) // 128) * KB + offs_k // 128
-        w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)  # the first tile and its scales: constants, before the wait
-        s = tl.load(s_ptrs)
-        wait_then_release(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for _ in range(BLOCK_K, K, BLOCK_K):  # the tiles after the first: multiply one, load the next
-            acc += w.to(tl.float32) * (load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * s)[None, :]
+        for _ in range(0, K, BLOCK_K):
+            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
+            x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * tl.load(s_ptrs)
+            acc += w.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             s_ptrs += BLOCK_K // 128
-            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
-            s = tl.load(s_ptrs)
-        acc += w.to(tl.float32) * (load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU) * s)[None, :]
         store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
 
     @triton.jit
     def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, B, N, K: tl.constexpr, KB: tl.constexpr,
                         BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_N: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
-        wait_then_release(PDL)
+                        EVEN_N: tl.constexpr, SWIGLU: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_b = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,13 +206,11 @@ def gemv_fp8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: Opti
     cfg, out, even = gemv.launch_setup(x, N, config or pick_config(B, N, K), out)
     if "BLOCK_B" not in cfg:  # the row kernel (one row)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-        _fp8_row_kernel[grid](x, data, scale, out, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg,
-                              **pdl.launch_options())
+        _fp8_row_kernel[grid](x, data, scale, out, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg)
     else:
         cfg.setdefault("BLOCK_K", BLOCK)
         grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(B, cfg["BLOCK_B"]))
-        _fp8_dot_kernel[grid](x, data, scale, out, B, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg,
-                              **pdl.launch_options())
+        _fp8_dot_kernel[grid](x, data, scale, out, B, N, K, K // BLOCK, EVEN_N=even, SWIGLU=swiglu, **cfg)
     return out
 
 

@@ -24,13 +24,9 @@ import os
 
 import torch
 
-from qwen_chat.engine.model import pdl
-
 try:  # Triton ships with CUDA builds of PyTorch; CPU hosts use glue.gdn_step.
     import triton
     import triton.language as tl
-
-    from qwen_chat.engine.model.pdl import wait_then_release
 except Exception:  # pragma: no cover - depends on the host
     triton = None
 
@@ -55,9 +51,7 @@ if triton is not None:
     def _gdn_decode_kernel(qkv_ptr, z_ptr, b_ptr, a_ptr, s_qkv, s_z, s_b, s_a,
                            conv_ptr, rec_ptr, slot_ptr, pos_ptr, convw_ptr, alog_ptr, dtb_ptr, normw_ptr, out_ptr,
                            C, KEY_DIM, HV, q_scale, norm_eps,
-                           K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, REP: tl.constexpr,
-                           PDL: tl.constexpr):
-        wait_then_release(PDL)  # everything it reads but the conv weights comes from earlier kernels
+                           K: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, REP: tl.constexpr):
         row = tl.program_id(0)
         hv = tl.program_id(1)
         slot = tl.load(slot_ptr + row).to(tl.int64)
@@ -148,5 +142,5 @@ def gdn_decode(qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Ten
         qkv, z, b, a, qkv.stride(0), z.stride(0), b.stride(0), a.stride(0),
         conv_buf, rec_buf, slot_idx, pos, conv_w, A_log, dt_bias, norm_weight, out,
         C, key_dim, HV, dk ** -0.5, float(norm_eps),
-        K=K, DK=dk, DV=dv, REP=HV // nk, num_warps=warps, **pdl.launch_options())
+        K=K, DK=dk, DV=dv, REP=HV // nk, num_warps=warps)
     return out

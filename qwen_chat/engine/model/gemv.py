@@ -7,9 +7,7 @@ reduction kernel for several of the decode shapes and reads some of them well be
 accumulation:
 
 - ``B == 1``: each program owns ``BLOCK_N`` output features and walks K in ``BLOCK_K`` tiles, multiplying the
-  tile by the broadcast input row and reducing across K on the CUDA cores; it loads its first weight tile
-  before anything else, so under programmatic dependent launch (``pdl``) that load overlaps the previous
-  kernel;
+  tile by the broadcast input row and reducing across K on the CUDA cores;
 - ``2 <= B <= 16``: the input rows are padded to 16 in registers and each tile goes through ``tl.dot``
   (tensor cores), so the weight traffic is the same as for one row.
 
@@ -24,13 +22,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from qwen_chat.engine.model import pdl
-
 try:  # Triton ships with CUDA builds of PyTorch; CPU hosts (CI) use F.linear.
     import triton
     import triton.language as tl
-
-    from qwen_chat.engine.model.pdl import wait_then_release
 except Exception:  # pragma: no cover - depends on the host
     triton = None
 
@@ -79,24 +73,21 @@ if triton is not None:
     @triton.jit
     def _gemv_row_kernel(x_ptr, w_ptr, y_ptr, N, K,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                         SWIGLU: tl.constexpr, PDL: tl.constexpr):
+                         SWIGLU: tl.constexpr):
         offs_n, offs_k, w_ptrs, x_ptrs = row_tile(w_ptr, x_ptr, K, BLOCK_N, BLOCK_K)
-        w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)  # the first tile: weights are constant, read before the wait
-        wait_then_release(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for _ in range(BLOCK_K, K, BLOCK_K):  # the tiles after the first: multiply one, load the next
-            acc += w.to(tl.float32) * load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)[None, :]
+        for _ in range(0, K, BLOCK_K):
+            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
+            x = load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)
+            acc += w.to(tl.float32) * x[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-            w = load_weight_tile(w_ptrs, offs_n, N, EVEN_N)
-        acc += w.to(tl.float32) * load_input(x_ptrs, K, offs_k < BLOCK_K, SWIGLU)[None, :]
         store_row(y_ptr, offs_n, tl.sum(acc, axis=1), N, EVEN_N)
 
     @triton.jit
     def _gemv_dot_kernel(x_ptr, w_ptr, y_ptr, B, N, K,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-                         SWIGLU: tl.constexpr, PDL: tl.constexpr):
-        wait_then_release(PDL)
+                         SWIGLU: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_b = tl.arange(0, 16)
@@ -187,9 +178,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: Optional[torch.Tensor] = None,
     N, K = w.shape
     cfg, out, even = launch_setup(x, N, config or pick_config(B, N, K), out)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-    kernel = _gemv_row_kernel if B == 1 else _gemv_dot_kernel
-    rows = () if B == 1 else (B,)
-    kernel[grid](x, w, out, *rows, N, K, EVEN_N=even, SWIGLU=swiglu, **cfg, **pdl.launch_options())
+    if B == 1:
+        _gemv_row_kernel[grid](x, w, out, N, K, EVEN_N=even, SWIGLU=swiglu, **cfg)
+    else:
+        _gemv_dot_kernel[grid](x, w, out, B, N, K, EVEN_N=even, SWIGLU=swiglu, **cfg)
     return out
 
 

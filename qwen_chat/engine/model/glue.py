@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from qwen_chat.engine.model.pdl import inductor_options
-
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (transformers ``qwen3_5.l2norm``, aligned with fla)."""
@@ -144,11 +142,9 @@ GLUE = {"add_norm": add_norm, "attn_pre": attn_pre, "attn_core": attn_core, "att
         "gdn_step": gdn_step, "swiglu": swiglu}
 
 
-def glue_functions(compile: bool, pdl: bool = False) -> dict[str, Callable]:
+def glue_functions(compile: bool) -> dict[str, Callable]:
     """The glue functions, wrapped with ``torch.compile`` (Inductor, shapes dynamic after the first
-    recompile) when ``compile`` is true; ``pdl``: Inductor launches their kernels with programmatic dependent
-    launch (``pdl.inductor_options``).  Compilation happens lazily on the first call."""
+    recompile) when ``compile`` is true.  Compilation happens lazily on the first call."""
     if not compile:
         return dict(GLUE)
-    options = inductor_options(pdl)
-    return {name: torch.compile(fn, fullgraph=True, options=options or None) for name, fn in GLUE.items()}
+    return {name: torch.compile(fn, fullgraph=True) for name, fn in GLUE.items()}

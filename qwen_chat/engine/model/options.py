@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from qwen_chat.engine.model import gemv, pdl
+from qwen_chat.engine.model import gemv
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,6 @@ class RunnerOptions:
         gdn_kernel: run each Gated DeltaNet decode token as one Triton kernel (``gdn.gdn_decode``) instead of the
             glue's ``gdn_step``.  Auto: as ``fast_gemv`` where ``gdn.supports`` every layer.  True needs
             ``gdn.supports`` (CUDA, or Triton's interpreter on CPU for tests).
-        pdl: launch the decode step's Triton kernels and compiled glue with programmatic dependent launch
-            (``pdl``: each kernel starts while the previous one drains).  Auto: as ``fast_gemv`` where
-            ``pdl.supported`` the device (compute capability >= 9.0).  True needs ``pdl.supported``.
         tp_allreduce: under tensor parallelism, the all-reduce kind of ``collectives.TensorParallelComm``:
             "auto", "symm_mem" or "nccl" (``collectives.BACKENDS``).
         tp_fused: under tensor parallelism, offer the fused all-reduce + residual add + RMSNorm kernels.
@@ -41,20 +38,19 @@ class RunnerOptions:
     compile_glue: Optional[bool] = None
     fast_gemv: Optional[bool] = None
     gdn_kernel: Optional[bool] = None
-    pdl: Optional[bool] = None
     tp_allreduce: str = "auto"
     tp_fused: bool = True
 
 
 def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool,
                     gdn_fits: bool) -> RunnerOptions:
-    """``options`` with every auto switch decided (all five are then bools).
+    """``options`` with every auto switch decided (all four are then bools).
 
     device: the model's device; zero3: parameters partitioned by DeepSpeed ZeRO-3; gdn_fits: ``gdn.supports``
     the state of every Gated DeltaNet layer and its norm is ``Qwen3_5RMSNormGated`` (false under ZeRO-3).
 
     Raises ValueError: ``cuda_graphs=True`` off CUDA or under ZeRO-3; ``fast_gemv=True`` off CUDA or without
-    Triton; ``gdn_kernel=True`` where ``gdn_fits`` is false; ``pdl=True`` where ``pdl.supported`` is false.
+    Triton; ``gdn_kernel=True`` where ``gdn_fits`` is false.
     """
     cuda = device.type == "cuda"
     graphs = options.cuda_graphs
@@ -72,10 +68,5 @@ def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool
         raise ValueError("gdn_kernel needs Triton, CUDA (or TRITON_INTERPRET=1), SiLU, Qwen3_5RMSNormGated and "
                          "power-of-two head dims")
     gdn_kernel = gdn_fits and (bool(fast_gemv) if options.gdn_kernel is None else bool(options.gdn_kernel))
-    pdl_ok = pdl.supported(device)
-    if options.pdl and not pdl_ok:
-        raise ValueError("pdl (programmatic dependent launch) needs a CUDA device of compute capability >= 9.0 "
-                         "and Triton >= 3.3")
-    use_pdl = pdl_ok and (bool(fast_gemv) if options.pdl is None else bool(options.pdl))
     return dataclasses.replace(options, cuda_graphs=bool(graphs), compile_glue=bool(compile_glue),
-                               fast_gemv=bool(fast_gemv), gdn_kernel=bool(gdn_kernel), pdl=use_pdl)
+                               fast_gemv=bool(fast_gemv), gdn_kernel=bool(gdn_kernel))

@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from qwen_chat.chat_types import ContextTooLong
-from qwen_chat.engine.model import fp8_gemv, gemv, graphs, pdl, prefix_cache
+from qwen_chat.engine.model import fp8_gemv, gemv, graphs, prefix_cache
 from qwen_chat.engine.model.delta_rule import resolve_chunk_rule
 from qwen_chat.engine.model.forward import ModelForward, PackedSeq
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
@@ -139,8 +139,7 @@ class ModelRunner:
         self.options = opts = resolve_options(options, device=self.device, zero3=zero3,
                                               gdn_fits=state.gdn_kernel_fits(layers, zero3))
         self.use_cuda_graphs = opts.cuda_graphs
-        pdl.set_enabled(opts.pdl)  # process-wide: the kernels are reached through fp8.linear (pdl module)
-        glue = glue_functions(opts.compile_glue, pdl=opts.pdl)
+        glue = glue_functions(opts.compile_glue)
         self.tp = decode_projections(model, device=self.device, dtype=self.dtype, fast_gemv=opts.fast_gemv,
                                      cuda_graphs=opts.cuda_graphs, add_norm=glue["add_norm"], zero3=zero3,
                                      backend=opts.tp_allreduce, fused=opts.tp_fused)
@@ -166,7 +165,6 @@ class ModelRunner:
                                      if opts.fast_gemv else "torch"),
                      "tp_all_reduce": self.tp.kind, "tp_fused_all_reduce_norm": self.tp.fused,
                      "gdn_decode": "triton (one kernel)" if opts.gdn_kernel else glue_name,
-                     "programmatic_dependent_launch": opts.pdl,
                      "prefill": "eager, prompt chunks packed"}
         log.info("ModelRunner: %d slots, %d KV blocks x %d tokens, context %d, dtype %s, impl %s", self.num_slots,
                  self.num_blocks, self.block_tokens, self.max_context, self.dtype, self.impl)
