@@ -7,6 +7,8 @@ Usage (repository root):
     python bench/serve_bench.py --smoke            # CPU: --model tiny, everything scaled down (checks the script)
     python bench/serve_bench.py --skip-cap24 --skip-long   # partial runs (also --skip-followups)
     QWEN_CHAT_QUANTIZE=fp8 python bench/serve_bench.py     # FP8 weights (start.sh reads the variable)
+    python bench/serve_bench.py --cap24-only --service-args "--max-batch 16" --out PREFIX   # what-if: the 24 GB
+                                                           # phase alone, start.sh given one more flag
     CUDA_VISIBLE_DEVICES=0 python bench/serve_bench.py     # one GPU of a multi-GPU host (start.sh uses every
                                                            # visible GPU; NUM_GPUS=1 works too)
     CUDA_VISIBLE_DEVICES=0,1 python bench/serve_bench.py --data-parallel 2   # two replicas, one GPU each
@@ -51,6 +53,7 @@ import datetime as dt
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import statistics
@@ -146,6 +149,8 @@ class Bench:
         # what start.sh got besides the flags (DATA_PARALLEL..., and QWEN_CHAT_QUANTIZE passed through from here)
         self.context["service_env"] = {**self.env, **({"QWEN_CHAT_QUANTIZE": os.environ["QWEN_CHAT_QUANTIZE"]}
                                                       if os.environ.get("QWEN_CHAT_QUANTIZE") else {})}
+        self.service_args = shlex.split(args.service_args)
+        self.context["service_args"] = self.service_args
         self.detail = self.context["detail"]
         self.services: list[Service] = []
 
@@ -247,7 +252,7 @@ class Bench:
         self.save()
 
     def main_service(self, model_arg: str, port: int, log: Path) -> bool:
-        args = ["--model", model_arg] + (["--port", str(port)] if port != 7860 else [])
+        args = ["--model", model_arg] + (["--port", str(port)] if port != 7860 else []) + self.service_args
         svc = Service(args, port, log, self.env)
         self.context["service_command"] = svc.command
         self.services.append(svc)
@@ -306,6 +311,10 @@ def main(argv=None) -> int:
                     help="run the service with DATA_PARALLEL=N (N replicas over the visible GPUs; --smoke: N CPU "
                          "ranks); results get a -dpN suffix")
     ap.add_argument("--skip-cap24", action="store_true", help="skip the restart under the 24 GB cap")
+    ap.add_argument("--cap24-only", action="store_true", help="only the 24 GB phase (no uncapped service first)")
+    ap.add_argument("--service-args", default="", metavar="ARGS",
+                    help="extra start.sh arguments for every service started, e.g. '--max-batch 16' (the default "
+                         "flags are what a user gets; this is for what-if runs, recorded in the JSON)")
     ap.add_argument("--skip-long", action="store_true", help="skip the 32k and 128k-token prompts")
     ap.add_argument("--skip-followups", action="store_true", help="skip the follow-up (conversation cache) phase")
     ap.add_argument("--budget-s", type=float, help="skip the 24 GB run when fewer seconds are left than its "
@@ -338,7 +347,9 @@ def main(argv=None) -> int:
             bench.context["checkpoint"] = info
             progress(f"checkpoint {folder} ({'reused' if info.get('reused') else 'built'})")
         port = args.port or (7860 if port_is_free(7860) else free_port())
-        if not bench.main_service(model_arg, port, log):
+        if args.cap24_only:
+            bench.cap_service(model_arg, port, log)
+        elif not bench.main_service(model_arg, port, log):
             code = 1
         elif args.skip_cap24:
             bench.cap24 = {"started": False, "error": "skipped (--skip-cap24)"}

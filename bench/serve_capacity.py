@@ -91,8 +91,8 @@ def capped_service(bench, model_arg: str, port: int, log: Path, progress: Callab
     cap_sitecustomize(tmp)
     env = {FRACTION_ENV: f"{fraction:.6f}",
            "PYTHONPATH": str(tmp) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    svc = Service(["--model", model_arg] + (["--port", str(port)] if port != 7860 else []), port, log,
-                  {**bench.env, **env})
+    svc = Service(["--model", model_arg] + (["--port", str(port)] if port != 7860 else []) + bench.service_args,
+                  port, log, {**bench.env, **env})
     bench.services.append(svc)
     cap = bench.cap24 = {"started": False, "cap_gib": CAP_GIB, "fraction": round(fraction, 6),
                          "note": None if total else "no GPU: the sitecustomize hooks torch but nothing is capped",
@@ -108,6 +108,8 @@ def capped_service(bench, model_arg: str, port: int, log: Path, progress: Callab
         progress(f"capped service up after {svc.startup_s:.1f} s")
         bench.phase_memory("cap24_after_startup", svc.base_url)
         model = httpx.get(svc.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        if bench.detail["calibration"] is None:  # --cap24-only: no uncapped service measured the tokenizer
+            bench.calibrate(svc.base_url, model)
         for streams in R.CAP_CONCURRENCY:
             bench.run_burst(svc.base_url, model, streams, cap["bursts"], "cap24 ")
             bench.save()
