@@ -7,7 +7,9 @@ It reads the service's memory plan from ``/v1/models`` (``engine``: state slots,
 prompts of ``tokens`` tokens at once (each asking for ``new_tokens`` tokens), and samples ``/metrics`` every
 0.25 s meanwhile: the most sequences running at once (``qwen_chat_running_sequences``) and how many were
 preempted (``qwen_chat_engine_preemptions_total``, difference over the phase).  ``kv_fit`` is what the plan
-allows by arithmetic: KV tokens // (tokens + new_tokens), capped by the state slots.
+allows by arithmetic: KV tokens // (tokens + new_tokens), capped by the state slots.  ``max_running`` only
+reaches ``kv_fit`` when the sequences live long enough: with few ``new_tokens`` each one finishes soon after
+its prefill, so the prefill rate bounds it (measured: docs/performance.md, "FP8 weights").
 """
 from __future__ import annotations
 
