@@ -169,3 +169,27 @@ def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
         assert runner.tables.free_blocks == runner.num_blocks
     finally:
         engine.close()
+
+
+def test_the_same_new_prompt_from_several_users_in_one_step_is_answered_for_each(engines, tiny_loaded):
+    """Identical first prompts planned in one step (two users asking the same question, a client retrying): a
+    prompt admitted in the step whose prefill keeps that prefix must not start from it before it is written.
+    The four requests are queued while the scheduler is held, so they are planned together (with rows to spare
+    for keeping prefixes); each gets its solo reply and the engine keeps serving."""
+    on = make(tiny_loaded, True, num_slots=12)
+    try:
+        convs = [[u(f"Same step: question number {i}.")] for i in (0, 1, 1, 0)]
+        solo = [reply(engines[1], c)[:3] for c in convs]
+        with on.scheduler._batch.cond:  # re-entrant: each stream_chat queues its request inside
+            streams = [on.stream_chat(c, settings(), CancelToken()) for c in convs]
+        got = []
+        for updates in streams:
+            last = None
+            for last in updates:
+                pass
+            got.append((last.reasoning, last.answer, last.completion_tokens))
+        assert got == solo
+        assert on.scheduler.healthy
+        assert reply(on, convs[0])[:3] == solo[0]
+    finally:
+        on.close()

@@ -109,13 +109,14 @@ class ConversationCache:
         """State rows that hold kept prefixes."""
         return list(self._entries)
 
-    def match(self, key: PromptKey) -> Optional[Entry]:
+    def match(self, key: PromptKey, unwritten: frozenset = frozenset()) -> Optional[Entry]:
         """The longest kept prefix of ``key``'s prompt that leaves at least one token to prefill, or None;
-        marks it used."""
+        marks it used.  ``unwritten``: rows whose prefix the plan being built keeps (its prefill writes them
+        when the plan runs, after the plan's restores), which cannot be started from yet."""
         L = key.ids.numel()
         best = None
         for e in self._entries.values():
-            if e.n >= L or (best is not None and e.n <= best.n):
+            if e.n >= L or (best is not None and e.n <= best.n) or e.row in unwritten:
                 continue
             if not torch.equal(key.ids[:e.n], e.ids):
                 continue

@@ -5,7 +5,8 @@ Order, under the per-step token budget: prompts already being prefilled continue
 sequences (recomputed from their prompt and fed tokens), then the waiting queue, first come first served.  A
 sequence is admitted only when a state row and the KV blocks of its whole prompt are free or can be freed by
 evicting kept prefixes (least recently used first, never one this plan restores or keeps).  A prompt whose
-first tokens a kept prefix holds starts from it (``PrefillItem.restore``) and prefills only the rest; a chunk
+first tokens a kept prefix holds starts from it (``PrefillItem.restore``) and prefills only the rest (not from a
+prefix this same plan keeps: its state is written by the plan's prefill, after the plan's restores); a chunk
 that covers its prompt's keep point keeps the state there in a row of its own (``PrefillItem.keep``), when a
 row is free or can be freed.  The later choices of a request whose whole prompt is prefilled in one step share
 its prefill (``PrefillItem.copies``) when rows allow; the others get their own later.
@@ -27,6 +28,7 @@ def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:
     kv = b.kv
     prefilled: list[Request] = []
     pinned: set[int] = set()  # rows this plan restores from or keeps into
+    kept: set[int] = set()  # rows this plan keeps into: written by its prefill, so no restore from them in it
 
     def chunk(req: Request, restore: Optional[int] = None) -> None:
         nonlocal budget
@@ -34,6 +36,8 @@ def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:
         end = min(req.target.num_tokens, start + budget)
         budget -= end - start
         keep = _keep_point(b, req, start, end, plan, pinned)
+        if keep is not None:
+            kept.add(keep[1])
         req.cached = end
         plan.prefills.append(PrefillItem(req.slot, req.target, req.sampling, start=start, end=end,
                                          resume=req.resume, restore=restore, keep=keep))
@@ -47,7 +51,7 @@ def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:
         if budget <= 0 or id(req) in in_flight:
             return prefilled
         target = req.recompute_prompt()
-        hit = _lookup(b, req, target)
+        hit = _lookup(b, req, target, kept)
         need = kv.restore_need(hit.n if hit else 0, target.num_tokens + 1)
         if not make_room(b, need, plan, pinned | _rows(hit), alone=b.alone(req)):
             return prefilled  # first come first served: nobody overtakes a preempted sequence
@@ -56,7 +60,7 @@ def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:
         chunk(req, hit.row if hit else None)
     while b.waiting and budget > 0:
         req = b.waiting[0]
-        hit = _lookup(b, req, req.prompt)
+        hit = _lookup(b, req, req.prompt, kept)
         keep_out = pinned | _rows(hit)
         if not b.free_rows and (b.cache is None or b.cache.victim(keep_out) is None):
             break
@@ -91,12 +95,13 @@ def _rows(hit) -> set:
     return {hit.row} if hit is not None else set()
 
 
-def _lookup(b, req: Request, target):
-    """The kept prefix ``target`` (the request's prompt, or its recompute prompt) may start from, or None."""
+def _lookup(b, req: Request, target, kept: set):
+    """The kept prefix ``target`` (the request's prompt, or its recompute prompt) may start from, or None; not
+    one of the rows ``kept`` by this plan (their state is written when the plan runs)."""
     if b.cache is None:
         return None
     key = req.key if target is req.prompt else req.key.extended(target.input_ids.reshape(-1))
-    return b.cache.match(key)
+    return b.cache.match(key, frozenset(kept))
 
 
 def _start(b, req: Request, hit, pinned: set) -> None:
