@@ -217,9 +217,18 @@ def _index_names_absent_tensor(folder: Path) -> str:
     return "model-00004-of-00004.safetensors: lacks 1 tensor(s)"
 
 
-def _truncated_shard(folder: Path) -> str:
+def _not_safetensors(folder: Path) -> str:
     rewrite(folder / "model-00004-of-00004.safetensors", "not safetensors")
     return "model-00004-of-00004.safetensors: not a safetensors file"
+
+
+def _truncated_shard(folder: Path) -> str:
+    """A copy or download cut short: the header is intact, the tensor data is not all there."""
+    path = folder / "model-00002-of-00004.safetensors"
+    data = path.read_bytes()
+    path.unlink()  # the variant's files may be links to the original's
+    path.write_bytes(data[:len(data) // 2])
+    return "model-00002-of-00004.safetensors: weight shard is truncated"
 
 
 def _weight_left_out(folder: Path) -> str:
@@ -242,7 +251,8 @@ def _swapped_special_ids(folder: Path) -> str:
     return "tokenizer.json: special token '<|im_start|>' has id 248046, expected 248045"
 
 
-BROKEN = [_missing_shard, _foreign_model_type, _awq_config, _index_names_absent_tensor, _truncated_shard,
+BROKEN = [_missing_shard, _foreign_model_type, _awq_config, _index_names_absent_tensor, _not_safetensors,
+          _truncated_shard,
           _weight_left_out, _swapped_special_ids]
 
 

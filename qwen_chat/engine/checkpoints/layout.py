@@ -21,6 +21,7 @@ random full-size checkpoint); ``mtp_head`` makes the random MTP tensors.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
@@ -104,7 +105,8 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
 
     Format: 8-byte little-endian header length, then that many bytes of JSON (``__metadata__`` skipped).
 
-    Raises: CheckpointError naming the file when it is missing, truncated or not safetensors.
+    Raises: CheckpointError naming the file when it is missing, truncated (shorter than the tensor data its
+    header describes) or not safetensors.
     """
     try:
         with open(path, "rb") as f:
@@ -113,14 +115,24 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
             if not 0 < size <= _HEADER_LIMIT:
                 raise CheckpointError(f"{path}: not a safetensors file (bad header length)")
             header = json.loads(f.read(size))
+            held = os.fstat(f.fileno()).st_size - 8 - size
     except FileNotFoundError:
         raise CheckpointError(f"{path}: weight shard is missing") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except ValueError:
         raise CheckpointError(f"{path}: not a safetensors file (header is not JSON)") from None
-    return {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()
-            if name != "__metadata__"}
+    try:
+        tensors = {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()
+                   if name != "__metadata__"}
+        needed = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
+                     default=0)
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError):
+        raise CheckpointError(f"{path}: not a safetensors file (malformed header entry)") from None
+    if needed > held:  # a copy or download cut short: the header promises more data than the file holds
+        raise CheckpointError(f"{path}: weight shard is truncated (its header describes {needed} bytes of tensor "
+                              f"data, the file holds {max(held, 0)})")
+    return tensors
 
 
 def inspect_checkpoint(folder: Path) -> CheckpointReport:
