@@ -157,6 +157,8 @@ WRONG = {
                        "module model.language_model.layers.9.mlp.up_proj does not exist in the base model"),
     "not_linear": (pair("model.language_model.layers.0.linear_attn.conv1d", 192, 64), {},
                    "linear_attn.conv1d is a Conv1d, only nn.Linear layers can be merged"),
+    "not_linear_target_name": (pair(UP, 192, 64), {"target_modules": ["up_proj", "conv1d"]},
+                               "target module 'conv1d' is a Conv1d in the base model; only nn.Linear layers"),
     "unknown_target_name": (pair(UP, 192, 64), {"target_modules": ["up_proj", "in_proj_ba"]},
                             "target module 'in_proj_ba' matches no module of the base model"),
     "rank": (pair(UP, 192, 64, r=3), {}, "which do not fit rank r=2 of adapter_config.json"),

@@ -163,14 +163,19 @@ def resolve_modules(adapter: LoraAdapter, model: torch.nn.Module) -> dict[str, t
     Returns: base model module name -> (name as stored in the adapter, the module).
 
     Raises: AdapterError naming the first module that does not exist, is not linear or has other in/out
-    features, or a ``target_modules`` name that matches no module of the base model.
+    features, or a ``target_modules`` name that matches no module of the base model or only modules that are
+    not linear (``conv1d``).
     """
     modules = dict(model.named_modules())
     weights = adapter.folder / WEIGHTS_FILE
     for target in _target_names(adapter.config):
-        if not any(name == target or name.endswith("." + target) for name in modules):
+        matches = [m for name, m in modules.items() if name == target or name.endswith("." + target)]
+        if not matches:
             raise AdapterError(f"{adapter.folder / CONFIG_FILE}: target module {target!r} matches no module of "
                                "the base model (adapter made for another architecture?)")
+        if not any(isinstance(m, (torch.nn.Linear, Fp8Linear)) for m in matches):
+            raise AdapterError(f"{adapter.folder / CONFIG_FILE}: target module {target!r} is a "
+                               f"{type(matches[0]).__name__} in the base model; only nn.Linear layers can be merged")
     resolved = {}
     for stored, (a, b) in adapter.pairs.items():
         name = stored
