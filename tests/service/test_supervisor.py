@@ -409,10 +409,10 @@ def test_killing_the_launcher_leaves_no_orphans_and_the_first_respawn_succeeds(t
 
 @drill
 def test_broken_checkpoint_ends_exited_78_after_one_attempt(tmp_path, tiny_checkpoint, tiny_cache):
-    """A checkpoint whose weights file is cut off fails after loading began (exit 78).  app.py holds that exit
-    until Supervisor's startsecs have passed, so Supervisor counts the start as done, finds 78 in ``exitcodes``
-    and leaves the program EXITED after one attempt (instead of 4 attempts and FATAL), while ``/healthz`` says
-    why in the meantime."""
+    """A checkpoint whose weights file is cut off (an interrupted copy) is refused at start-up (exit 78), in one
+    line naming the shard.  app.py holds that exit until Supervisor's startsecs have passed, so Supervisor counts
+    the start as done, finds 78 in ``exitcodes`` and leaves the program EXITED after one attempt (instead of 4
+    attempts and FATAL), while ``/healthz`` says why in the meantime."""
     broken = tmp_path / "broken-model"
     shutil.copytree(tiny_checkpoint, broken)
     weights = sorted(broken.glob("*.safetensors"))[0]  # one weights file cut off
@@ -437,7 +437,8 @@ def test_broken_checkpoint_ends_exited_78_after_one_attempt(tmp_path, tiny_check
         log = sup.log_text()
         assert sup.state() == "EXITED" and sum(line.startswith(reason) for line in log.splitlines()) == 1, log
         assert listening_pids(port) == []
-        assert "rank 0: " in log.split(reason, 1)[1].splitlines()[0]  # the cause, on the reason's line
+        cause = log.split(reason, 1)[1].splitlines()[0]  # the cause, on the reason's line
+        assert cause.startswith(f"{weights}: weight shard is truncated"), cause
     print(f"\n[drill] broken checkpoint: reason in the log after {failed_s:.1f} s, EXITED (78, expected) after "
           f"{ended_s:.1f} s, 1 attempt")
 
