@@ -251,9 +251,13 @@ class Bench:
                                                     if v else f"null: {detail[label]['error']}"))
         self.save()
 
+    def service_argv(self, model_arg: str, port: int) -> list[str]:
+        """start.sh's arguments for every service of the run: the model, ``--port`` when not 7860, and
+        ``--service-args``."""
+        return ["--model", model_arg] + (["--port", str(port)] if port != 7860 else []) + self.service_args
+
     def main_service(self, model_arg: str, port: int, log: Path) -> bool:
-        args = ["--model", model_arg] + (["--port", str(port)] if port != 7860 else []) + self.service_args
-        svc = Service(args, port, log, self.env)
+        svc = Service(self.service_argv(model_arg, port), port, log, self.env)
         self.context["service_command"] = svc.command
         self.services.append(svc)
         progress(f"starting the service: {svc.command}")

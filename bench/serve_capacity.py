@@ -93,8 +93,7 @@ def capped_service(bench, model_arg: str, port: int, log: Path, progress: Callab
     cap_sitecustomize(tmp)
     env = {FRACTION_ENV: f"{fraction:.6f}",
            "PYTHONPATH": str(tmp) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    svc = Service(["--model", model_arg] + (["--port", str(port)] if port != 7860 else []) + bench.service_args,
-                  port, log, {**bench.env, **env})
+    svc = Service(bench.service_argv(model_arg, port), port, log, {**bench.env, **env})
     bench.services.append(svc)
     cap = bench.cap24 = {"started": False, "cap_gib": CAP_GIB, "fraction": round(fraction, 6),
                          "note": None if total else "no GPU: the sitecustomize hooks torch but nothing is capped",

@@ -54,11 +54,14 @@ def variant(src: Path, dst: Path) -> Path:
 
 
 def rewrite(path: Path, data) -> None:
-    """Replace ``path`` (usually a symlink into the shared checkpoint) by a new file: JSON, text or tensors."""
+    """Replace ``path`` (usually a symlink into the shared checkpoint) by a new file: JSON, text, bytes or
+    tensors."""
     if path.is_symlink() or path.exists():
         path.unlink()
     if isinstance(data, dict) and data and all(isinstance(v, torch.Tensor) for v in data.values()):
         save_file(data, str(path), metadata={"format": "pt"})
+    elif isinstance(data, bytes):
+        path.write_bytes(data)
     else:
         path.write_text(data if isinstance(data, str) else json.dumps(data))
 
@@ -225,9 +228,7 @@ def _not_safetensors(folder: Path) -> str:
 def _truncated_shard(folder: Path) -> str:
     """A copy or download cut short: the header is intact, the tensor data is not all there."""
     path = folder / "model-00002-of-00004.safetensors"
-    data = path.read_bytes()
-    path.unlink()  # the variant's files may be links to the original's
-    path.write_bytes(data[:len(data) // 2])
+    rewrite(path, path.read_bytes()[:path.stat().st_size // 2])
     return "model-00002-of-00004.safetensors: weight shard is truncated"
 
 

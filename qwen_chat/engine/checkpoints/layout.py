@@ -122,11 +122,12 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except ValueError:
         raise CheckpointError(f"{path}: not a safetensors file (header is not JSON)") from None
+    tensors, needed = {}, 0
     try:
-        tensors = {name: (entry["dtype"], tuple(entry["shape"])) for name, entry in header.items()
-                   if name != "__metadata__"}
-        needed = max((int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"),
-                     default=0)
+        for name, entry in header.items():
+            if name != "__metadata__":
+                tensors[name] = (entry["dtype"], tuple(entry["shape"]))
+                needed = max(needed, int(entry["data_offsets"][1]))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError):
         raise CheckpointError(f"{path}: not a safetensors file (malformed header entry)") from None
     if needed > held:  # a copy or download cut short: the header promises more data than the file holds

@@ -146,9 +146,11 @@ def tuned() -> dict:
     """{(batch class, N, K): launch config} from ``TILES_FILE`` ({} when it is absent or unreadable: then the
     default pattern of ``pick_config`` applies; tiles only affect speed)."""
     try:
-        doc = json.loads(TILES_FILE.read_text())
-        keys = {k: k.split(":") for k in doc["tiles"]}
-        return {(c, int(n), int(k)): dict(doc["tiles"][key]) for key, (c, n, k) in keys.items()}
+        tiles = {}
+        for key, cfg in json.loads(TILES_FILE.read_text())["tiles"].items():
+            c, n, k = key.split(":")
+            tiles[(c, int(n), int(k))] = dict(cfg)
+        return tiles
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -109,7 +109,7 @@ class ConversationCache:
         """State rows that hold kept prefixes."""
         return list(self._entries)
 
-    def match(self, key: PromptKey, unwritten: frozenset = frozenset()) -> Optional[Entry]:
+    def match(self, key: PromptKey, unwritten: Collection[int] = ()) -> Optional[Entry]:
         """The longest kept prefix of ``key``'s prompt that leaves at least one token to prefill, or None;
         marks it used.  ``unwritten``: rows whose prefix the plan being built keeps (its prefill writes them
         when the plan runs, after the plan's restores), which cannot be started from yet."""

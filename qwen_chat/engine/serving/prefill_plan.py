@@ -101,7 +101,7 @@ def _lookup(b, req: Request, target, kept: set):
     if b.cache is None:
         return None
     key = req.key if target is req.prompt else req.key.extended(target.input_ids.reshape(-1))
-    return b.cache.match(key, frozenset(kept))
+    return b.cache.match(key, unwritten=kept)
 
 
 def _start(b, req: Request, hit, pinned: set) -> None:
