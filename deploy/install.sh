@@ -4,8 +4,10 @@
 #   bash deploy/install.sh          # runtime: pip install -r requirements.txt, then deepspeed; on a CUDA host
 #                                   # also fla-core + flash-linear-attention 0.6.0 (the fast prefill kernels)
 #   bash deploy/install.sh --test   # also Debian's chromium + chromium-driver for the browser test, and
-#                                   # Triton (CPU hosts) for the kernel tests under its interpreter
+#                                   # checks the pinned Triton the kernel tests run under its interpreter
 #
+# Every pip install applies the lock file constraints.txt (exact versions of every package, transitive ones
+# included), and triton is pinned to match the torch build (see below), so a fresh install cannot drift.
 # Uses the current `python` (activate a virtual environment first if you want one).  Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +16,7 @@ with_test=0
 for arg in "$@"; do
   case "$arg" in
     --test) with_test=1 ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown argument $arg (expected --test)" >&2; exit 2 ;;
   esac
 done
@@ -34,24 +36,61 @@ if [ "$with_test" = 1 ]; then
   fi
 fi
 
+# Every install goes through the lock file.
+pip_install() { "$PY" -m pip install -c constraints.txt "$@"; }
+
 # torch first, pinned: on a machine without CUDA this resolves to the CPU wheel.
 torch_pin=$(grep -E '^torch==' requirements.txt)
-"$PY" -m pip install "$torch_pin"
-"$PY" -m pip install -r requirements.txt
+pip_install "$torch_pin"
+
+# Triton matched to the torch build that was just installed.  A CUDA build of torch requires its own exact
+# triton (`triton==3.x.y; platform_system == "Linux" ...` in its metadata): that is the pin.  The CPU build
+# requires none, but xgrammar pulls an unpinned triton on Linux x86_64, and the Triton interpreter tests
+# (tests/engine/test_triton_kernels.py) pass with triton==3.6.0 under the CPU torch: that is the pin then.
+# It is not in constraints.txt because it depends on the torch build; instead it is named on the command line
+# of every install below (idempotent when that version is already there), so no dependency resolves another.
+triton_pin=$("$PY" - <<'PYEOF'
+import importlib.metadata as md
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # a bare venv: pip's own copy
+    from pip._vendor.packaging.requirements import Requirement
+pin = "triton==3.6.0"
+for line in md.requires("torch") or []:
+    req = Requirement(line)
+    if req.name.lower() == "triton" and (req.marker is None or req.marker.evaluate({"extra": ""})):
+        pin = f"triton{req.specifier}"
+        break
+print(pin)
+PYEOF
+)
+echo "install.sh: Triton for this torch build: $triton_pin"
+
+pip_install -r requirements.txt "$triton_pin"
 # deepspeed needs torch at build time; DS_BUILD_OPS=0 builds no CUDA ops now (they JIT-compile if ever used).
-DS_BUILD_OPS=0 "$PY" -m pip install --no-build-isolation deepspeed==0.19.8
+DS_BUILD_OPS=0 pip_install --no-build-isolation deepspeed==0.19.8 "$triton_pin"
 # CUDA host (a GPU that nvidia-smi lists, or a torch that sees one): the Gated DeltaNet prefill kernels of
 # flash-linear-attention, pinned (transformers uses them when importable; without them it logs a fall-back to
 # its PyTorch implementation: same results, long prompts slower).  CPU hosts skip them.
 if nvidia-smi -L >/dev/null 2>&1 || "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
   echo "install.sh: CUDA host: installing the fast prefill kernels fla-core==0.6.0 and flash-linear-attention==0.6.0"
-  "$PY" -m pip install fla-core==0.6.0 flash-linear-attention==0.6.0
+  pip_install fla-core==0.6.0 flash-linear-attention==0.6.0 "$triton_pin"
 else
   echo "install.sh: no CUDA GPU found: skipping fla-core / flash-linear-attention (PyTorch fall-back kernels)"
 fi
-if [ "$with_test" = 1 ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then
-  # CPU hosts: Triton's interpreter runs the decode kernels in tests/engine/test_triton_kernels.py (CUDA builds of
-  # torch bring their own Triton, which is left alone).
-  "$PY" -m pip install triton==3.6.0
+if [ "$with_test" = 1 ]; then
+  # The kernel tests run under this Triton: make sure it is the pinned one (also when another Triton was
+  # importable before this script ran; the installs above replaced it).
+  "$PY" - "$triton_pin" <<'PYEOF'
+import sys, importlib.metadata as md
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+want = Requirement(sys.argv[1])
+have = md.version("triton")
+if not want.specifier.contains(have, prereleases=True):
+    sys.exit(f"install.sh: triton {have} is installed, expected {want}")
+PYEOF
 fi
 echo "install.sh: done"
