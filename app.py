@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import sys
-import threading
 import time
 from typing import Optional, Sequence
 
@@ -99,77 +99,113 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"app.py: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         return 1
 
-    import uvicorn
+    # The web front runs in a process of its own (qwen_chat.front_process: asyncio, no torch), started now so
+    # that the port answers from the first second; this process becomes replica 0's engine process.
+    from qwen_chat.engine.serving.engine_hub import link_address
 
-    from qwen_chat.pending import PendingBackend, provisional_info
-    from qwen_chat.web.front import GRACEFUL_SHUTDOWN_S, Front, WebServer
-
-    backend = PendingBackend(provisional_info(cfg.model))
-    front = Front(backend)
-    server = WebServer(front, uvicorn.Config(front, log_level="info",
-                                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    # Not the main thread: uvicorn installs no signal handlers there; the engine's SIGTERM handler (rank 0
-    # broadcasts the exit message to the workers) stays in charge, and the finally below stops the server.
-    # The main thread waits on an Event, not on web.join(): a signal handler that raises inside Thread.join()
-    # makes CPython 3.11 release the running thread's state lock, so is_alive() turns False and the final join
-    # returns at once, ending the process in the middle of open responses (bpo-45274's handling).
-    web_done = threading.Event()
-
-    def serve() -> None:
-        try:
-            server.run(sockets=[sock])
-        finally:
-            web_done.set()
-
-    web = threading.Thread(target=serve, name="uvicorn", daemon=True)
-    web.start()
-    log.info("listening on http://%s:%d (503 'loading' until the model is ready)", cfg.host, cfg.port)
-    # SIGTERM (Supervisor's stop) -> SystemExit in the main thread -> the finally below shuts the server down
-    # gracefully.  Under several ranks the engine replaces this handler with one that first sends the exit
-    # message to every rank.
-    lifecycle.install_sigterm_exit()  # once; a repeated SIGTERM cannot interrupt the clean-up
+    link = Link(link_address(_link_host()), secrets.token_hex(16))
+    front = _spawn_front(sock, link, layout.replicas, argv)
+    sock.close()  # the front holds it now
+    log.info("listening on http://%s:%d (503 'loading' until the model is ready); web front pid %d", cfg.host,
+             cfg.port, front.pid)
+    # SIGTERM (Supervisor's stop) -> SystemExit in the main thread -> the engine closes (its open streams end
+    # and their last chunks reach the front) -> the front is stopped.  Under several ranks the engine replaces
+    # this handler with one that first sends the exit message to every rank.
+    lifecycle.install_sigterm_exit()
+    front_exited = lambda: front.poll() is not None  # noqa: E731
     try:
-        from qwen_chat.history.store import HistoryStore
-        from qwen_chat.web import server as web_app  # Gradio: seconds of imports, while /healthz answers
+        from qwen_chat.engine.serving import bootstrap
 
-        app = web_app.build_app(cfg, backend, HistoryStore(cfg.history_dir))
-        front.attach(app, end_streams=lambda: web_app.end_streams(app))
-        code = _start_engine_or_exit(cfg, backend)
-        if code:
-            return code
-        log.info("serving http://%s:%d (model %s)", cfg.host, cfg.port, backend.info.name)
-        while not web_done.wait(timeout=1.0):  # short waits keep the main thread responsive to signals
-            pass
-        # Only a signal (SystemExit from the handler, through the finally) stops the server on purpose; a web
-        # thread that ended by itself failed, and Supervisor should restart the service.
-        print("app.py: the web server stopped unexpectedly", file=sys.stderr)
-        return 1
+        try:
+            engine = bootstrap.start_engine(cfg, link=link)
+        except bootstrap.StartupError as e:
+            _report_failure(link, str(e))
+            print(f"app.py: cannot start the engine: {e}", file=sys.stderr)
+            _hold_until_started_for_supervisor(front_exited)
+            return EXIT_STARTUP_FAILED
+        if front_exited():
+            print(f"app.py: the web front exited with code {front.returncode}", file=sys.stderr)
+            return 1
+        from qwen_chat.engine.serving.engine_core import serve_engine
+
+        layout_ranks = list(layout.ranks_of(0)) if layout.replicas > 1 else list(range(layout.world_size))
+        serve_engine(engine, link.address, link.token, replica=0, ranks=layout_ranks, host=_link_host(),
+                     until=front_exited)
+        if front_exited() and not lifecycle.STOPPING.is_set():
+            print(f"app.py: the web front exited with code {front.returncode}; stopping the engine",
+                  file=sys.stderr)
+            return 1
+        return 0
     finally:
-        # The engine first: its open streams end ("cancelled", saved by the UI as interrupted), so each HTTP
-        # response still sends its last chunk (finish_reason, [DONE]) before the server stops; the server then
-        # ends the tabs' heartbeat streams itself (WebServer.shutdown).
-        backend.close()
-        server.should_exit = True
-        web_done.wait(timeout=15)
+        _stop_front(front)
+
+
+class Link:
+    """The front <-> engine link of this start: ``address`` (``tcp://host:port``, the front's PULL socket) and
+    its secret ``token``."""
+
+    def __init__(self, address: str, token: str) -> None:
+        self.address, self.token = address, token
+
+
+def _link_host() -> str:
+    """Where the link's sockets bind: ``MASTER_ADDR`` (the launcher's rendezvous host), else loopback."""
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+
+def _spawn_front(sock: socket.socket, link: Link, replicas: int, argv: Optional[Sequence[str]]):
+    """Start ``qwen_chat.front_process`` with the listening socket and the same command line."""
+    import subprocess
+
+    from qwen_chat.front_process import FRONT_FD_ENV, LINK_ENV, REPLICAS_ENV, TOKEN_ENV
+
+    env = dict(os.environ, **{FRONT_FD_ENV: str(sock.fileno()), LINK_ENV: link.address, TOKEN_ENV: link.token,
+                              REPLICAS_ENV: str(replicas)})
+    args = list(sys.argv[1:] if argv is None else argv)
+    return subprocess.Popen([sys.executable, "-m", "qwen_chat.front_process", *args], env=env,
+                            pass_fds=(sock.fileno(),), cwd=os.getcwd())
+
+
+def _report_failure(link: Link, reason: str) -> None:
+    """Tell the front that the engine cannot start (its /healthz then says why)."""
+    import zmq
+
+    from qwen_chat.engine.serving import wire
+
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(link.address)
+    push.send(wire.dumps([0, [["failed", reason]]]))
+    push.close()
+
+
+def _stop_front(front) -> None:
+    """SIGTERM the front (it ends its streams and tabs) and wait for it; SIGKILL after 20 s."""
+    import subprocess
+
+    if front.poll() is None:
+        front.terminate()
+    try:
+        front.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        front.kill()
+        front.wait()
 
 
 def _start_engine_or_exit(cfg, backend) -> int:
-    """Start the engine on this rank; on rank 0 attach it to ``backend``.  Returns an exit code (0 = started)."""
+    """A rank other than 0: start the engine (workers and the other replicas' leads never return)."""
     from qwen_chat.engine.serving import bootstrap
 
     try:
-        engine = bootstrap.start_engine(cfg)  # worker ranks stay inside and never return
+        bootstrap.start_engine(cfg)  # worker ranks stay inside and never return
     except bootstrap.StartupError as e:
-        if backend is not None:
-            backend.fail(str(e))
         print(f"app.py: cannot start the engine: {e}", file=sys.stderr)
         _hold_until_started_for_supervisor()
         return EXIT_STARTUP_FAILED
-    backend.attach(engine)
     return 0
 
 
-def _hold_until_started_for_supervisor() -> None:
+def _hold_until_started_for_supervisor(stop=None) -> None:
     """Sleep until this process has run ``$QWEN_CHAT_STARTSECS`` + 1 s (nothing when unset or not a number), so
     that Supervisor sees exit code 78 after its start window and treats it as final (module docstring)."""
     try:
@@ -182,7 +218,9 @@ def _hold_until_started_for_supervisor() -> None:
         log.info("exiting with code %d in %.0f s, after Supervisor's startsecs (%.0f s): a start-up that cannot "
                  "succeed is not retried", EXIT_STARTUP_FAILED, left, startsecs)
         sys.stdout.flush()
-        time.sleep(left)
+        deadline = time.monotonic() + left
+        while time.monotonic() < deadline and not (stop is not None and stop()):
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":

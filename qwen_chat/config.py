@@ -144,6 +144,12 @@ class ServiceConfig:
         None, help="tokens per sequence at most (prompt + reply); default: the model's own limit, as far as the "
                    "memory budget holds it")
     max_queue: int = 64
+    stream_interval: int = _opt(
+        1, help="tokens per streamed update at most for a client that keeps up (vLLM's --stream-interval); a "
+                "slower client gets what accumulated merged into one update either way")
+    max_request_mb: float = _opt(
+        0.0, help="largest API request body in MB (1 MB = 2**20 bytes), refused with 413 before it is read; "
+                  "default: what --max-images-per-turn images of --max-upload-mb each take as base64, plus 1 MB")
     max_batch: Optional[int] = _opt(
         None, help="sequences decoded together at most; default: as many as the memory budget holds, up to 128 "
                    "(the largest decode batch with a CUDA graph; larger ones run without)")
@@ -215,6 +221,10 @@ class ServiceConfig:
             raise ConfigError(f"--image-token-budget must be 64..16384, got {self.image_token_budget}")
         if self.max_queue < 1 or (self.max_batch is not None and self.max_batch < 1):
             raise ConfigError(f"--max-queue and --max-batch must be >= 1, got {self.max_queue} and {self.max_batch}")
+        if self.stream_interval < 1:
+            raise ConfigError(f"--stream-interval must be >= 1, got {self.stream_interval}")
+        if not (math.isfinite(self.max_request_mb) and self.max_request_mb >= 0):
+            raise ConfigError(f"--max-request-mb must be >= 0 (0: the default), got {self.max_request_mb:g}")
         if not (0.05 <= self.gpu_memory_utilization <= 1.0):
             raise ConfigError(f"--gpu-memory-utilization must be 0.05..1.0, got {self.gpu_memory_utilization:g}")
         if self.memory_budget_gib is not None and not (0 < self.memory_budget_gib < math.inf):
@@ -351,3 +361,12 @@ def _from_env(name: str, raw: str, kind: Any, lower: bool) -> Any:
         return kind(text)
     except ValueError:
         raise ConfigError(f"${name} must be a number, got {raw!r}") from None
+
+
+def request_body_limit(cfg: ServiceConfig) -> int:
+    """The largest API request body in bytes: ``--max-request-mb``, or by default room for
+    ``--max-images-per-turn`` images of ``--max-upload-mb`` each as base64 (4/3 of the bytes) plus 1 MiB of
+    text and JSON (8 x 20 MB: 214 MiB)."""
+    if cfg.max_request_mb > 0:
+        return int(cfg.max_request_mb * 2**20)
+    return int(cfg.max_images_per_turn * cfg.max_upload_mb * 2**20 * 4 / 3) + 2**20

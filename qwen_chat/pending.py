@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from qwen_chat.chat_types import (
     CancelToken,
@@ -80,6 +80,22 @@ class PendingBackend:
         if engine is None:
             raise self._not_ready()
         return engine.stream_chat(messages, settings, cancel)
+
+    @property
+    def supports_async(self) -> bool:
+        """True when the engine has ``astream_chat`` (the engine client); before attaching, True as well:
+        ``astream_chat`` then raises NotReady."""
+        engine = self._engine
+        return engine is None or bool(getattr(engine, "supports_async", False))
+
+    async def astream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
+                           cancel: CancelToken) -> AsyncIterator[StreamUpdate]:
+        """The engine's ``astream_chat`` (only when ``supports_async``); raises ``NotReady`` (HTTP 503) while
+        loading."""
+        engine = self._engine
+        if engine is None:
+            raise self._not_ready()
+        return await engine.astream_chat(messages, settings, cancel)
 
     def health(self) -> dict:
         """The engine's health, or ``{"ok": False, "reason": "loading"}`` before it is attached."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 import anyio
 from fastapi import APIRouter
@@ -196,6 +196,51 @@ class InstrumentedBackend:
             self.active.dec()
             if inner is not None and hasattr(inner, "close"):
                 inner.close()
+            if not failed:
+                self._record_end(last, first_at, sum(completion.values()))
+
+    @property
+    def supports_async(self) -> bool:
+        """Whether the inner backend has a native ``astream_chat``."""
+        return bool(getattr(self.inner, "supports_async", False))
+
+    async def astream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
+                           cancel: CancelToken) -> AsyncIterator[StreamUpdate]:
+        """``stream_chat``'s metrics around the inner backend's ``astream_chat`` (only when
+        ``supports_async``); raises what it raises, before returning."""
+        self.requests.inc()
+        try:
+            inner = await self.inner.astream_chat(messages, settings, cancel)
+        except ChatError as exc:
+            self.errors.labels(kind=exc.kind).inc()
+            raise
+        except Exception:
+            self.errors.labels(kind="internal").inc()
+            raise
+        return self._counted(inner)
+
+    async def _counted(self, inner: AsyncIterator[StreamUpdate]) -> AsyncIterator[StreamUpdate]:
+        self.active.inc()
+        start = time.monotonic()
+        first_at: Optional[float] = None
+        last: Optional[StreamUpdate] = None
+        completion: dict[int, int] = {}
+        failed = False
+        try:
+            async for update in inner:
+                if first_at is None and (update.reasoning_delta or update.answer_delta or update.completion_tokens):
+                    first_at = time.monotonic()
+                    self.ttft.observe(update.ttft_s if update.ttft_s is not None else first_at - start)
+                last = update
+                completion[update.index] = update.completion_tokens
+                yield update
+        except Exception:
+            failed = True
+            self.errors.labels(kind="internal").inc()
+            raise
+        finally:
+            self.active.dec()
+            await inner.aclose()
             if not failed:
                 self._record_end(last, first_at, sum(completion.values()))
 

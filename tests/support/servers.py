@@ -7,6 +7,7 @@ Public API::
     api_app(backend, cfg) -> (FastAPI, InstrumentedBackend)  # the /v1 API + /healthz + /metrics of the server
     hang_up_after(stream, content_chunks)                 # an openai client leaving a streamed reply mid-way
     with serve_engine(loaded, cfg) as (url, engine): ...  # the real engine of a loaded model behind the API
+    with engine_link(engine) as client: ...              # an engine over the real link, as the front sees it
 """
 from __future__ import annotations
 
@@ -80,16 +81,39 @@ def api_app(backend, cfg: ServiceConfig) -> tuple[FastAPI, ops.InstrumentedBacke
 
 
 @contextmanager
+def engine_link(engine, stream_interval: int = 1) -> Iterator[object]:
+    """Serve ``engine`` (a ``ChatEngine``) over the real engine link, as the service does between its engine
+    process and its web front, with both ends in this process: ``engine_core.serve_engine`` in a thread and an
+    ``EngineHub``.  Yields the front's ``EngineClient``; at the end the engine is closed through the link."""
+    from qwen_chat.engine.serving.engine_core import serve_engine as serve_over_link  # noqa: PLC0415
+    from qwen_chat.engine.serving.engine_hub import EngineHub, link_address  # noqa: PLC0415
+
+    address, stop = link_address("127.0.0.1"), threading.Event()
+    hub = EngineHub(address, "secret", replicas=1, stream_interval=stream_interval)
+    served = threading.Thread(target=serve_over_link, args=(engine, address, "secret", 0, [0], "127.0.0.1"),
+                              kwargs={"until": stop.is_set}, daemon=True, name="engine-link")
+    served.start()
+    try:
+        client, = hub.wait_ready(60)
+        yield client
+    finally:
+        stop.set()
+        served.join(20)
+        hub.close()
+
+
+@contextmanager
 def serve_engine(loaded, cfg: ServiceConfig) -> Iterator[tuple[str, object]]:
-    """``build_engine(loaded, cfg)`` behind ``api_app`` on a ``RunningServer``: yields (url, engine); the engine
-    is closed at the end."""
+    """``build_engine(loaded, cfg)`` served over the engine link (``engine_link``) behind ``api_app`` on a
+    ``RunningServer``, as the service runs it: yields (url, engine); the engine is closed at the end."""
     from qwen_chat.engine.serving.chat_engine import build_engine  # noqa: PLC0415 (engine tests only)
 
     engine = build_engine(loaded, cfg)
-    app, _ = api_app(engine, cfg)
     try:
-        with RunningServer(app) as server:
-            yield server.url, engine
+        with engine_link(engine, cfg.stream_interval) as client:
+            app, _ = api_app(client, cfg)
+            with RunningServer(app) as server:
+                yield server.url, engine
     finally:
         engine.close()
 

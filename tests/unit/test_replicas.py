@@ -1,12 +1,9 @@
 """Data-parallel replicas without a model: the layout and its one-line refusals, the routing rule, the router
-over scripted replicas, the replica link between two threads (the real protocol over a real socket), and the
-``replica`` label of ``/metrics``.  The service itself is tested in ``tests/service/test_replicas.py``."""
+over scripted replicas, and the ``replica`` label of ``/metrics``.  The engine link (the real protocol) is
+tested in ``tests/engine/test_engine_link.py``; the service itself in ``tests/service/test_replicas.py``."""
 from __future__ import annotations
 
 import json
-import threading
-from dataclasses import replace
-from multiprocessing.connection import Client, Listener
 from pathlib import Path
 
 import pytest
@@ -16,20 +13,15 @@ from qwen_chat.chat_types import (
     Busy,
     CancelToken,
     ChatMessage,
-    ContextTooLong,
     GenerationSettings,
-    InvalidInput,
     NotReady,
-    StreamUpdate,
 )
 from qwen_chat.config import ConfigError, ServiceConfig
 from qwen_chat.engine.parallel.layout import LayoutError, ReplicaLayout
-from qwen_chat.engine.serving import replica_link, replica_proxy
 from qwen_chat.engine.serving.router import Load, Router, conversation_key, order_replicas
 from qwen_chat.web import ops
 from tests.support.fake_backend import FakeBackend
 from tests.support.metrics import metric_samples
-from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -194,93 +186,3 @@ def test_metrics_label_every_replica_series():
     assert m[("qwen_chat_running_sequences", (("replica", "1"),))] == 0
     assert m[("qwen_chat_gpu_memory_bytes", (("rank", "0"), ("replica", "1")))] == 7
     assert m[("qwen_chat_healthy", ())] == 1
-
-
-# ---- the replica link ------------------------------------------------------------------------------------------
-@pytest.fixture
-def linked(monkeypatch):
-    """A ``ReplicaFake`` served by ``serve_front`` in a thread (replica 1, global rank 2) and the front's proxy
-    for it, over a real authenticated socket.  A lost link is recorded instead of ending the test process."""
-    gone = []
-    monkeypatch.setattr(replica_proxy, "die_unless_stopping", lambda message, grace: gone.append(message))
-    monkeypatch.setattr(replica_link, "die_unless_stopping", lambda message, grace: gone.append(message))
-    fake = ReplicaFake(step_delay_s=0.005, gpu_memory_bytes=(123,))
-    listener = Listener(("127.0.0.1", 0), authkey=b"k" * 32)
-    lead = threading.Thread(target=lambda: replica_link.serve_front(
-        fake, Client(listener.address, authkey=b"k" * 32), 1, 2), daemon=True)
-    lead.start()
-    proxy, = replica_proxy.accept_leads(listener, replicas=2, timeout_s=20)
-    yield fake, proxy, lead, gone
-    proxy.close()
-
-
-def test_link_streams_equal_the_replica_itself_with_images(linked):
-    fake, proxy, _, _ = linked
-    messages = [user("what is this?", str(IMAGE))]
-    def timeless(updates):  # the time to the first token is the replica's own measurement
-        return [replace(u, ttft_s=None) for u in updates]
-
-    direct = timeless(ReplicaFake().stream_chat(messages, GREEDY, CancelToken()))
-    remote = timeless(proxy.stream_chat(messages, GREEDY, CancelToken()))
-    assert remote == direct and "1 image(s) " in remote[-1].answer  # the image reached the lead (its size read)
-
-
-def test_update_texts_travel_as_deltas_and_come_back_whole():
-    lead, front = replica_link.TextDelta(), replica_link.TextDelta()
-    updates = [StreamUpdate(answer="Hel", answer_delta="Hel"),
-               StreamUpdate(index=1, reasoning="a", reasoning_delta="a"),
-               StreamUpdate(answer="Hello", answer_delta="lo"),
-               StreamUpdate(index=1, reasoning="ab", answer="c", reasoning_delta="b", answer_delta="c"),
-               StreamUpdate(answer="Hel", finish_reason="stop")]  # not an append: a stop string cut the text
-    packed = [lead.pack(u) for u in updates]
-    assert packed[2][1:] == (None, None) and packed[4][2] == "Hel"
-    assert [front.unpack(p) for p in packed] == updates
-
-
-def test_link_raises_the_replicas_errors_before_any_update(linked):
-    fake, proxy, _, _ = linked
-    with pytest.raises(ContextTooLong) as info:
-        proxy.stream_chat([user("word " * 300)], GREEDY, CancelToken())
-    assert (info.value.prompt_tokens, info.value.context_length) == (300, 256)
-    with pytest.raises(InvalidInput, match="top_p"):
-        proxy.stream_chat([user("x")], GenerationSettings(top_p=0.0), CancelToken())
-    fake.capacity = 0
-    with pytest.raises(Busy):
-        proxy.stream_chat([user("x")], GREEDY, CancelToken())
-
-
-def test_link_stop_and_a_closed_stream_end_the_request_on_the_replica(linked):
-    fake, proxy, _, _ = linked
-    fake.answer_words = 10_000
-    cancel = CancelToken()
-    stream = proxy.stream_chat([user("stop me")], GREEDY, cancel)
-    next(stream)
-    cancel.cancel()
-    assert [u for u in stream][-1].finish_reason == "cancelled"
-    stream = proxy.stream_chat([user("close me")], GREEDY, CancelToken())
-    next(stream)
-    stream.close()
-    wait_until(lambda: fake.calls[-1].finish_reason == "cancelled", 10, "the replica to end the closed stream")
-    assert fake.active == 0
-
-
-def test_link_reports_health_stats_and_its_lead_rank_and_closes_in_order(linked):
-    fake, proxy, lead, gone = linked
-    assert proxy.health()["ok"] and proxy.info.name == "fake-qwen"
-    assert proxy.stats()["gpu_memory_bytes"] == {2: 123}  # keyed by the lead's global rank
-    assert proxy.memory_report()["kv_blocks"] == 100
-    fake.ready = False
-    wait_until(lambda: not proxy.health()["ok"], 10, "the lead's next status")
-    proxy.close()
-    lead.join(10)
-    assert not lead.is_alive() and not gone  # an orderly close ends the lead's loop, nobody dies
-    assert not proxy.health()["ok"]
-
-
-def test_a_lost_lead_ends_the_front(linked):
-    fake, proxy, lead, gone = linked
-    proxy._conn.close()  # as when the lead's process died: the socket is gone under the reader
-    wait_until(lambda: gone, 10, "the front to notice")
-    assert any("replica 1 is gone" in g for g in gone) and not proxy.health()["ok"]
-    with pytest.raises(NotReady):
-        proxy.stream_chat([user("x")], GREEDY, CancelToken())

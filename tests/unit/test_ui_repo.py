@@ -27,19 +27,19 @@ def test_readme_has_exactly_the_two_setup_commands():
 def test_ci_runs_the_readme_test_command_and_fails_on_no_tests(tmp_path):
     ci = (REPO / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci and f"'{INSTALL_AND_TEST}'" in ci
-    # run .ci/run in a copy where install succeeds and "python -m pytest" collects nothing (exit 5)
+    # run .ci/run in a copy whose install.sh puts a fake pytest into the fresh virtual environment .ci/run made
+    # (it is active: $VIRTUAL_ENV), exiting with a chosen code; exit 5 (nothing collected) must fail the run
     (tmp_path / ".ci").mkdir()
     (tmp_path / "deploy").mkdir()
     shutil.copy(REPO / ".ci" / "run", tmp_path / ".ci" / "run")
     shutil.copy(REPO / "README.md", tmp_path / "README.md")
-    (tmp_path / "deploy" / "install.sh").write_text("exit 0\n")
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
     for code, expected in ((5, 1), (0, 0), (1, 1)):
-        (fake_bin / "python").write_text(f"#!/bin/sh\nexit {code}\n")
-        (fake_bin / "python").chmod(0o755)
-        out = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+        (tmp_path / "deploy" / "install.sh").write_text(
+            'site=$(python -c "import sysconfig; print(sysconfig.get_paths()[\'purelib\'])")\n'
+            'case "$site" in "$VIRTUAL_ENV"/*) ;; *) echo "not in the fresh venv: $site" >&2; exit 3;; esac\n'
+            f'mkdir -p "$site/pytest" && touch "$site/pytest/__init__.py" && '
+            f'echo "raise SystemExit({code})" > "$site/pytest/__main__.py"\n')
+        out = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=120)
         assert out.returncode == expected, (code, out.stderr)
         if code == 5:
             assert "no tests" in out.stderr

@@ -12,26 +12,23 @@ the whole single-replica code path run unchanged; log lines carry ``[replica R r
 The rendezvous is one ``TCPStore`` at the launcher's ``MASTER_ADDR:MASTER_PORT``, hosted by global rank 0
 (under torchrun its agent's store); each replica's process groups use it through a ``PrefixStore`` of their
 own, so no further port is needed for them.  The same store carries each rank's place (host, device) for the
-start-up log and the address and key of the front's link (``replica_link``): rank 0 listens on an
-ephemeral port of ``MASTER_ADDR``, the other replicas' leads connect to it (an HMAC challenge with a random
-32-byte key refuses anyone else; the key travels in the store, which is as trusted as the launcher's own
-rendezvous).
+start-up log and the address and secret of the web front's link (``engine_core`` / ``engine_client``): the
+front binds it on ``MASTER_ADDR``, every replica's lead connects to it (a hello without the secret is
+ignored; the secret travels in the store, which is as trusted as the launcher's own rendezvous).
 
 Usage (``bootstrap.start_engine``, every rank)::
 
     world = join(layout)                      # before RankInfo.from_env
     world.announce(device)                    # rank 0 logs the layout
     groups = init_process_groups(info, device, timeout, store=world.replica_store)
-    listener = world.open_front()             # rank 0;  conn = world.connect_front()  on the other leads
+    world.publish_link(address, token)        # rank 0;  world.link()  on the other leads
 """
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 from datetime import timedelta
-from multiprocessing.connection import Client, Connection, Listener
 from typing import Mapping, Optional
 
 import torch
@@ -68,25 +65,26 @@ class ReplicaWorld:
         for line in layout.describe(places):
             log.info("%s", line)
 
-    def open_front(self) -> Listener:
-        """Rank 0: listen for the other replicas' leads on an ephemeral port of ``MASTER_ADDR`` and publish its
-        address and key.  Returns the ``Listener`` (``replica_link.accept_leads`` takes it)."""
-        host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        key = secrets.token_bytes(32)
-        listener = Listener((host, 0), backlog=max(8, self.layout.replicas), authkey=key)
-        bound_host, port = listener.address
-        self.store.set(f"{STORE_PREFIX}front", f"{bound_host} {port}")
-        self.store.set(f"{STORE_PREFIX}front_key", key.hex())
-        log.info("replica link: rank 0 listens on %s:%d for %d replica lead(s)", bound_host, port,
-                 self.layout.replicas - 1)
-        return listener
+    def publish_link(self, address: str, token: str) -> None:
+        """Rank 0: publish the web front's link (its address and secret) for the other replicas' leads."""
+        self.store.set(f"{STORE_PREFIX}front", address)
+        self.store.set(f"{STORE_PREFIX}front_key", token)
+        log.info("engine link: the web front listens on %s for %d engine process(es)", address,
+                 self.layout.replicas)
 
-    def connect_front(self) -> Connection:
-        """A lead of replica >= 1: connect to rank 0's link (waits, up to the start-up timeout, until rank 0
-        published it).  Raises OSError or ``multiprocessing.AuthenticationError`` when that fails."""
-        host, port = self.store.get(f"{STORE_PREFIX}front").decode().split()
-        key = bytes.fromhex(self.store.get(f"{STORE_PREFIX}front_key").decode())
-        return Client((host, int(port)), authkey=key)
+    def link(self) -> tuple[str, str]:
+        """A lead of replica >= 1: the front's link ``(address, token)`` (waits, up to the start-up timeout,
+        until rank 0 published it)."""
+        return self.store.get(f"{STORE_PREFIX}front").decode(), self.store.get(f"{STORE_PREFIX}front_key").decode()
+
+    @staticmethod
+    def engine_host() -> str:
+        """Where this lead's engine input socket binds: loopback when the launcher's ``MASTER_ADDR`` is (one
+        machine), else this host's address (the front connects to it)."""
+        master = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        if master in ("127.0.0.1", "localhost", "::1"):
+            return "127.0.0.1"
+        return socket.gethostbyname(socket.gethostname())
 
 
 def join(layout: ReplicaLayout, env: Optional[Mapping[str, str]] = None) -> ReplicaWorld:

@@ -115,9 +115,10 @@ class Batch:
         return self.submit_choices(prompt, [sampling], cancel)[0]
 
     def submit_choices(self, prompt: PreparedPrompt, samplings: list[SamplingParams],
-                       cancel: CancelToken, constraints: Optional[list] = None) -> list[RequestHandle]:
+                       cancel: CancelToken, constraints: Optional[list] = None,
+                       sink=None) -> list[RequestHandle]:
         """Queue the ``len(samplings)`` choices of one request (see ``Scheduler.submit_choices``): handles with
-        indexes 0.. that share one queue.  Raises Busy, ContextTooLong or NotReady, or ValueError for
+        indexes 0.. that share one queue (``sink`` when given: any object with ``put``).  Raises Busy, ContextTooLong or NotReady, or ValueError for
         ``constraints`` without a table to bind them to."""
         if constraints is not None and self.constraints is None:
             raise ValueError("constrained requests need a ConstraintTable (the sampler's grammar masks)")
@@ -136,7 +137,8 @@ class Batch:
             if queued + len(samplings) - 1 >= self.max_queue:
                 self.totals["rejected_busy"] += 1
                 raise Busy(f"busy, {max(queued, 0)} requests queued, try again in a moment")
-            sink = queue.Queue() if len(samplings) > 1 else None
+            if sink is None and len(samplings) > 1:
+                sink = queue.Queue()
             group = []
             for index, sampling in enumerate(samplings):
                 handle = RequestHandle(next(self._ids), n, cancel, self.notify, index=index, sink=sink)

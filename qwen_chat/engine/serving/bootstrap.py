@@ -26,8 +26,8 @@ With ``--data-parallel N`` (``docs/replicas.md``) the layout is checked first (`
 rank joins its replica's own world (``replicas.join``: afterwards ``RANK``/``WORLD_SIZE`` are the rank's place
 inside its replica, so the steps above run per replica, "rank 0" meaning the replica's lead), rank 0 logs the
 layout and opens the link for the other leads; then each lead builds its engine as above.  Rank 0 returns a
-``router.Router`` over its engine and a ``replica_proxy.ReplicaProxy`` per other replica (once all have
-connected); every other lead serves its engine to rank 0 (``replica_link.serve_front``) and never returns.
+its engine (app.py serves it to the web front process, ``engine_core.serve_engine``); every other lead serves
+its engine to the same front (the link's address from the launcher's store) and never returns.
 """
 from __future__ import annotations
 
@@ -124,12 +124,12 @@ def _self_check_across_ranks(local_executor, result: dict, groups: Optional[qdis
                  result["tokens"], result["checksum"])
 
 
-def start_engine(cfg: ServiceConfig):
+def start_engine(cfg: ServiceConfig, link=None):
     """Bring up the engine on this rank (see the module docstring for the steps).
 
     Returns:
         the ``ChatEngine`` (``qwen_chat.engine.serving.chat_engine``) on rank 0, or with several data-parallel
-        replicas the ``Router`` over all of them.  Other ranks never return: they serve plans until their lead's
+        replicas replica 0's (the web front routes over all of them).  Other ranks never return: they serve plans until their lead's
         exit message (a replica's lead: its engine to rank 0, until rank 0's close) and then leave the process
         with code 0.
     Raises:
@@ -155,7 +155,8 @@ def start_engine(cfg: ServiceConfig):
         groups = qdist.init_process_groups(info, device, cfg.collective_timeout_s,
                                            need_default_group=plan.uses_deepspeed,
                                            store=world.replica_store if world is not None else None)
-        listener = world.open_front() if world is not None and layout.rank == 0 else None
+        if world is not None and layout.rank == 0:
+            world.publish_link(link.address, link.token)
         engine_or_none = _start(cfg, info, device, plan, groups)
     except MemoryBudgetError as exc:  # the budget's one line says what to change
         log.error("rank %d: start-up failed: %s", info.rank, exc)
@@ -168,9 +169,9 @@ def start_engine(cfg: ServiceConfig):
         raise StartupError(f"rank {info.rank}: {type(exc).__name__}: {exc}") from exc
     if engine_or_none is None:  # a worker rank after the exit message
         die(f"rank {info.rank}: worker stopped cleanly", code=0)
-    if world is None:
+    if world is None or layout.rank == 0:
         return engine_or_none
-    return _serve_replica(engine_or_none, world, listener)
+    return _serve_replica(engine_or_none, world)
 
 
 def _join_replicas(layout: ReplicaLayout):
@@ -185,28 +186,19 @@ def _join_replicas(layout: ReplicaLayout):
         raise StartupError(f"rank {layout.rank}: the ranks cannot meet at MASTER_ADDR:MASTER_PORT: {exc}") from exc
 
 
-def _serve_replica(engine, world, listener):
-    """A replica's lead with its engine started.  Rank 0 returns the ``Router`` over every replica once all the
-    other leads have connected; every other lead serves its engine to rank 0 and leaves the process (code 0
-    after rank 0's orderly close; SIGTERM raises SystemExit through here)."""
-    from qwen_chat.engine.serving.replica_link import serve_front
-    from qwen_chat.engine.serving.replica_proxy import accept_leads
-    from qwen_chat.engine.serving.router import Router
+def _serve_replica(engine, world):
+    """The lead of a replica >= 1 with its engine started: serve it to the web front (the link's address and
+    secret from the launcher's store) and leave the process (code 0 after the front's orderly close; SIGTERM
+    raises SystemExit through here)."""
+    from qwen_chat.engine.serving.engine_core import serve_engine
 
     layout = world.layout
-    if layout.rank == 0:
-        try:
-            proxies = accept_leads(listener, layout.replicas, qdist.STARTUP_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise StartupError(str(exc)) from None
-        ranks = [list(layout.ranks_of(r)) for r in range(layout.replicas)]
-        log.info("data parallel: all %d replicas ready behind the web front", layout.replicas)
-        return Router([engine, *proxies], ranks=ranks, world_size=layout.world_size)
     try:
-        conn = world.connect_front()
-    except Exception as exc:  # noqa: BLE001 - OSError, AuthenticationError, store timeout
-        raise StartupError(f"replica {layout.replica}: cannot reach the web front on rank 0: {exc}") from exc
-    serve_front(engine, conn, layout.replica, layout.rank)
+        address, token = world.link()
+    except Exception as exc:  # noqa: BLE001 - store timeout
+        raise StartupError(f"replica {layout.replica}: cannot find the web front's link: {exc}") from exc
+    serve_engine(engine, address, token, layout.replica, list(layout.ranks_of(layout.replica)),
+                 host=world.engine_host())
     die(f"replica {layout.replica}: lead stopped cleanly", code=0)
 
 

@@ -187,6 +187,20 @@ class ChatEngine:
         Raises (before returning, never mid-stream): InvalidInput / InvalidImage / ContextTooLong (bad
         request), Busy (queue full), NotReady (engine closed, or its self-check failed).
         """
+        handles, prompt = self.submit(messages, settings, cancel)
+        updates = stream_replies(handles, prompt, settings, tokenizer=self.loaded.tokenizer,
+                                 think_ids=self.think_ids, eos_ids=self.eos_ids, tool_ids=self.tool_ids)
+        # A returned iterator that is dropped without ever being started would not run its finally block.
+        for handle in handles:
+            weakref.finalize(updates, handle.close)
+        return updates
+
+    def submit(self, messages: Sequence[ChatMessage], settings: GenerationSettings, cancel: CancelToken,
+               sink=None) -> tuple[list, PreparedPrompt]:
+        """Validate, build the prompt and queue its ``settings.n`` choices: ``(handles, prompt)``, the handles
+        (``handles.RequestHandle``, index 0 .. n-1) pushing to ``sink`` (any object with ``put``; default one
+        queue of their own).  ``stream_chat`` reads them in this process; ``engine_core`` sends a whole step's
+        tokens to the front at once.  Raises like ``stream_chat``."""
         if self._closed:
             raise NotReady("the engine is shutting down")
         if self._self_check:
@@ -197,13 +211,7 @@ class ChatEngine:
         prompt = self.prepare(messages, settings)
         constraints = reply_constraints(self.structure, settings)
         samplings = [self.sampling_params(settings, prompt, index) for index in range(settings.n)]
-        handles = self.scheduler.submit_choices(prompt, samplings, cancel, constraints)
-        updates = stream_replies(handles, prompt, settings, tokenizer=self.loaded.tokenizer,
-                                 think_ids=self.think_ids, eos_ids=self.eos_ids, tool_ids=self.tool_ids)
-        # A returned iterator that is dropped without ever being started would not run its finally block.
-        for handle in handles:
-            weakref.finalize(updates, handle.close)
-        return updates
+        return self.scheduler.submit_choices(prompt, samplings, cancel, constraints, sink), prompt
 
     def health(self) -> dict:
         """``{"ok", "reason", "mode", "world_size", "active", "queued", "self_check"}`` for /healthz.

@@ -1,5 +1,5 @@
-"""``Router``: the front's ``ChatBackend`` over several data-parallel replicas (each a ``ChatEngine``, in this
-process or behind a ``replica_proxy.ReplicaProxy``).  No torch.
+"""``Router``: the front's ``ChatBackend`` over several data-parallel replicas (each an engine process behind
+an ``engine_client.EngineClient``, or in tests any ``ChatEngine``).  No torch.
 
 The routing rule, all of it here (``order_replicas``, ``conversation_key``):
 
@@ -22,11 +22,11 @@ The routing rule, all of it here (``order_replicas``, ``conversation_key``):
 
 ``health()`` is ok only when every replica is; ``stats()`` returns ``{"replicas": {"0": stats, "1": ...}}``,
 each replica's own ``stats()`` plus ``routed_total`` and ``routed_affinity_total`` (``/metrics`` labels them
-``replica``).  At ``--data-parallel 1`` no router exists: the web layer holds the ``ChatEngine`` itself.
+``replica``).  At ``--data-parallel 1`` no router exists: the front holds replica 0's ``EngineClient`` itself.
 
 Usage::
 
-    router = Router([engine, *proxies], ranks=[[0, 1], [2, 3]], world_size=4)
+    router = Router(clients, ranks=[[0, 1], [2, 3]], world_size=4)       # engine_client.EngineClient each
     updates = router.stream_chat(messages, settings, cancel)     # as ChatEngine.stream_chat
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional, Sequence
+from typing import AsyncIterator, Iterator, Optional, Sequence
 
 from qwen_chat.chat_types import Busy, CancelToken, ChatMessage, GenerationSettings, NotReady, StreamUpdate
 
@@ -104,7 +104,7 @@ class Router:
     """The ``ChatBackend`` of a multi-replica service (module docstring).
 
     Args:
-        replicas: replica 0's ``ChatEngine`` first, then one ``ReplicaProxy`` per other replica (anything with
+        replicas: one ``EngineClient`` per replica, in replica order (anything with
             ``stream_chat``, ``health``, ``stats``, ``memory_report``, ``info`` and ``close``).
         ranks: the global ranks of each replica (reported by ``health``).
         world_size: ranks in all (``info.world_size``); default the replicas' sum.
@@ -139,11 +139,9 @@ class Router:
         with self._lock:
             return self._affinity.get(key) if key else None
 
-    def stream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
-                    cancel: CancelToken) -> Iterator[StreamUpdate]:
-        """Route the request (module docstring) and return that replica's updates; same contract as
-        ``ChatEngine.stream_chat``.  Raises NotReady when no replica is healthy (or the router is closed), Busy
-        when every healthy replica is full, and whatever the chosen replica raises before its first update."""
+    def _order(self, messages: Sequence[ChatMessage], settings: GenerationSettings):
+        """``(replicas to try in order, conversation key, count, preferred replica)``; the first one is counted
+        in flight already.  Raises NotReady / Busy when none can take it."""
         if self._closed:
             raise NotReady("the engine is shutting down")
         key = conversation_key(messages)
@@ -159,6 +157,19 @@ class Router:
             if unhealthy:
                 raise NotReady("no replica is ready (" + "; ".join(unhealthy) + ")")
             raise Busy("every replica's generation queue is full; retry in a moment")
+        return order, key, count, preferred
+
+    def _routed_to(self, i: int, preferred: Optional[int]) -> None:
+        with self._lock:
+            self._routed[i] += 1
+            self._affine[i] += int(i == preferred)
+
+    def stream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
+                    cancel: CancelToken) -> Iterator[StreamUpdate]:
+        """Route the request (module docstring) and return that replica's updates; same contract as
+        ``ChatEngine.stream_chat``.  Raises NotReady when no replica is healthy (or the router is closed), Busy
+        when every healthy replica is full, and whatever the chosen replica raises before its first update."""
+        order, key, count, preferred = self._order(messages, settings)
         busy: Optional[Busy] = None
         for tried, i in enumerate(order):
             if tried:
@@ -173,11 +184,48 @@ class Router:
             except BaseException:
                 self._release(i, count)
                 raise
-            with self._lock:
-                self._routed[i] += 1
-                self._affine[i] += int(i == preferred)
+            self._routed_to(i, preferred)
             return _Routed(self, i, updates, list(messages), key, count)
         raise busy
+
+    @property
+    def supports_async(self) -> bool:
+        """True when every replica has a native ``astream_chat`` (engine clients)."""
+        return all(getattr(rep, "supports_async", False) for rep in self.replicas)
+
+    async def astream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
+                           cancel: CancelToken) -> AsyncIterator[StreamUpdate]:
+        """``stream_chat`` for asyncio (replicas with ``astream_chat``): routed the same way."""
+        order, key, count, preferred = self._order(messages, settings)
+        busy: Optional[Busy] = None
+        for tried, i in enumerate(order):
+            if tried:
+                with self._lock:
+                    self._inflight[i] += count
+            try:
+                updates = await self.replicas[i].astream_chat(messages, settings, cancel)
+            except Busy as exc:
+                self._release(i, count)
+                busy = exc
+                continue
+            except BaseException:
+                self._release(i, count)
+                raise
+            self._routed_to(i, preferred)
+            return self._arouted(i, updates, list(messages), key, count)
+        raise busy
+
+    async def _arouted(self, replica: int, updates: AsyncIterator[StreamUpdate], messages: list,
+                       key: Optional[str], count: int) -> AsyncIterator[StreamUpdate]:
+        last: dict[int, StreamUpdate] = {}
+        try:
+            async for update in updates:
+                last[update.index] = update
+                yield update
+        finally:
+            await updates.aclose()
+            self._release(replica, count)
+            self._remember(replica, messages, key, list(last.values()))
 
     def _release(self, replica: int, count: int) -> None:
         with self._lock:

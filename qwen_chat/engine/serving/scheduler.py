@@ -108,6 +108,9 @@ class Scheduler:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
         self.executor = executor
         self.on_fatal = on_fatal
+        #: Called (no arguments) on the scheduler thread after every step's tokens were delivered and once more
+        #: after the final drain: ``engine_core`` sends the step's output to the front from there.
+        self.on_step: Optional[Callable[[], None]] = None
         self.overlap = bool(overlap)
         if self.overlap and not (hasattr(executor, "launch") and hasattr(executor, "collect")):
             raise ValueError("overlap needs an executor with launch() and collect() (LocalExecutor, "
@@ -136,12 +139,13 @@ class Scheduler:
         return self._batch.submit(prompt, sampling, cancel)
 
     def submit_choices(self, prompt: PreparedPrompt, samplings: list[SamplingParams],
-                       cancel: CancelToken, constraints: Optional[list] = None) -> list[RequestHandle]:
+                       cancel: CancelToken, constraints: Optional[list] = None, sink=None) -> list[RequestHandle]:
         """Queue the n = ``len(samplings)`` choices of one request: n handles (``index`` 0..n-1) on one shared
         queue (``handles.group_chunks``); the choices that find free slots together share one prefill.
-        ``constraints``: one ``constraints.Constraint`` per choice (structured output), or None.
-        Raises like ``submit`` (``Busy`` unless all n fit the queue)."""
-        return self._batch.submit_choices(prompt, samplings, cancel, constraints)
+        ``constraints``: one ``constraints.Constraint`` per choice (structured output), or None.  ``sink``: the
+        queue the handles push to (any object with ``put``; ``engine_core`` collects a whole step's output
+        there), default a new one.  Raises like ``submit`` (``Busy`` unless all n fit the queue)."""
+        return self._batch.submit_choices(prompt, samplings, cancel, constraints, sink)
 
     def stats(self) -> dict:
         """Counters for metrics: active/queued now, slots, totals since start, health.
@@ -211,12 +215,16 @@ class Scheduler:
                 if failure is not None:
                     self._step_failed(*failure)
                 inflight = launched
+                if self.on_step is not None:  # the step's tokens have reached their handles: send them on
+                    self.on_step()
         except BaseException as exc:  # the loop itself broke: nobody may wait forever on a stream
             log.exception("scheduler loop died")
             self._mark_unhealthy(f"scheduler loop died: {exc!r}")
             raise
         finally:
             self._batch.drain("cancelled" if self._healthy else "error")
+            if self.on_step is not None:
+                self.on_step()
             if not self._healthy:
                 self._report_fatal()
 

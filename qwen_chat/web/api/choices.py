@@ -8,7 +8,7 @@ the prompt once and the completion tokens of every choice (as OpenAI does for n 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 from qwen_chat.chat_types import StreamUpdate, TokenLogprob
 
@@ -22,11 +22,10 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def collect_choices(next_update: Callable[[], Optional[StreamUpdate]], n: int) -> list[ChoiceResult]:
-    """Run a stream to its end (``next_update`` returns None there): the n choices' results, by index.
-    Raises what ``next_update`` raises."""
+async def collect_choices(updates: AsyncIterator[StreamUpdate], n: int) -> list[ChoiceResult]:
+    """Run a stream to its end: the n choices' results, by index.  Raises what the stream raises."""
     results = [ChoiceResult() for _ in range(n)]
-    while (update := next_update()) is not None:
+    async for update in updates:
         result = results[update.index]
         result.last = update
         result.logprobs.extend(update.logprobs)

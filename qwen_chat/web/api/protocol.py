@@ -99,6 +99,26 @@ def context_message(exc: ContextTooLong, message: str) -> str:
     return f"{message.rstrip()} {CONTEXT_ADVICE}"
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 (code ``request_too_large``, naming the limit) when its
+    ``Content-Length`` says more than ``limit`` bytes (before any of it is read) or when more arrives."""
+    def too_large() -> APIRequestError:
+        return APIRequestError(f"the request body is larger than the limit of {limit / 2**20:.1f} MB "
+                               "(--max-request-mb)", status=413, type="invalid_request_error",
+                               code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise too_large()
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large()
+        parts.append(part)
+    return b"".join(parts)
+
+
 def check_key(request: Request, cfg: ServiceConfig) -> None:
     """Raise APIRequestError(401) unless keys are off or ``Authorization: Bearer <key>`` matches one."""
     if not cfg.api_key_required:

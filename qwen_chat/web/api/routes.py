@@ -21,11 +21,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError
-from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig
+from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig, request_body_limit
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import ImageLimits
 from qwen_chat.web.api.protocol import (
     APIRequestError,
+    read_body,
     check_key,
     error_response,
     parse_messages,
@@ -36,8 +37,8 @@ from qwen_chat.web.api.tools import message_tool_fields
 from qwen_chat.web.api.streaming import (
     ClientGone,
     Reply,
-    SyncStream,
     await_watching,
+    open_updates,
     SHUTDOWN_ERROR,
     cut_by_shutdown,
     event_stream,
@@ -137,6 +138,8 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             return error_response(model_not_found(model_id, card["id"]))
         return JSONResponse(card)
 
+    body_limit = request_body_limit(cfg)
+
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
@@ -144,10 +147,13 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         except APIRequestError as exc:
             return error_response(exc)
         try:
+            raw = await read_body(request, body_limit)
             try:
-                body = json.loads(await request.body())
+                body = json.loads(raw)
             except (ValueError, UnicodeDecodeError):
                 raise APIRequestError("the request body is not valid JSON") from None
+            except RecursionError:
+                raise APIRequestError("the request body is nested too deeply") from None
             if not isinstance(body, dict):
                 raise APIRequestError("the request body must be a JSON object")
             if body.get("model") is not None and body["model"] not in aliases():
@@ -162,37 +168,37 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             return error_response(exc)
 
         cancel = CancelToken()
-        stream = SyncStream(lambda: backend.stream_chat(messages, settings, cancel))
         reply = Reply(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=model_id_of(cfg))
         wants_stream = bool(body.get("stream", False))
         wants_logprobs = settings.top_logprobs is not None
+        updates = None
         try:
+            updates = await await_watching(request, cancel, open_updates(backend, messages, settings, cancel, run))
             if wants_stream:
-                first = await await_watching(request, cancel, stream.next, run)
+                first = await await_watching(request, cancel, anext(updates, None))
             else:
-                results = await await_watching(request, cancel,
-                                               functools.partial(collect_choices, stream.next, settings.n), run)
+                results = await await_watching(request, cancel, collect_choices(updates, settings.n))
         except ClientGone:
-            stream.close()
+            await _close(updates)
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except ChatError as exc:
-            stream.close()
+            await _close(updates)
             return error_response(exc)
         except Exception as exc:
-            stream.close()
+            await _close(updates)
             log.exception("chat completion failed before the first update")
             return error_response(exc)
 
         if wants_stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
-            events = event_stream(stream, first, cancel, reply, settings.enable_thinking, include_usage, run,
+            events = event_stream(updates, first, cancel, reply, settings.enable_thinking, include_usage,
                                   n=settings.n, logprobs=wants_logprobs)
             dropped = first.dropped_messages if first is not None else 0
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Dropped-Messages": str(dropped)})
 
-        stream.close()
+        await _close(updates)
         lasts = [r.last for r in results]
         failed = next((last for last in lasts if last is not None and last.finish_reason == "error"), None)
         if failed is not None:
@@ -221,3 +227,9 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         return JSONResponse(body, headers={"X-Dropped-Messages": str(dropped)})
 
     return router
+
+
+async def _close(updates) -> None:
+    """Close an update stream (None: none was opened)."""
+    if updates is not None:
+        await updates.aclose()

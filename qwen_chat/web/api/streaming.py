@@ -1,7 +1,8 @@
-"""The API's streaming: the sync-to-async bridge to the backend's generator, and server-sent events.
+"""The API's streaming: the backend's updates as an async iterator, and server-sent events.
 
-``SyncStream`` drives a ``ChatBackend.stream_chat`` generator from worker threads (``next``/``close`` never
-at the same time); ``await_watching`` runs one step in a worker thread and cancels the generation when the
+``open_updates`` returns the backend's ``astream_chat`` (the engine client: asyncio, no thread per stream) or,
+for a backend with only ``stream_chat``, a ``SyncStream`` (the generator driven from worker threads: ``next``
+/ ``close`` never at the same time); ``await_watching`` awaits a step and cancels the generation when the
 client disconnects meanwhile; ``event_stream`` is the SSE body of a streaming reply: a role chunk, delta
 chunks (``reasoning_content`` / ``content``, with ``logprobs`` when asked), the chunk with ``finish_reason``,
 an optional usage chunk, then ``data: [DONE]``; a reply the engine cut off at a service shutdown
@@ -80,10 +81,38 @@ class ClientGone(Exception):
 RunInThread = Callable[..., Any]  # async (fn, *args) -> fn(*args), in a worker thread
 
 
-async def await_watching(request: Request, cancel: CancelToken, fn: Callable[[], Any], run: RunInThread) -> Any:
-    """Run ``fn`` in a worker thread; if the client disconnects meanwhile, cancel and raise ``ClientGone``
-    once ``fn`` has returned (so the backend generator is never left half-driven)."""
-    task = asyncio.ensure_future(run(fn))
+async def open_updates(backend, messages, settings, cancel: CancelToken,
+                       run: RunInThread) -> AsyncIterator[StreamUpdate]:
+    """The backend's updates as an async iterator: its ``astream_chat`` where it ``supports_async`` (the engine
+    client: no thread), else its ``stream_chat`` driven from worker threads (in-process backends, test fakes).
+    Raises the backend's refusals (``ChatError``) before returning."""
+    if getattr(backend, "supports_async", False):
+        return await backend.astream_chat(messages, settings, cancel)
+    stream = SyncStream(lambda: backend.stream_chat(messages, settings, cancel))
+    try:
+        first = await run(stream.next)
+    except BaseException:
+        stream.close()
+        raise
+    return _bridged(stream, first, run)
+
+
+async def _bridged(stream: SyncStream, first: Optional[StreamUpdate], run: RunInThread) -> AsyncIterator[StreamUpdate]:
+    try:
+        update = first
+        while update is not None:
+            yield update
+            # abandon_on_cancel: a client that hangs up cancels at once, without waiting for the update in
+            # progress; the worker thread finishes that next() on its own.
+            update = await run(stream.next, abandon_on_cancel=True)
+    finally:
+        stream.close()
+
+
+async def await_watching(request: Request, cancel: CancelToken, awaitable) -> Any:
+    """Await ``awaitable``; if the client disconnects meanwhile, cancel the generation, wait for the awaitable
+    to end and raise ``ClientGone``."""
+    task = asyncio.ensure_future(awaitable)
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
@@ -92,7 +121,7 @@ async def await_watching(request: Request, cancel: CancelToken, fn: Callable[[],
             cancel.cancel()
             try:
                 await task
-            except Exception:  # the client is gone; nothing to report to
+            except BaseException:  # noqa: BLE001 - the client is gone; nothing to report to
                 pass
             raise ClientGone()
 
@@ -161,8 +190,8 @@ def delta_of(update: StreamUpdate, thinking: bool) -> dict:
     return delta
 
 
-async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel: CancelToken, reply: Reply,
-                       thinking: bool, include_usage: bool, run: RunInThread, n: int = 1,
+async def event_stream(updates: AsyncIterator[StreamUpdate], first: Optional[StreamUpdate], cancel: CancelToken,
+                       reply: Reply, thinking: bool, include_usage: bool, n: int = 1,
                        logprobs: bool = False) -> AsyncIterator[str]:
     """SSE body of ``n`` choices (``logprobs``: add each chunk's token log-probabilities).  Closing it (client
     gone: Starlette cancels the response task) cancels the generation."""
@@ -191,9 +220,7 @@ async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel
                 yield reply.chunk({}, finish_reason=openai_finish_reason(update), index=update.index)
                 if len(finished) == n:
                     break
-            # abandon_on_cancel: a client that hangs up cancels at once (finally below), without waiting for
-            # the update in progress; the worker thread finishes that next() on its own.
-            update = await run(stream.next, abandon_on_cancel=True)
+            update = await anext(updates, None)
         if failed is not None and failed.finish_reason != "error":
             yield sse({"error": SHUTDOWN_ERROR})
         elif failed is not None:
@@ -213,4 +240,4 @@ async def event_stream(stream: SyncStream, first: Optional[StreamUpdate], cancel
         yield "data: [DONE]\n\n"
     finally:
         cancel.cancel()  # no-op if the generation already finished
-        stream.close()
+        await updates.aclose()

@@ -1,0 +1,196 @@
+"""The front's receiving side of the engine link: ``EngineHub`` binds the one PULL socket every engine process
+pushes to, makes an ``engine_client.EngineClient`` per engine that says hello with the link's secret, feeds
+each message's events to its client on one receiver thread (output processing: ``engine_client``), and wakes
+each consumer event loop once per message.  It also pings the engines and notices one that went silent.  No
+torch.
+
+Usage (``front_process``)::
+
+    hub = EngineHub("tcp://127.0.0.1:40123", token, replicas=1, stream_interval=1)
+    clients = hub.wait_ready(timeout_s)          # [EngineClient] in replica order
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import zmq
+
+from qwen_chat.chat_types import GenerationSettings
+from qwen_chat.engine.serving import wire
+from qwen_chat.engine.serving.engine_client import EngineClient, TokenTable
+
+log = logging.getLogger(__name__)
+
+
+def _apply(batch: list) -> None:
+    """On a consumer's event loop: hand one message's updates to their async inboxes."""
+    for req, updates, answer, done in batch:
+        if answer is not None:
+            req.inbox.answer = answer
+        req.inbox.done = req.inbox.done or done
+        req.inbox.put_many_async(updates)
+
+
+class EngineHub:
+    """The front's receiving side of every engine process (module docstring).
+
+    Args:
+        address: where the PULL socket binds (``tcp://host:port``; the engines connect to it).
+        token: the link's secret: a hello without it is ignored.
+        replicas: how many engine processes to wait for.
+        stream_interval: tokens per update at most for a reader that keeps up (``--stream-interval``).
+        on_engine_gone: called (reason) when an engine process is gone after its hello, or says it failed.
+    """
+
+    def __init__(self, address: str, token: str, replicas: int, stream_interval: int = 1,
+                 on_engine_gone: Optional[Callable[[str], None]] = None) -> None:
+        self.ctx = zmq.Context.instance()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(address)
+        self.token, self.replicas = token, int(replicas)
+        self.stream_interval = max(1, int(stream_interval))
+        self.on_engine_gone = on_engine_gone
+        self.clients: dict[int, EngineClient] = {}
+        self.failure: Optional[str] = None
+        self.ready = threading.Event()
+        self._tokens = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-recv", daemon=True)
+        self._thread.start()
+        threading.Thread(target=self._ping, name="engine-ping", daemon=True).start()
+
+    def assembler(self, settings: GenerationSettings, prompt_tokens: int, notice: str, dropped: int, rid: int):
+        """A ``ReplyAssembler`` for an accepted request (the tokenizer of replica 0's checkpoint)."""
+        from qwen_chat.engine.serving.replies import ReplyAssembler
+
+        setup = self.clients[min(self.clients)].setup
+        if self._tokens is None:
+            self._tokens = TokenTable(Path(setup["checkpoint"]))
+        tool_ids = tuple(setup["tool_ids"]) if setup.get("tool_ids") else None
+        return ReplyAssembler(settings.n, settings, prompt_tokens=prompt_tokens, notice=notice,
+                              dropped_messages=dropped, tokenizer=self._tokens, think_ids=tuple(setup["think_ids"]),
+                              eos_ids=tuple(setup["eos_ids"]), tool_ids=tool_ids, request_id=rid)
+
+    def wait_ready(self, timeout_s: float, stop: Optional[Callable[[], bool]] = None) -> list[EngineClient]:
+        """Wait until every engine said hello; their clients in replica order.  Raises RuntimeError with the
+        engine's reason when one reported a failed start, TimeoutError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.wait(0.2):
+            if self.failure:
+                raise RuntimeError(self.failure)
+            if stop is not None and stop():
+                raise RuntimeError("stopped while waiting for the engine")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.replicas)) - set(self.clients))
+                raise TimeoutError(f"engine process(es) of replica(s) {missing} did not connect within "
+                                   f"{timeout_s:.0f} s")
+        return [self.clients[r] for r in range(self.replicas)]
+
+    def close(self) -> None:
+        """Stop the receiver and ping threads."""
+        self._stop.set()
+
+    def _ping(self) -> None:
+        while not self._stop.wait(wire.PING_INTERVAL_S):
+            for client in list(self.clients.values()):
+                if not client.lost and not client._closing:
+                    try:
+                        client.send(["ping"])
+                    except zmq.ZMQError:
+                        pass
+            self._check_silent()
+
+    def _check_silent(self) -> None:
+        now = time.monotonic()
+        for client in list(self.clients.values()):
+            if not client.lost and not client._closing and now - client._status_at > wire.ENGINE_SILENT_S:
+                self._lose(client, f"no status for {now - client._status_at:.0f} s")
+
+    def lose_all(self, reason: str) -> None:
+        """Every engine counts as gone (the front saw its engine process exit)."""
+        for client in list(self.clients.values()):
+            self._lose(client, reason)
+
+    def _lose(self, client: EngineClient, reason: str) -> None:
+        deliveries: dict = {}
+        client.on_lost(reason, deliveries)
+        self._flush(deliveries)
+        if self.on_engine_gone is not None and not client._closing:
+            self.on_engine_gone(f"replica {client.replica}: {reason}")
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(200):
+                continue
+            try:
+                replica, events = wire.loads(self.pull.recv())
+            except Exception:  # noqa: BLE001 - not one of ours
+                log.warning("engine link: dropped a message that is not ours")
+                continue
+            deliveries: dict = {}
+            try:
+                self._dispatch(int(replica), events, deliveries)
+            except Exception:  # noqa: BLE001 - the next message may be fine; this one's requests may stall
+                log.exception("engine link: could not handle a message of replica %s", replica)
+            self._flush(deliveries)
+
+    def _dispatch(self, replica: int, events: list, deliveries: dict) -> None:
+        client = self.clients.get(replica)
+        if client is None:
+            for event in events:
+                if event[0] == "failed":
+                    self.failure = event[1]
+                    if self.on_engine_gone is not None:
+                        self.on_engine_gone(f"replica {replica}: {event[1]}")
+                elif event[0] == "hello" and event[1] == self.token and 0 <= replica < self.replicas:
+                    _, _, input_address, status, setup = event
+                    client = self.clients[replica] = EngineClient(self, replica, input_address, status, setup)
+                    log.info("replica %d: its engine process connected (%s)", replica,
+                             status["health"].get("reason"))
+                    if len(self.clients) == self.replicas:
+                        self.ready.set()
+                elif client is not None:
+                    client.on_events([event], deliveries)
+            return
+        client.on_events(events, deliveries)
+
+    @staticmethod
+    def _flush(deliveries: dict) -> None:
+        for loop, batch in deliveries.items():
+            if loop is None:
+                for req, updates, answer, done in batch:
+                    with req.inbox.cond:
+                        if answer is not None:
+                            req.inbox.answer = answer
+                        req.inbox.done = req.inbox.done or done
+                        req.inbox.items.extend(updates)
+                        req.inbox.cond.notify()
+            else:
+                try:
+                    loop.call_soon_threadsafe(_apply, batch)
+                except RuntimeError:  # the loop is closed: the server is gone
+                    pass
+
+
+def link_address(host: str) -> str:
+    """A ``tcp://host:port`` address with a port free now on ``host`` (the front binds it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
+
+
+def parent_watch(interval_s: float = 0.25) -> Callable[[], bool]:
+    """A function telling whether this process's parent (the engine process of replica 0) has gone."""
+    parent = os.getppid()
+    return lambda: os.getppid() != parent

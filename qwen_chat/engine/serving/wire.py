@@ -1,0 +1,156 @@
+"""The wire format between the web front and the engine processes: msgpack, and nothing that runs code on
+unpacking (no pickle: the sockets listen on ``MASTER_ADDR``).  No torch.
+
+Every message is one msgpack array.  Front -> engine (``engine_core``):
+
+  ``["chat", rid, messages, settings, images]``  a request: ``messages`` as ``pack_messages`` made them (image
+                                                 names instead of paths), ``settings`` as ``pack_settings``,
+                                                 ``images`` ``{name: bytes}``
+  ``["cancel", rid]``                            Stop, a closed stream, a client that went away
+  ``["ping"]``                                   every ``PING_INTERVAL_S``: the front is alive
+  ``["close"]``                                  orderly stop: close the engine, answer ``closed``
+
+Engine -> front (``engine_client``), ``[replica, events]``, the events of one flush (one engine step, or what
+the input and status threads queued since the last send):
+
+  ``["hello", token, input_address, status, setup]``    first; ``setup``: checkpoint folder, special token ids
+  ``["status", status]``                                every ``STATUS_INTERVAL_S``: health, stats, memory, info
+  ``["accepted", rid, prompt_tokens, notice, dropped]`` / ``["refused", rid, error]``   the answer to "chat"
+  ``["step", entries]``                                 one engine step; per choice that produced something:
+                                                        ``[rid, index, ids, logprobs, finish, error,
+                                                        completion_tokens, cached_tokens, ttft_s]``
+  ``["failed", reason]``                                the engine could not start (the front reports it)
+  ``["closed"]``                                        the engine closed after the front's "close"
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import msgpack
+
+from qwen_chat.chat_types import (
+    ChatError,
+    ChatMessage,
+    GenerationSettings,
+    InvalidImage,
+    ModelInfo,
+    ToolCall,
+    ToolSpec,
+)
+
+#: Seconds between two status snapshots of an engine process.
+STATUS_INTERVAL_S = 0.25
+#: Seconds between the front's pings to each engine process.
+PING_INTERVAL_S = 0.5
+#: An engine process that heard nothing from the front for this long (seconds) leaves: the front is gone.
+FRONT_SILENT_S = 5.0
+#: A front whose engine sent no status for this long (seconds) after its hello counts it as gone.
+ENGINE_SILENT_S = 15.0
+
+
+def dumps(obj: Any) -> bytes:
+    """msgpack bytes of ``obj`` (lists, dicts, str, bytes, numbers, None)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def loads(data: bytes) -> Any:
+    """The object ``dumps`` packed (arrays come back as lists; integer map keys allowed)."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# ---- errors --------------------------------------------------------------------------------------------------
+def pack_error(exc: BaseException) -> list:
+    """``[class name, message, attributes]`` of a ``ChatError`` (``ContextTooLong`` keeps its token counts);
+    any other exception becomes a ``RuntimeError`` naming its class."""
+    if isinstance(exc, ChatError):
+        attrs = {k: v for k, v in vars(exc).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        return [type(exc).__name__, str(exc), attrs]
+    return ["RuntimeError", f"{type(exc).__name__}: {exc}", {}]
+
+
+def _chat_error_classes() -> dict:
+    found, todo = {}, [ChatError]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def unpack_error(packed: Sequence) -> Exception:
+    """The exception ``pack_error`` described (its class when that is a known ``ChatError``, else RuntimeError)."""
+    name, message, attrs = packed
+    cls = _chat_error_classes().get(name)
+    if cls is None:
+        return RuntimeError(message)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(attrs)
+    return exc
+
+
+# ---- settings and messages -----------------------------------------------------------------------------------
+def pack_settings(settings: GenerationSettings) -> dict:
+    """``GenerationSettings`` as a plain dict (tools as dicts, tuples as lists)."""
+    out = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    out["tools"] = [dataclasses.asdict(t) for t in settings.tools]
+    out["stop"] = list(settings.stop)
+    return out
+
+
+def unpack_settings(packed: dict) -> GenerationSettings:
+    """The ``GenerationSettings`` ``pack_settings`` packed (validated later, by the engine)."""
+    known = {f.name for f in dataclasses.fields(GenerationSettings)}
+    values = {k: v for k, v in packed.items() if k in known}
+    values["tools"] = tuple(ToolSpec(**t) for t in values.get("tools", ()))
+    values["stop"] = tuple(values.get("stop", ()))
+    return GenerationSettings(**values)
+
+
+def pack_messages(messages: Sequence[ChatMessage]) -> tuple[list, dict]:
+    """Messages as dicts with image names instead of paths, and ``{name: bytes}`` of those images (both stores
+    name image files by their SHA-256, so one name is one content).  Raises InvalidImage for an unreadable
+    file."""
+    images: dict[str, bytes] = {}
+    out = []
+    for m in messages:
+        names = []
+        for path in m.images:
+            name = Path(path).name
+            if name not in images:
+                try:
+                    images[name] = Path(path).read_bytes()
+                except OSError as exc:
+                    raise InvalidImage(f"an image of this conversation cannot be read: {exc.strerror or exc}")
+            names.append(name)
+        out.append({"role": m.role, "text": m.text, "images": names, "reasoning": m.reasoning,
+                    "tool_calls": [[c.id, c.name, c.arguments] for c in m.tool_calls]})
+    return out, images
+
+
+def unpack_messages(packed: list, folder: Optional[Path]) -> list[ChatMessage]:
+    """``ChatMessage``s of ``pack_messages``' dicts, image names turned into paths under ``folder``."""
+    out = []
+    for m in packed:
+        images = tuple(str(folder / Path(n).name) for n in m["images"]) if folder is not None else ()
+        out.append(ChatMessage(role=m["role"], text=m["text"], images=images, reasoning=m["reasoning"],
+                               tool_calls=tuple(ToolCall(*c) for c in m["tool_calls"])))
+    return out
+
+
+def pack_info(info: ModelInfo) -> dict:
+    """``ModelInfo`` as a dict."""
+    return dataclasses.asdict(info)
+
+
+def unpack_info(packed: dict) -> ModelInfo:
+    """The ``ModelInfo`` of ``pack_info``."""
+    return ModelInfo(**packed)
+
+
+def with_images(message: ChatMessage, images: Sequence[str]) -> ChatMessage:
+    """``message`` with other image paths."""
+    return replace(message, images=tuple(images))
