@@ -30,6 +30,24 @@ mode; random-word prompts, since the API has no ignore-EOS, so tokens are counte
 - ``prompt_ttft_ms``: TTFT p50/p99 (ms) of 1k, 8k, 32k and 128k-token prompts (1,000 / 8,000 / 32,000 / 128,000
   ``usage.prompt_tokens``, word counts calibrated through ``usage``; 3 / 3 / 2 / 1 repeats), one at a time;
   null when the service refuses the prompt (its message is in ``detail.prompts``);
+- ``host_cpu_us_per_token``: {"front": us, "engine": us}: CPU time (user + system, psutil) of the service's
+  processes over the 128-stream burst (should it generate no token, the largest one that did:
+  ``detail.host_cpu.streams``; ``--smoke`` too runs 128 streams, 4 tokens each) / its completion
+  tokens, microseconds per token; "front" is the web front process (``python -m qwen_chat.front_process``:
+  uvicorn, Gradio, the API), "engine" every ``app.py`` process (rank 0's is replica 0's engine; with several
+  ranks or replicas every rank's app.py counts here) (``serve_host.py``: the processes are start.sh's and all its
+  descendants, sampled right before and after the burst); the CPU seconds, per role and burst, are in
+  ``detail.host_cpu`` and ``detail.bursts[N].host_cpu_s``;
+- ``gpu_busy_share``: {"32": 0-1, "128": 0-1}: during the 32- and 128-stream bursts, the mean of nvidia-smi's
+  ``utilization.gpu`` / 100 (``-lms 100`` in a background process, samples inside the burst's window, the
+  service's GPUs averaged).  nvidia-smi counts a sample period as busy when a kernel was running at all, so this
+  is an upper bound of the GPU's busy share; null in ``--smoke`` and without nvidia-smi;
+- ``noisy_neighbour``: {"max_gap_ms", "status", "big_request_s", "streams"}, after the bursts: 32 streams (the
+  burst prompts, 256 tokens out) all streaming, then one request whose single user message is 16 MB of words
+  (16 * 2**20 characters, ``max_tokens`` 16): its HTTP status and seconds to its answer, and the longest time
+  between two consecutive text chunks of any stream among the gaps overlapping [send, answer] (ms)
+  (``serve_noisy.py``; body size, baseline gap and the streams' summary in ``detail.noisy_neighbour``;
+  ``--smoke``: 8 streams, 32 tokens, 2 MB);
 - ``followup_ttft_ms``: TTFT p50 (ms) of a conversation's next turn (a 20-token message) after an 8k and a 30k
   history, keyed "8k" / "30k", each with "cached" (the conversation cache holds the first turn) and "uncached"
   (one word changed at the start: everything prefilled) (``serve_followup.py``; 3 repeats each);
@@ -61,14 +79,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve_host as S  # noqa: E402
 import serve_http as H  # noqa: E402
 import serve_report as R  # noqa: E402
 from serve_capacity import capped_service  # noqa: E402
 from serve_followup import followups  # noqa: E402
+from serve_noisy import noisy_neighbour  # noqa: E402
 from serve_ckpt import DEFAULT_CKPT_DIR  # noqa: E402
 from serve_proc import Service, free_port, kernel_lines, port_is_free, server_versions  # noqa: E402
 
@@ -78,13 +99,15 @@ FULL = dict(calib_words=(200, 4000), warmup_new=32, batch1_prompt=100, batch1_ne
             prompts={"1k": 1000, "8k": 8000, "32k": 32000, "128k": 128000},
             followups={"8k": 8000, "30k": 30000}, followup_reply=32, followup_new=20, followup_repeats=3,
             repeats={"1k": 3, "8k": 3, "32k": 2, "128k": 1}, startup_timeout_s=420, budget_s=540,
-            cap_long=dict(tokens=32000, streams=32, new_tokens=16))
+            cap_long=dict(tokens=32000, streams=32, new_tokens=16),
+            noisy=dict(streams=32, new_tokens=256, body_chars=16 * 2 ** 20, big_max_tokens=16))
 SMOKE = dict(calib_words=(20, 200), warmup_new=4, batch1_prompt=20, batch1_new=24, batch1_runs=1,
              burst_prompt=40, burst_new=4, prompt_new=2,
              prompts={"1k": 60, "8k": 120, "32k": 240, "128k": 40000},
              followups={"8k": 120, "30k": 240}, followup_reply=4, followup_new=10, followup_repeats=2,
              repeats={"1k": 2, "8k": 2, "32k": 1, "128k": 1}, startup_timeout_s=300, budget_s=0,
-             cap_long=dict(tokens=240, streams=4, new_tokens=2))
+             cap_long=dict(tokens=240, streams=4, new_tokens=2),
+             noisy=dict(streams=8, new_tokens=32, body_chars=2 * 2 ** 20, big_max_tokens=16))
 T0 = time.monotonic()
 
 
@@ -144,6 +167,8 @@ class Bench:
                         "data_parallel": args.data_parallel,
                         "versions": None, "peak_gpu_memory_gib": None, "models": None, "service_command": None,
                         "checkpoint": None, "sizes": sizes, "errors": [],
+                        "host_cpu_us_per_token": None, "gpu_busy_share": {k: None for k in R.BUSY_CONCURRENCY},
+                        "noisy_neighbour": None,
                         "sampling": "the service's defaults (model-card preset of thinking mode), max_tokens set",
                         "detail": {"calibration": None, "batch1": [], "bursts": {}, "prompts": {}, "phases": {}}}
         # what start.sh got besides the flags (DATA_PARALLEL..., and QWEN_CHAT_QUANTIZE passed through from here)
@@ -206,14 +231,31 @@ class Bench:
                      + (f" ({r.error})" if r.error else ""))
         self.batch1 = statistics.median(rates) if rates else None
 
-    def run_burst(self, url: str, model: str, streams: int, into: dict, label: str) -> None:
+    def run_burst(self, url: str, model: str, streams: int, into: dict, label: str,
+                  svc: Optional[Service] = None) -> None:
+        """One burst of ``streams`` streams; with ``svc`` also the CPU seconds of its processes over the burst
+        (``host_cpu_s`` / ``host_cpu_us_per_token``) and, with GPUs, nvidia-smi's busy share (``gpu_busy_share``)."""
         prompts = [self.prompt(self.P["burst_prompt"]) for _ in range(streams)]
+        gpu = S.GpuBusySampler(ids=H.visible_gpus()).start() if svc is not None and self.gpus else None
+        before = S.cpu_snapshot(svc.proc.pid) if svc is not None else None
+        t0 = time.perf_counter()
         s = H.burst(url, prompts, self.P["burst_new"], model)
+        t1 = time.perf_counter()
+        if svc is not None:
+            cpu = S.cpu_delta(before, S.cpu_snapshot(svc.proc.pid))
+            s["host_cpu_s"] = {k: round(v, 4) for k, v in cpu.items()}
+            s["host_cpu_us_per_token"] = {k: S.us_per_token(cpu[k], s["completion_tokens"]) for k in ("front", "engine")}
+        if gpu is not None:
+            gpu.stop()
+            s["gpu_busy_share"] = gpu.share(t0, t1)
         self.phase_memory(f"{label}{streams}", url)
         s.update(self.detail["phases"][f"{label}{streams}"])
         into[str(streams)] = s
         progress(f"{label}{streams} streams: {s['ok']}/{streams} ok ({s['refused']} refused), "
                  f"{s['aggregate_tok_s'] or 0:.1f} tok/s, TTFT p50 {s['ttft_ms_p50'] or 0:.0f} ms"
+                 + "".join(f", {k} {v:.0f} us CPU/token" for k, v in (s.get("host_cpu_us_per_token") or {}).items()
+                           if v is not None)
+                 + (f", GPU busy {s['gpu_busy_share']:.2f}" if s.get("gpu_busy_share") is not None else "")
                  + (f"; first error: {s['error'][:120]}" if s["error"] else ""))
 
     def run_prompts(self, url: str, model: str, svc: Service) -> None:
@@ -239,6 +281,35 @@ class Bench:
             progress(f"prompt {size} ({(entry['prompt_tokens'] or ['?'])[0]} tokens): "
                      + (f"TTFT p50 {self.prompts[size]['p50']:.0f} ms" if ok else f"null: {entry['error'][:160]}"))
             self.save()
+
+    def host_measures(self) -> None:
+        """The published ``host_cpu_us_per_token`` (the largest burst with CPU time and tokens) and
+        ``gpu_busy_share`` from the bursts' summaries."""
+        for c in sorted(self.bursts, key=int, reverse=True):
+            b = self.bursts[c]
+            per = b.get("host_cpu_us_per_token") or {}
+            if per.get("front") is not None and per.get("engine") is not None:
+                self.context["host_cpu_us_per_token"] = {k: round(v, 2) for k, v in per.items()}
+                self.detail["host_cpu"] = {"streams": int(c), "completion_tokens": b["completion_tokens"],
+                                           "wall_s": b["wall_s"], "cpu_s": b["host_cpu_s"],
+                                           "roles": "front: python -m qwen_chat.front_process; engine: every "
+                                                    "app.py process; other: bash / the DeepSpeed launcher"}
+                break
+        self.context["gpu_busy_share"] = {k: (self.bursts.get(k) or {}).get("gpu_busy_share")
+                                          for k in R.BUSY_CONCURRENCY}
+
+    def run_noisy(self, url: str, model: str) -> None:
+        N = self.P["noisy"]
+        progress(f"noisy neighbour: {N['streams']} streams, then one {N['body_chars'] / 2 ** 20:.0f} MB request")
+        prompts = [self.prompt(self.P["burst_prompt"]) for _ in range(N["streams"])]
+        summary, detail = noisy_neighbour(url, prompts, N["new_tokens"], model, body_chars=N["body_chars"],
+                                          big_max_tokens=N["big_max_tokens"], rng=self.rng)
+        self.context["noisy_neighbour"] = summary
+        self.detail["noisy_neighbour"] = detail
+        progress(f"noisy neighbour: HTTP {summary['status']} after {summary['big_request_s']:.2f} s "
+                 f"({detail['big_request_error'] or 'ok'})"[:200] + f"; longest chunk gap {summary['max_gap_ms']} ms "
+                 f"(baseline {detail['baseline_max_gap_ms']} ms; {detail['streaming_when_sent']} streaming at the send)")
+        self.save()
 
     def run_followups(self, url: str, model: str) -> None:
         P = self.P
@@ -283,9 +354,11 @@ class Bench:
         self.phase_memory("batch1", url)
         self.save()
         for streams in R.CONCURRENCY:
-            self.run_burst(url, model, streams, self.bursts, "")
+            self.run_burst(url, model, streams, self.bursts, "", svc)
             self.detail["bursts"][str(streams)] = self.bursts[str(streams)]
+            self.host_measures()
             self.save()
+        self.run_noisy(url, model)
         if not self.args.skip_followups:
             progress("follow-up TTFT, cached and uncached")
             self.run_followups(url, model)

@@ -123,10 +123,12 @@ def _error_message(text: str) -> str:
 
 
 async def stream_chat(client: httpx.AsyncClient, base_url: str, prompt: str, max_tokens: int,
-                      model: Optional[str] = None, extra: Optional[dict] = None) -> StreamResult:
+                      model: Optional[str] = None, extra: Optional[dict] = None,
+                      on_text: Optional[Callable[[float], None]] = None) -> StreamResult:
     """Send one streamed chat completion of ``prompt`` (one user message, the service's default sampling and
-    thinking mode, ``max_tokens`` reasoning + answer tokens) and time it (``StreamResult``).  Never raises for
-    HTTP or connection failures: they are in ``status`` / ``error``."""
+    thinking mode, ``max_tokens`` reasoning + answer tokens) and time it (``StreamResult``).  ``on_text`` is
+    called with ``time.perf_counter()`` as each chunk carrying text arrives.  Never raises for HTTP or
+    connection failures: they are in ``status`` / ``error``."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, **(extra or {})}
     if model:
@@ -159,6 +161,8 @@ async def stream_chat(client: httpx.AsyncClient, base_url: str, prompt: str, max
                     res.answer += delta.get("content") or ""
                     if delta.get("content") or delta.get("reasoning_content"):
                         now = time.perf_counter() - t0
+                        if on_text is not None:
+                            on_text(now + t0)
                         res.ttft_s = now if res.ttft_s is None else res.ttft_s
                         res.t_last = now
                         res.text_chunks += 1

@@ -11,6 +11,7 @@ from typing import Optional
 
 CONCURRENCY = (1, 8, 32, 64, 128)
 CAP_CONCURRENCY = (8, 32)
+BUSY_CONCURRENCY = ("32", "128")  # the bursts of ``gpu_busy_share``
 PROMPT_SIZES = ("1k", "8k", "32k", "128k")
 
 
@@ -79,6 +80,7 @@ def table(doc: dict) -> str:
         rows.append((f"{c:>3} streams: aggregate tok/s, TTFT p50 / p99 ms",
                      f"{_f(doc['aggregate_tok_s'][k])}, {_f(doc['ttft_ms_p50'][k])} / {_f(doc['ttft_ms_p99'][k])}"
                      + note))
+    rows.extend(host_rows(doc))
     cap = doc["cap24"]
     if not cap["started"]:
         rows.append(("24 GB cap: started", f"no ({(cap.get('error') or 'skipped')[:70]})"))
@@ -93,6 +95,27 @@ def table(doc: dict) -> str:
     rows.append(("peak GPU memory (GiB, nvidia-smi)", _f(doc.get("peak_gpu_memory_gib"), "{:.2f}")))
     width = max(len(a) for a, _ in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
+
+
+def host_rows(doc: dict) -> list[tuple[str, str]]:
+    """The table's rows of ``host_cpu_us_per_token``, ``gpu_busy_share`` and ``noisy_neighbour``."""
+    detail = doc.get("detail") or {}
+    cpu = doc.get("host_cpu_us_per_token")
+    streams = (detail.get("host_cpu") or {}).get("streams", 128)
+    rows = [(f"host CPU/token, {streams} streams: front / engine (us)",
+             f"{_f(cpu.get('front'))} / {_f(cpu.get('engine'))}" if cpu else "-")]
+    busy = doc.get("gpu_busy_share") or {}
+    rows.append(("GPU busy share, 32 / 128 streams (upper bound)",
+                 " / ".join(_f(busy.get(k), "{:.2f}") for k in BUSY_CONCURRENCY)))
+    nn = doc.get("noisy_neighbour")
+    if nn:
+        nd = detail.get("noisy_neighbour") or {}
+        mb = (nd.get("body_chars") or 0) / 2 ** 20
+        rows.append((f"noisy neighbour {mb:.0f} MB, {nn['streams']} streams: status, s, max gap",
+                     f"{nn['status']}, {_f(nn['big_request_s'], '{:.2f}')} s, {_f(nn['max_gap_ms'], '{:.0f}')} ms"
+                     + (f" (baseline {_f(nd['baseline_max_gap_ms'], '{:.0f}')} ms)"
+                        if nd.get("baseline_max_gap_ms") is not None else "")))
+    return rows
 
 
 def _series(doc: dict) -> list[tuple[str, list, list, str]]:

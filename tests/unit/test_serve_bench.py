@@ -1,6 +1,6 @@
 """The pure pieces of the service benchmark (bench/serve_*.py): statistics, prompt calibration, SSE timing,
-the result document's key layout, the table and plot, the start-up error line and the allocator-capping
-sitecustomize.  The end-to-end check is ``python bench/serve_bench.py --smoke`` (minutes; not run here)."""
+the result document's key layout, the table and plot, the start-up error line, the allocator-capping
+sitecustomize, the host measures (CPU per token by process role, GPU busy share) and the noisy-neighbour gap.  The end-to-end check is ``python bench/serve_bench.py --smoke`` (minutes; not run here)."""
 from __future__ import annotations
 
 import asyncio
@@ -289,3 +289,63 @@ def test_long_context_phase_reads_metrics_and_reports_the_fit(monkeypatch):
     doc = _fake_doc()
     doc["cap24"]["long_context"] = lc
     assert "24 GB cap, 3 x 32000 tokens: fit by KV / ran at once / ok  2 / 4 / 3" in R.table(doc)
+
+
+def test_noisy_neighbour_max_gap_counts_only_gaps_overlapping_the_big_request():
+    """bench/serve_noisy.py: the longest gap between consecutive text chunks of one stream, among the gaps that
+    overlap [send, answer]; the others are the baseline."""
+    import serve_noisy as N
+
+    arrivals = [[0.0, 0.05, 0.10, 0.15],        # ends before the big request is sent: baseline only
+                [0.0, 0.9, 1.6, 1.62, 2.5],      # 0.9 -> 1.6 overlaps (0.7 s); 1.62 -> 2.5 starts after the answer
+                [1.05, 1.10, 1.95, 1.96],        # 1.10 -> 1.95 (0.85 s) spans the answer at 1.5
+                []]                              # a refused stream: no chunks
+    assert N.max_gap_ms(arrivals, 1.0, 1.5) == pytest.approx(850.0)
+    assert N.max_gap_ms(arrivals, 1.0, 1.5, overlapping=False) == pytest.approx(900.0)  # 0.0 -> 0.9
+    assert N.max_gap_ms([[0.2, 0.1, 0.4]], 0.0, 1.0) == pytest.approx(200.0)  # arrival order does not matter
+    assert N.max_gap_ms(arrivals, 5.0, 6.0) is None and N.max_gap_ms([], 0, 1) is None
+    text = N.big_text(2 * 2 ** 20, random.Random(1))
+    assert len(text) == 2 * 2 ** 20 and set(text.split()[:-1]) <= set(H.WORDS)
+
+
+def test_host_cpu_per_token_and_gpu_busy_share():
+    """bench/serve_host.py: processes sorted by what they run, CPU seconds per role between two snapshots,
+    microseconds per generated token, and the busy share of nvidia-smi samples inside a window."""
+    import serve_host as S
+
+    assert S.role(["/venv/bin/python", "-m", "qwen_chat.front_process", "--model", "tiny"]) == "front"
+    assert S.role(["python", "app.py", "--device", "cpu", "--model", "tiny"]) == "engine"
+    assert S.role(["/usr/bin/python3", "-u", "/srv/app.py", "--local_rank=1"]) == "engine"
+    assert S.role(["/usr/bin/python3", "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "app.py"]) == "other"
+    assert S.role(["/usr/bin/python3", "/usr/local/bin/deepspeed", "--num_gpus", "2", "app.py"]) == "other"
+    assert S.role(["bash", "start.sh", "--model", "tiny"]) == "other"
+    before = {"front": {10: 1.0}, "engine": {11: 5.0, 12: 2.0}, "other": {}}
+    after = {"front": {10: 1.5}, "engine": {11: 7.5, 12: 2.5, 13: 0.25}, "other": {}}  # 13: a rank started since
+    delta = S.cpu_delta(before, after)
+    assert delta == {"front": pytest.approx(0.5), "engine": pytest.approx(3.25), "other": 0}
+    # 0.5 CPU seconds over 32,768 tokens (128 streams x 256): about 15.3 us per token
+    assert S.us_per_token(delta["front"], 128 * 256) == pytest.approx(15.2588, rel=1e-4)
+    assert S.us_per_token(1.0, 0) is None and S.us_per_token(None, 10) is None
+    me = S.cpu_snapshot(os.getpid())  # this test process runs pytest, no app.py: "other"
+    assert os.getpid() in me["other"] and me["other"][os.getpid()] > 0
+    samples = [(0.9, 100.0), (1.0, 50.0), (1.1, 100.0), (1.2, 0.0), (2.5, 100.0)]
+    assert S.busy_share(samples, 1.0, 2.0) == pytest.approx(0.5)
+    assert S.busy_share(samples, 3.0, 4.0) is None
+
+
+def test_host_measures_in_the_document_and_table():
+    doc = _fake_doc()
+    doc.update(host_cpu_us_per_token={"front": 12.5, "engine": 40.25}, gpu_busy_share={"32": 0.81, "128": 0.97},
+               noisy_neighbour={"max_gap_ms": 812.0, "status": 400, "big_request_s": 3.25, "streams": 32})
+    doc["detail"].update(host_cpu={"streams": 128}, noisy_neighbour={"body_chars": 16 * 2 ** 20,
+                                                                      "baseline_max_gap_ms": 45.0})
+    text = R.table(doc)
+    assert "host CPU/token, 128 streams: front / engine (us)" in text and "12.5 / 40.2" in text
+    assert "GPU busy share, 32 / 128 streams (upper bound)" in text and "0.81 / 0.97" in text
+    assert "noisy neighbour 16 MB, 32 streams" in text and "400, 3.25 s, 812 ms (baseline 45 ms)" in text
+    smoke = _fake_doc()
+    smoke.update(host_cpu_us_per_token=None, gpu_busy_share={"32": None, "128": None}, noisy_neighbour=None)
+    rows = dict(line.strip().split("  ", 1) for line in R.table(smoke).splitlines() if "  " in line.strip())
+    rows = {k: v.strip() for k, v in rows.items()}
+    assert rows["GPU busy share, 32 / 128 streams (upper bound)"] == "- / -"
+    assert rows["host CPU/token, 128 streams: front / engine (us)"] == "-"
