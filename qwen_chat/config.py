@@ -147,6 +147,9 @@ class ServiceConfig:
     stream_interval: int = _opt(
         1, help="tokens per streamed update at most for a client that keeps up (vLLM's --stream-interval); a "
                 "slower client gets what accumulated merged into one update either way")
+    prompt_workers: int = _opt(
+        2, help="processes of the web front that build prompts (chat template, tokenization, images), so that a "
+                "large request never stalls the running streams")
     max_request_mb: float = _opt(
         0.0, help="largest API request body in MB (1 MB = 2**20 bytes), refused with 413 before it is read; "
                   "default: what --max-images-per-turn images of --max-upload-mb each take as base64, plus 1 MB")
@@ -221,6 +224,8 @@ class ServiceConfig:
             raise ConfigError(f"--image-token-budget must be 64..16384, got {self.image_token_budget}")
         if self.max_queue < 1 or (self.max_batch is not None and self.max_batch < 1):
             raise ConfigError(f"--max-queue and --max-batch must be >= 1, got {self.max_queue} and {self.max_batch}")
+        if not (1 <= self.prompt_workers <= 64):
+            raise ConfigError(f"--prompt-workers must be 1..64, got {self.prompt_workers}")
         if self.stream_interval < 1:
             raise ConfigError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if not (math.isfinite(self.max_request_mb) and self.max_request_mb >= 0):

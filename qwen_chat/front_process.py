@@ -87,7 +87,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return
         gone.append(reason)
 
-    hub = EngineHub(address, token, replicas, stream_interval=cfg.stream_interval, on_engine_gone=engine_gone)
+    hub = EngineHub(address, token, replicas, stream_interval=cfg.stream_interval, on_engine_gone=engine_gone,
+                    prompt_workers=cfg.prompt_workers)
     try:
         from qwen_chat.history.store import HistoryStore
         from qwen_chat.web import server as web_app  # Gradio: seconds of imports, while /healthz answers
@@ -102,7 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 pass
             return 0 if hub.failure else 1
         backend.attach(_backend_over(clients))
-        log.info("front: serving %d replica(s) on the port", len(clients))
+        if len(clients) > 1:
+            log.info("data parallel: all %d replicas ready behind the web front", len(clients))
         while not web_done.wait(PARENT_POLL_S):
             if parent_gone():
                 gone.append("the engine process of replica 0 exited")

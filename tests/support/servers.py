@@ -81,7 +81,7 @@ def api_app(backend, cfg: ServiceConfig) -> tuple[FastAPI, ops.InstrumentedBacke
 
 
 @contextmanager
-def engine_link(engine, stream_interval: int = 1) -> Iterator[object]:
+def engine_link(engine, stream_interval: int = 1, prompt_workers: int = 1) -> Iterator[object]:
     """Serve ``engine`` (a ``ChatEngine``) over the real engine link, as the service does between its engine
     process and its web front, with both ends in this process: ``engine_core.serve_engine`` in a thread and an
     ``EngineHub``.  Yields the front's ``EngineClient``; at the end the engine is closed through the link."""
@@ -89,7 +89,7 @@ def engine_link(engine, stream_interval: int = 1) -> Iterator[object]:
     from qwen_chat.engine.serving.engine_hub import EngineHub, link_address  # noqa: PLC0415
 
     address, stop = link_address("127.0.0.1"), threading.Event()
-    hub = EngineHub(address, "secret", replicas=1, stream_interval=stream_interval)
+    hub = EngineHub(address, "secret", replicas=1, stream_interval=stream_interval, prompt_workers=prompt_workers)
     served = threading.Thread(target=serve_over_link, args=(engine, address, "secret", 0, [0], "127.0.0.1"),
                               kwargs={"until": stop.is_set}, daemon=True, name="engine-link")
     served.start()

@@ -51,6 +51,10 @@ from qwen_chat.lifecycle import die, install_rank0_sigterm
 log = logging.getLogger(__name__)
 
 
+#: Objects kept for the life of the process (rank 0's ``ReplicaWorld``: its ``TCPStore`` server).
+_STORES: list = []
+
+
 class StartupError(RuntimeError):
     """The engine cannot start on this rank (bad sharding config, model not loadable, self-check mismatch).
     The message is meant for the person starting the service."""
@@ -169,6 +173,10 @@ def start_engine(cfg: ServiceConfig, link=None):
         raise StartupError(f"rank {info.rank}: {type(exc).__name__}: {exc}") from exc
     if engine_or_none is None:  # a worker rank after the exit message
         die(f"rank {info.rank}: worker stopped cleanly", code=0)
+    if world is not None and layout.rank == 0:
+        # rank 0 hosts the launcher-wide store: it must outlive start_engine, for the other leads still reading
+        # the link's address from it
+        _STORES.append(world)
     if world is None or layout.rank == 0:
         return engine_or_none
     return _serve_replica(engine_or_none, world)

@@ -197,21 +197,33 @@ class ChatEngine:
 
     def submit(self, messages: Sequence[ChatMessage], settings: GenerationSettings, cancel: CancelToken,
                sink=None) -> tuple[list, PreparedPrompt]:
-        """Validate, build the prompt and queue its ``settings.n`` choices: ``(handles, prompt)``, the handles
-        (``handles.RequestHandle``, index 0 .. n-1) pushing to ``sink`` (any object with ``put``; default one
-        queue of their own).  ``stream_chat`` reads them in this process; ``engine_core`` sends a whole step's
-        tokens to the front at once.  Raises like ``stream_chat``."""
+        """Validate, build the prompt and queue its ``settings.n`` choices: ``(handles, prompt)``
+        (``submit_prepared``).  ``stream_chat`` reads the handles in this process.  Raises like
+        ``stream_chat``."""
+        self._check_open()
+        settings.validate()
+        prompt = self.prepare(messages, settings)
+        return self.submit_prepared(prompt, settings, cancel, sink), prompt
+
+    def submit_prepared(self, prompt: PreparedPrompt, settings: GenerationSettings, cancel: CancelToken,
+                        sink=None) -> list:
+        """Queue the ``settings.n`` choices of a prompt already built (by ``prepare`` here, or by the front's
+        prompt workers: ``engine_core``): the handles (``handles.RequestHandle``, index 0 .. n-1) pushing to
+        ``sink`` (any object with ``put``; default one queue of their own).  Compiles the structured-output
+        grammar.  Raises InvalidInput (bad settings), Busy, NotReady, ContextTooLong."""
+        self._check_open()
+        settings.validate()
+        if settings.tools and settings.tool_choice != "none" and self.tool_ids is None:
+            raise InvalidInput("tools: this model's tokenizer has no <tool_call> token", param="tools")
+        constraints = reply_constraints(self.structure, settings)
+        samplings = [self.sampling_params(settings, prompt, index) for index in range(settings.n)]
+        return self.scheduler.submit_choices(prompt, samplings, cancel, constraints, sink)
+
+    def _check_open(self) -> None:
         if self._closed:
             raise NotReady("the engine is shutting down")
         if self._self_check:
             raise NotReady("the engine failed its start-up self-check; see the server log")
-        settings.validate()
-        if settings.tools and settings.tool_choice != "none" and self.tool_ids is None:
-            raise InvalidInput("tools: this model's tokenizer has no <tool_call> token", param="tools")
-        prompt = self.prepare(messages, settings)
-        constraints = reply_constraints(self.structure, settings)
-        samplings = [self.sampling_params(settings, prompt, index) for index in range(settings.n)]
-        return self.scheduler.submit_choices(prompt, samplings, cancel, constraints, sink), prompt
 
     def health(self) -> dict:
         """``{"ok", "reason", "mode", "world_size", "active", "queued", "self_check"}`` for /healthz.

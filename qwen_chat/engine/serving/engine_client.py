@@ -187,28 +187,40 @@ class EngineClient:
         with self._push_lock:
             self._push.send(data, copy=False)
 
-    def _open(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
-              loop: Optional[asyncio.AbstractEventLoop]) -> _Request:
+    def _check_reachable(self) -> None:
         if self.lost or self._closing:
             raise NotReady(f"replica {self.replica} is not reachable")
-        packed, images = wire.pack_messages(messages)
+
+    def _open(self, prompt: dict, settings: GenerationSettings,
+              loop: Optional[asyncio.AbstractEventLoop]) -> _Request:
+        self._check_reachable()
         req = _Request(next(self._ids), _Inbox(loop), settings)
         self._requests[req.rid] = req
-        self.send(["chat", req.rid, packed, wire.pack_settings(settings), images])
+        self.send(["prompt", req.rid, prompt, wire.pack_settings(settings)])
         return req
 
     async def astream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
                            cancel: CancelToken) -> AsyncIterator[StreamUpdate]:
         """Run the request on this engine: the async iterator of its updates (same contract as
-        ``ChatEngine.stream_chat``).  Raises the engine's refusal before returning; NotReady when the link is
-        gone.  Closing the iterator (or cancelling ``cancel``) cancels the request in the engine."""
-        req = self._open(messages, settings, asyncio.get_running_loop())
+        ``ChatEngine.stream_chat``).  The prompt is built by the front's prompt workers meanwhile the event
+        loop serves everyone else.  Raises the refusals (bad settings or messages, context, Busy) before
+        returning; NotReady when the link is gone.  Closing the iterator (or cancelling ``cancel``) cancels
+        the request in the engine."""
+        self._check_reachable()
+        settings.validate()
+        prompt = await self.hub.prompts.prepare(messages, settings, self.max_context)
+        req = self._open(prompt, settings, asyncio.get_running_loop())
         try:
             await self._await_answer(req, cancel)
         except BaseException:
             self._forget(req, cancel_remote=True)
             raise
         return self._aiter(req, cancel)
+
+    @property
+    def max_context(self) -> int:
+        """Tokens per sequence (prompt + reply) the engine holds."""
+        return int(self.setup.get("max_context") or self.info.context_length)
 
     async def _await_answer(self, req: _Request, cancel: CancelToken) -> None:
         inbox = req.inbox
@@ -282,7 +294,10 @@ class EngineClient:
     def stream_chat(self, messages: Sequence[ChatMessage], settings: GenerationSettings,
                     cancel: CancelToken) -> Iterator[StreamUpdate]:
         """``astream_chat`` for a thread (the UI's Gradio handlers): a blocking iterator."""
-        req = self._open(messages, settings, None)
+        self._check_reachable()
+        settings.validate()
+        prompt = self.hub.prompts.prepare_blocking(messages, settings, self.max_context)
+        req = self._open(prompt, settings, None)
         inbox = req.inbox
         try:
             with inbox.cond:

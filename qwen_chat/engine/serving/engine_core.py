@@ -7,9 +7,9 @@ Threads of an engine process (a replica's lead rank):
   here push their tokens into ``_StepOutput`` (a deque append each), and after the step's tokens were
   delivered the scheduler calls ``_StepOutput.flush``, which turns them into ONE ``step`` event for all
   requests and hands it to the sender.  No text, JSON or per-stream Python on that thread.
-- the **input thread**: receives the front's requests, builds their prompts (template, tokenization, images,
-  grammar) and queues them on the scheduler (``ChatEngine.submit``), so that prompt work never runs on the
-  scheduler thread; cancels; the front's pings (a front silent for ``wire.FRONT_SILENT_S`` ends the process).
+- the **input thread**: receives the front's requests (prompts already built by the front's prompt workers:
+  ``prompt_worker``), compiles their grammars and queues them on the scheduler (``ChatEngine.submit_prepared``);
+  cancels; the front's pings (a front silent for ``wire.FRONT_SILENT_S`` ends the process).
 - the **sender thread**: packs (msgpack) and sends whatever accumulated, as one message.
 - the **status thread**: health, stats and memory report every ``wire.STATUS_INTERVAL_S``.
 
@@ -22,17 +22,15 @@ from __future__ import annotations
 import collections
 import logging
 import queue
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import zmq
 
 from qwen_chat.chat_types import CancelToken
 from qwen_chat.engine.serving import wire
+from qwen_chat.engine.text.prompt_worker import unpack_prompt
 from qwen_chat.lifecycle import die_unless_stopping
 
 log = logging.getLogger(__name__)
@@ -118,7 +116,6 @@ class _EngineServer:
         self.output = _StepOutput(self.outq.put)
         self.cancels: dict[int, tuple[CancelToken, list]] = {}
         self.done = threading.Event()
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"qwen_chat-engine{replica}-"))
         self.last_heard = time.monotonic()
 
     # ---- sending ---------------------------------------------------------------------------------------------
@@ -172,8 +169,8 @@ class _EngineServer:
 
     def dispatch(self, message: list) -> None:
         kind = message[0]
-        if kind == "chat":
-            self.chat(*message[1:])
+        if kind == "prompt":
+            self.prompt(*message[1:])
         elif kind == "cancel":
             entry = self.cancels.get(message[1])
             if entry is not None:
@@ -183,29 +180,20 @@ class _EngineServer:
         elif kind == "close":
             self.done.set()
 
-    def chat(self, rid: int, messages: list, settings: dict, images: dict) -> None:
-        """Build the prompt and queue the request; answer ``accepted`` or ``refused``."""
-        folder = None
+    def prompt(self, rid: int, packed_prompt: dict, settings: dict) -> None:
+        """Queue a request whose prompt the front built; answer ``accepted`` or ``refused``."""
+        cancel = CancelToken()
+        sink = _RequestSink(rid, self.output)
         try:
-            if images:
-                folder = Path(tempfile.mkdtemp(dir=self.tmp))
-                for name, data in images.items():
-                    (folder / Path(name).name).write_bytes(data)
-            cancel = CancelToken()
-            sink = _RequestSink(rid, self.output)
-            try:
-                handles, prompt = self.engine.submit(wire.unpack_messages(messages, folder),
-                                                     wire.unpack_settings(settings), cancel, sink)
-            except Exception as exc:  # noqa: BLE001 - the front raises it for its caller
-                self.outq.put(["refused", rid, wire.pack_error(exc)])
-                return
-            self.output.handles[rid] = handles
-            self.cancels[rid] = (cancel, handles)
-            self.outq.put(["accepted", rid, prompt.num_tokens, prompt.notice, prompt.dropped_messages])
-            self._forget_finished()
-        finally:
-            if folder is not None:  # the prompt holds the pixels now
-                shutil.rmtree(folder, ignore_errors=True)
+            prompt = unpack_prompt(packed_prompt)
+            handles = self.engine.submit_prepared(prompt, wire.unpack_settings(settings), cancel, sink)
+        except Exception as exc:  # noqa: BLE001 - the front raises it for its caller
+            self.outq.put(["refused", rid, wire.pack_error(exc)])
+            return
+        self.output.handles[rid] = handles
+        self.cancels[rid] = (cancel, handles)
+        self.outq.put(["accepted", rid, prompt.num_tokens, prompt.notice, prompt.dropped_messages])
+        self._forget_finished()
 
     def _forget_finished(self) -> None:
         """Drop the requests whose choices all finished (a finish may beat the registration above)."""
@@ -220,7 +208,6 @@ class _EngineServer:
         self.output.flush()
         self.outq.put(["closed"])
         self.outq.put(None)
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def serve_engine(engine, front_address: str, token: str, replica: int, ranks: Sequence[int], host: str,
@@ -253,5 +240,6 @@ def engine_setup(engine) -> dict:
     """What the front's output processing needs from an engine: the checkpoint folder (its tokenizer) and the
     special token ids (end of sequence, ``<think>``/``</think>``, ``<tool_call>``/``</tool_call>``)."""
     return {"checkpoint": str(getattr(engine.loaded, "checkpoint", "") or ""),
+            "image_token_budget": engine.image_token_budget, "max_context": engine.max_context,
             "eos_ids": list(engine.eos_ids), "think_ids": list(engine.think_ids),
             "tool_ids": list(engine.tool_ids) if engine.tool_ids is not None else None}

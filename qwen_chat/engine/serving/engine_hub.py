@@ -44,11 +44,12 @@ class EngineHub:
         token: the link's secret: a hello without it is ignored.
         replicas: how many engine processes to wait for.
         stream_interval: tokens per update at most for a reader that keeps up (``--stream-interval``).
+        prompt_workers: processes that build prompts (``prompt_worker.PromptPool``; ``--prompt-workers``).
         on_engine_gone: called (reason) when an engine process is gone after its hello, or says it failed.
     """
 
     def __init__(self, address: str, token: str, replicas: int, stream_interval: int = 1,
-                 on_engine_gone: Optional[Callable[[str], None]] = None) -> None:
+                 on_engine_gone: Optional[Callable[[str], None]] = None, prompt_workers: int = 2) -> None:
         self.ctx = zmq.Context.instance()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
@@ -60,6 +61,8 @@ class EngineHub:
         self.failure: Optional[str] = None
         self.ready = threading.Event()
         self._tokens = None
+        self.prompt_workers = int(prompt_workers)
+        self.prompts = None  # PromptPool, made at replica 0's hello (its checkpoint folder)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-recv", daemon=True)
         self._thread.start()
@@ -93,8 +96,10 @@ class EngineHub:
         return [self.clients[r] for r in range(self.replicas)]
 
     def close(self) -> None:
-        """Stop the receiver and ping threads."""
+        """Stop the receiver and ping threads and the prompt workers."""
         self._stop.set()
+        if self.prompts is not None:
+            self.prompts.close()
 
     def _ping(self) -> None:
         while not self._stop.wait(wire.PING_INTERVAL_S):
@@ -152,6 +157,11 @@ class EngineHub:
                         self.on_engine_gone(f"replica {replica}: {event[1]}")
                 elif event[0] == "hello" and event[1] == self.token and 0 <= replica < self.replicas:
                     _, _, input_address, status, setup = event
+                    if self.prompts is None:
+                        from qwen_chat.engine.text.prompt_worker import PromptPool
+
+                        self.prompts = PromptPool(Path(setup["checkpoint"]), self.prompt_workers,
+                                                  int(setup["image_token_budget"]))
                     client = self.clients[replica] = EngineClient(self, replica, input_address, status, setup)
                     log.info("replica %d: its engine process connected (%s)", replica,
                              status["health"].get("reason"))

@@ -3,9 +3,9 @@ unpacking (no pickle: the sockets listen on ``MASTER_ADDR``).  No torch.
 
 Every message is one msgpack array.  Front -> engine (``engine_core``):
 
-  ``["chat", rid, messages, settings, images]``  a request: ``messages`` as ``pack_messages`` made them (image
-                                                 names instead of paths), ``settings`` as ``pack_settings``,
-                                                 ``images`` ``{name: bytes}``
+  ``["prompt", rid, prompt, settings]``          a request: its prompt built by the front's prompt workers
+                                                 (``prompt_worker.pack_prompt``: token ids and pixels as
+                                                 bytes), ``settings`` as ``pack_settings``
   ``["cancel", rid]``                            Stop, a closed stream, a client that went away
   ``["ping"]``                                   every ``PING_INTERVAL_S``: the front is alive
   ``["close"]``                                  orderly stop: close the engine, answer ``closed``
@@ -25,9 +25,7 @@ the input and status threads queued since the last send):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import msgpack
 
@@ -35,7 +33,6 @@ from qwen_chat.chat_types import (
     ChatError,
     ChatMessage,
     GenerationSettings,
-    InvalidImage,
     ModelInfo,
     ToolCall,
     ToolSpec,
@@ -110,35 +107,16 @@ def unpack_settings(packed: dict) -> GenerationSettings:
     return GenerationSettings(**values)
 
 
-def pack_messages(messages: Sequence[ChatMessage]) -> tuple[list, dict]:
-    """Messages as dicts with image names instead of paths, and ``{name: bytes}`` of those images (both stores
-    name image files by their SHA-256, so one name is one content).  Raises InvalidImage for an unreadable
-    file."""
-    images: dict[str, bytes] = {}
-    out = []
-    for m in messages:
-        names = []
-        for path in m.images:
-            name = Path(path).name
-            if name not in images:
-                try:
-                    images[name] = Path(path).read_bytes()
-                except OSError as exc:
-                    raise InvalidImage(f"an image of this conversation cannot be read: {exc.strerror or exc}")
-            names.append(name)
-        out.append({"role": m.role, "text": m.text, "images": names, "reasoning": m.reasoning,
-                    "tool_calls": [[c.id, c.name, c.arguments] for c in m.tool_calls]})
-    return out, images
+def pack_messages(messages: Sequence[ChatMessage]) -> list:
+    """Messages as dicts (image paths as they are: the prompt workers run on the front's host)."""
+    return [{"role": m.role, "text": m.text, "images": list(m.images), "reasoning": m.reasoning,
+             "tool_calls": [[c.id, c.name, c.arguments] for c in m.tool_calls]} for m in messages]
 
 
-def unpack_messages(packed: list, folder: Optional[Path]) -> list[ChatMessage]:
-    """``ChatMessage``s of ``pack_messages``' dicts, image names turned into paths under ``folder``."""
-    out = []
-    for m in packed:
-        images = tuple(str(folder / Path(n).name) for n in m["images"]) if folder is not None else ()
-        out.append(ChatMessage(role=m["role"], text=m["text"], images=images, reasoning=m["reasoning"],
-                               tool_calls=tuple(ToolCall(*c) for c in m["tool_calls"])))
-    return out
+def unpack_messages(packed: list) -> list[ChatMessage]:
+    """The ``ChatMessage``s of ``pack_messages``' dicts."""
+    return [ChatMessage(role=m["role"], text=m["text"], images=tuple(m["images"]), reasoning=m["reasoning"],
+                        tool_calls=tuple(ToolCall(*c) for c in m["tool_calls"])) for m in packed]
 
 
 def pack_info(info: ModelInfo) -> dict:
@@ -149,8 +127,3 @@ def pack_info(info: ModelInfo) -> dict:
 def unpack_info(packed: dict) -> ModelInfo:
     """The ``ModelInfo`` of ``pack_info``."""
     return ModelInfo(**packed)
-
-
-def with_images(message: ChatMessage, images: Sequence[str]) -> ChatMessage:
-    """``message`` with other image paths."""
-    return replace(message, images=tuple(images))
