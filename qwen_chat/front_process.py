@@ -41,6 +41,8 @@ TOKEN_ENV = "QWEN_CHAT_LINK_TOKEN"
 REPLICAS_ENV = "QWEN_CHAT_REPLICAS"
 #: Seconds the front waits for the engines' hello (the model load included: minutes for the 9B, ZeRO-3 more).
 ENGINE_READY_TIMEOUT_S = 7 * 24 * 3600.0
+#: Seconds the front waits for its prompt workers to load the processor before it reports ready anyway.
+PROMPT_WARM_TIMEOUT_S = 120.0
 #: Seconds between the front's checks that its parent process is alive.
 PARENT_POLL_S = 0.25
 
@@ -102,6 +104,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             while not parent_gone() and not web_done.wait(PARENT_POLL_S):
                 pass
             return 0 if hub.failure else 1
+        if not hub.prompts.wait_warm(PROMPT_WARM_TIMEOUT_S):  # /healthz 200 only once prompts can be built
+            log.warning("front: the prompt workers are still loading after %.0f s", PROMPT_WARM_TIMEOUT_S)
         backend.attach(_backend_over(clients))
         if len(clients) > 1:
             log.info("data parallel: all %d replicas ready behind the web front", len(clients))

@@ -146,8 +146,12 @@ class PromptPool:
         self._pools = [concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_init,
                                                               initargs=(str(checkpoint),))
                        for _ in range(max(1, int(workers)))]
-        for pool in self._pools:  # start loading now, not with the first request
-            pool.submit(_warm)
+        self._warming = [pool.submit(_warm) for pool in self._pools]  # start loading now, not with a request
+
+    def wait_warm(self, timeout_s: float) -> bool:
+        """Wait until every worker has loaded its processor (True), or ``timeout_s`` seconds passed."""
+        done, _ = concurrent.futures.wait(self._warming, timeout=timeout_s)
+        return len(done) == len(self._warming)
 
     def _pool_for(self, messages: Sequence[ChatMessage]):
         first = next((m.text for m in messages if m.role != "system"), "")
