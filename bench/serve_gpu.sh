@@ -11,5 +11,5 @@ shift
 source bench/device_env.sh .whl-serve || exit 1
 python3 -c "import torch, transformers, gradio, zmq, deepspeed, xgrammar; print('versions: torch', torch.__version__, \
 'transformers', transformers.__version__, 'gradio', gradio.__version__, 'pyzmq', zmq.__version__, 'deepspeed', \
-deepspeed.__version__, 'xgrammar', xgrammar.__version__)" || exit 1
+deepspeed.__version__)" || exit 1
 python3 bench/serve_bench.py --out "$out/$(date +%F)-NVIDIA-H200-serve-procs" "$@"
