@@ -399,7 +399,9 @@ class EngineClient:
         deliveries.setdefault(req.inbox.loop, []).append((req, updates, answer, done))
 
     def on_lost(self, reason: str, deliveries: dict) -> None:
-        """The engine process is gone: every open request ends (the process leaves soon after)."""
+        """The engine process is gone: every open request ends "cancelled" without its user asking (the UI
+        keeps it as interrupted, the API sends the shutdown error), as at a shutdown; the front leaves soon
+        after and the whole group restarts."""
         if self.lost:
             return
         self.lost = reason
@@ -408,5 +410,5 @@ class EngineClient:
             if req.assembler is None:
                 self._deliver(req, [], deliveries, ("lost", reason))
             else:
-                self._deliver(req, req.assembler.end_open("error", f"replica {self.replica} stopped"), deliveries,
-                              done=True)
+                # the service is going down (the group restarts): the reply was cut off, as at a shutdown
+                self._deliver(req, req.assembler.end_open("cancelled"), deliveries, done=True)
