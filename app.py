@@ -101,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # The web front runs in a process of its own (qwen_chat.front_process: asyncio, no torch), started now so
     # that the port answers from the first second; this process becomes replica 0's engine process.
-    from qwen_chat.engine.serving.engine_hub import link_address
+    from qwen_chat.engine.client.engine_hub import link_address
 
     link = Link(link_address(_link_host()), secrets.token_hex(16))
     front = _spawn_front(sock, link, layout.replicas, argv)
@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lifecycle.install_sigterm_exit()
     front_exited = lambda: front.poll() is not None  # noqa: E731
     try:
-        from qwen_chat.engine.serving import bootstrap
+        from qwen_chat.engine.startup import bootstrap
 
         try:
             engine = bootstrap.start_engine(cfg, link=link)
@@ -126,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if front_exited():
             print(f"app.py: the web front exited with code {front.returncode}", file=sys.stderr)
             return 1
-        from qwen_chat.engine.serving.engine_core import serve_engine
+        from qwen_chat.engine.core.link import serve_engine
 
         layout_ranks = list(layout.ranks_of(0)) if layout.replicas > 1 else list(range(layout.world_size))
         serve_engine(engine, link.address, link.token, replica=0, ranks=layout_ranks, host=_link_host(),
@@ -170,7 +170,7 @@ def _report_failure(link: Link, reason: str) -> None:
     """Tell the front that the engine cannot start (its /healthz then says why)."""
     import zmq
 
-    from qwen_chat.engine.serving import wire
+    from qwen_chat.engine import wire
 
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 2000)
@@ -194,7 +194,7 @@ def _stop_front(front) -> None:
 
 def _start_engine_or_exit(cfg, backend) -> int:
     """A rank other than 0: start the engine (workers and the other replicas' leads never return)."""
-    from qwen_chat.engine.serving import bootstrap
+    from qwen_chat.engine.startup import bootstrap
 
     try:
         bootstrap.start_engine(cfg)  # worker ranks stay inside and never return

@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams  # noqa: E402
+from qwen_chat.engine.types import PreparedPrompt, SamplingParams  # noqa: E402
 from qwen_chat.engine.model.options import RunnerOptions  # noqa: E402
 from qwen_chat.engine.model.runner import Chunk, ModelRunner  # noqa: E402
 from qwen_chat.engine.model.sampling import Sampler  # noqa: E402
@@ -159,7 +159,7 @@ def greedy_agreement(model, runner, dev, n_prompts: int, prompt_len: int, new: i
 def decode_ahead(executor, slots: list, steps: int) -> None:
     """``steps`` decode steps of ``slots`` through ``executor`` (a LocalExecutor), each launched before the
     previous one's tokens are collected, as the scheduler does in one process (tokens fed on the device)."""
-    from qwen_chat.engine.serving.requests import StepPlan
+    from qwen_chat.engine.types import StepPlan
 
     plan = StepPlan(decode_slots=list(slots), tokens_on_device=True)
     inflight = executor.launch(plan)
@@ -178,7 +178,7 @@ def engine_decode(runner, sampler, dev, batch: int, prompt_len: int, new: int, g
     Otherwise each step is ``runner.decode`` + ``sampler.sample`` and waits for its tokens (the host and the GPU
     take turns)."""
     from qwen_chat.engine.parallel.executors import LocalExecutor
-    from qwen_chat.engine.serving.requests import PrefillItem, StepPlan
+    from qwen_chat.engine.types import PrefillItem, StepPlan
 
     slots = list(range(batch))
     ex = LocalExecutor(runner, sampler)
@@ -212,7 +212,7 @@ def scheduler_decode(runner, sampler, dev, prompt_len: int, new: int, gen, overl
     token - time of the first)."""
     from qwen_chat.chat_types import CancelToken
     from qwen_chat.engine.parallel.executors import LocalExecutor
-    from qwen_chat.engine.serving.scheduler import Scheduler
+    from qwen_chat.engine.core.scheduler import Scheduler
 
     sched = Scheduler(LocalExecutor(runner, sampler), num_slots=runner.num_slots, max_queue=4, eos_ids=(),
                       max_context=runner.max_context, overlap=overlap, num_blocks=runner.num_blocks,
@@ -247,7 +247,7 @@ def executor_decode(runner, sampler, dev, prompt_len: int, new: int, gen) -> dic
     """Batch-1 decode through ``LocalExecutor.execute`` on this thread (step plans, sampling, no scheduler
     thread): separates the executor's cost from the scheduler's in ``scheduler_decode``."""
     from qwen_chat.engine.parallel.executors import LocalExecutor
-    from qwen_chat.engine.serving.requests import PrefillItem, StepPlan
+    from qwen_chat.engine.types import PrefillItem, StepPlan
 
     ex = LocalExecutor(runner, sampler)
     params = SamplingParams(seed=7, max_new_tokens=new, stop_token_ids=(), **PRESET)

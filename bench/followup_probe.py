@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tp_probe import build_model  # noqa: E402
 
 from qwen_chat.engine.model.runner import Chunk, ModelRunner  # noqa: E402
-from qwen_chat.engine.serving.requests import PreparedPrompt  # noqa: E402
+from qwen_chat.engine.types import PreparedPrompt  # noqa: E402
 
 
 def timed(fn) -> float:

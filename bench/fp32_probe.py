@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from qwen_chat.engine.checkpoints.loading import torch_reference_kernels  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
-from qwen_chat.engine.serving.requests import PreparedPrompt  # noqa: E402
+from qwen_chat.engine.types import PreparedPrompt  # noqa: E402
 
 
 def rel(x, ref):

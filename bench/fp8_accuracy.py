@@ -46,7 +46,7 @@ from qwen_chat.engine.checkpoints.fp8_loading import quantize_model  # noqa: E40
 from qwen_chat.engine.checkpoints.loading import torch_reference_kernels  # noqa: E402
 from qwen_chat.engine.model.fp8 import weights_report  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
-from qwen_chat.engine.serving.requests import PreparedPrompt  # noqa: E402
+from qwen_chat.engine.types import PreparedPrompt  # noqa: E402
 
 STEPS = 32
 

@@ -133,7 +133,7 @@ def sweep_shape(name, N, K, batches, quick) -> dict:
 def engine_step(model, fast_gemv: bool, steps: int = 200) -> dict:
     """Decode-step timings of a runner with or without the Triton GEMV (batch 1, context bucket 512)."""
     from qwen_chat.engine.parallel.executors import LocalExecutor
-    from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
+    from qwen_chat.engine.types import PreparedPrompt, SamplingParams
     from qwen_chat.engine.model.options import RunnerOptions
     from qwen_chat.engine.model.runner import ModelRunner
     from qwen_chat.engine.model.sampling import Sampler

@@ -34,9 +34,9 @@ from qwen_chat.chat_types import CancelToken, GenerationSettings, ToolSpec  # no
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
 from qwen_chat.engine.model.sampling import Sampler  # noqa: E402
 from qwen_chat.engine.parallel.executors import LocalExecutor  # noqa: E402
-from qwen_chat.engine.serving.constraints import StructuredOutput  # noqa: E402
-from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams  # noqa: E402
-from qwen_chat.engine.serving.scheduler import Scheduler  # noqa: E402
+from qwen_chat.engine.core.constraints import StructuredOutput  # noqa: E402
+from qwen_chat.engine.types import PreparedPrompt, SamplingParams  # noqa: E402
+from qwen_chat.engine.core.scheduler import Scheduler  # noqa: E402
 from qwen_chat.engine.text.tokenizer_build import build_qwen35_tokenizer  # noqa: E402
 
 EOS = (248044, 248046)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from qwen_chat.engine.parallel import ranks as qdist  # noqa: E402
 from qwen_chat.engine.parallel.collectives import TensorParallelComm, broadcast_from_rank0  # noqa: E402
 from qwen_chat.engine.parallel.executors import DistributedExecutor, LocalExecutor, worker_loop  # noqa: E402
-from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan  # noqa: E402
+from qwen_chat.engine.types import PrefillItem, PreparedPrompt, SamplingParams, StepPlan  # noqa: E402
 
 #: TP=2 decode projection shapes of the full config, per rank: (N, K).
 TP2_SHAPES = {"gdn_in_proj/2": (6176, 4096), "attn_qkv/2": (5120, 4096), "out_proj/o_proj/2": (4096, 2048),
@@ -172,7 +172,7 @@ def scheduler_tok_s(executor, runner, steps: int, repeats: int = 3) -> list:
     launched ahead when the executor shares tokens on the device) -> decode tok/s per request = (tokens - 1) /
     (time of the last token - time of the first)."""
     from qwen_chat.chat_types import CancelToken
-    from qwen_chat.engine.serving.scheduler import Scheduler
+    from qwen_chat.engine.core.scheduler import Scheduler
 
     sched = Scheduler(executor, num_slots=runner.num_slots, max_queue=4, eos_ids=(), max_context=runner.max_context,
                       overlap=bool(getattr(executor, "tokens_on_device", True)), num_blocks=runner.num_blocks,

@@ -138,7 +138,7 @@ class GenerationSettings:
     likely alternatives; ``thinking_token_budget``: with thinking on, after that many reasoning tokens the
     engine emits ``</think>`` and the answer follows (None: no budget).
 
-    Tools and structured output (API only; ``qwen_chat.engine.serving.constraints``): ``tools`` are rendered
+    Tools and structured output (API only; ``qwen_chat.engine.core.constraints``): ``tools`` are rendered
     by the chat template and the model's calls parsed from the answer; ``tool_choice`` "auto" (the model
     decides), "none" (no tools shown), "required" (constrained decoding: the answer is one or more calls);
     ``forced_tool``: the one function that must be called (implies "required"); ``parallel_tool_calls``
@@ -321,7 +321,7 @@ class ModelInfo:
 
 
 class ChatBackend(Protocol):
-    """What the web layer and the API need from the engine.  Implemented by ``qwen_chat.engine.serving.chat_engine``."""
+    """What the web layer and the API need from the engine.  Implemented by ``qwen_chat.engine.core.chat_engine``."""
 
     info: ModelInfo
 

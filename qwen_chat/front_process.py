@@ -63,7 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     import uvicorn
 
-    from qwen_chat.engine.serving.engine_hub import EngineHub, parent_watch
+    from qwen_chat.engine.client.engine_hub import EngineHub, parent_watch
     from qwen_chat.pending import PendingBackend, provisional_info
     from qwen_chat.web.front import GRACEFUL_SHUTDOWN_S, Front, WebServer
 
@@ -131,7 +131,7 @@ def _backend_over(clients: list):
     """One engine's ``EngineClient`` itself, or a ``Router`` over several (data parallel)."""
     if len(clients) == 1:
         return clients[0]
-    from qwen_chat.engine.serving.router import Router
+    from qwen_chat.engine.client.router import Router
 
     ranks = [c.ranks for c in clients]
     return Router(clients, ranks=ranks, world_size=sum(len(r) for r in ranks))

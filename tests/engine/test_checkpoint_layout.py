@@ -269,7 +269,7 @@ def test_broken_folder_is_refused_with_one_line(tiny_checkpoint, tmp_path, break
 
 
 def test_start_engine_turns_a_refusal_into_one_startup_line(tiny_checkpoint, tmp_path):
-    from qwen_chat.engine.serving import bootstrap
+    from qwen_chat.engine.startup import bootstrap
 
     folder = variant(tiny_checkpoint, tmp_path / "foreign")
     expected = _foreign_model_type(folder)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_chat.engine.serving.requests import SamplingParams, StepPlan
+from qwen_chat.engine.types import SamplingParams, StepPlan
 from qwen_chat.engine.model.sampling import Sampler
 from tests.support.two_ranks import run_two_ranks
 

@@ -11,7 +11,7 @@ import pytest
 from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings, ToolSpec
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
-from qwen_chat.engine.serving.chat_engine import ChatEngine
+from qwen_chat.engine.core.chat_engine import ChatEngine
 from tests.support.spy_executor import SpyExecutor
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},

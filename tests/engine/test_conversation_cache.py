@@ -14,7 +14,7 @@ from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
 from qwen_chat.engine.parallel.executors import LocalExecutor
-from qwen_chat.engine.serving.chat_engine import ChatEngine
+from qwen_chat.engine.core.chat_engine import ChatEngine
 from tests.support.waiting import wait_until
 
 IMAGES = Path(__file__).parents[1] / "fixtures" / "images"

@@ -1,4 +1,4 @@
-"""The engine link on the tiny model: a real ``ChatEngine`` served by ``engine_core.serve_engine`` (in a thread)
+"""The engine link on the tiny model: a real ``ChatEngine`` served by ``core.link.serve_engine`` (in a thread)
 to an ``EngineHub`` / ``EngineClient`` (the front's end), over real ZeroMQ sockets, as the service runs them
 between its engine process and its web front.
 
@@ -21,8 +21,8 @@ from qwen_chat.chat_types import Busy, CancelToken, ChatMessage, ContextTooLong,
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
 from qwen_chat.engine.parallel.executors import LocalExecutor
-from qwen_chat.engine.serving.chat_engine import ChatEngine
-from qwen_chat.engine.serving.engine_client import merge_updates
+from qwen_chat.engine.core.chat_engine import ChatEngine
+from qwen_chat.engine.output.updates import merge_updates
 from qwen_chat.chat_types import StreamUpdate
 from tests.support.servers import engine_link
 from tests.support.waiting import wait_until

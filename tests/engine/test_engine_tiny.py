@@ -21,8 +21,8 @@ import pytest
 from qwen_chat.chat_types import Busy, CancelToken, ChatMessage, GenerationSettings, InvalidInput, NotReady
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
-from qwen_chat.engine.serving.chat_engine import ChatEngine
-from qwen_chat.engine.serving.replies import THINKING_CUT_NOTICE
+from qwen_chat.engine.core.chat_engine import ChatEngine
+from qwen_chat.engine.output.replies import THINKING_CUT_NOTICE
 from tests.support.spy_executor import SpyExecutor
 from tests.support.waiting import wait_until
 

@@ -29,7 +29,7 @@ from qwen_chat.engine.model import fp8
 from qwen_chat.engine.model.fp8 import BlockAlignmentError, Fp8Linear, Fp8Weight, quantize_blocks
 from qwen_chat.engine.model.fusion import fuse_group
 from qwen_chat.engine.model.runner import ModelRunner
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 from tests.support.small_model import TOL, rel_err, tiny_prompts
 from tests.support.two_ranks import run_two_ranks
 
@@ -392,7 +392,7 @@ def test_quantize_flag_takes_fp8_or_none(monkeypatch, tmp_path):
 
 
 def test_engine_runs_an_fp8_checkpoint_and_reports_its_weights(fp8_folder, tmp_path):
-    from qwen_chat.engine.serving.chat_engine import build_engine
+    from qwen_chat.engine.startup.runner_setup import build_engine
 
     loaded = load_model(fp8_folder, "cpu")
     cfg = ServiceConfig(model=str(fp8_folder), history_dir=tmp_path, memory_budget_gib=0.02, max_context=256)

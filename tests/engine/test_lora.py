@@ -19,7 +19,7 @@ from qwen_chat.engine.checkpoints.adapters import (AdapterError, describe_merge,
                                                    resolve_modules)
 from qwen_chat.engine.checkpoints.loading import load_model
 from qwen_chat.engine.model.runner import ModelRunner
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 from tests.support.fake_backend import FakeBackend
 from tests.support.servers import api_app
 from tests.support.small_model import TOL, rel_err, tiny_prompts
@@ -193,7 +193,7 @@ def test_bin_weights_and_zero3_are_refused(tmp_path):
 
 
 def test_start_engine_refuses_a_wrong_adapter_in_one_line(tiny_checkpoint, tmp_path):
-    from qwen_chat.engine.serving import bootstrap
+    from qwen_chat.engine.startup import bootstrap
 
     folder = write_adapter(tmp_path / "wrong", pair(UP, 192, 4096))
     cfg = ServiceConfig(model=str(tiny_checkpoint), adapter=folder, device="cpu", history_dir=tmp_path / "h")

@@ -17,8 +17,8 @@ from qwen_chat.chat_types import CancelToken
 from qwen_chat.engine.model.memory import MemoryBudgetError, plan_memory
 from qwen_chat.engine.model.paged import BlockTables, OutOfBlocks, blocks_for
 from qwen_chat.engine.model.state import Geometry
-from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
-from qwen_chat.engine.serving.scheduler import Scheduler
+from qwen_chat.engine.types import PreparedPrompt, SamplingParams
+from qwen_chat.engine.core.scheduler import Scheduler
 from tests.engine.test_scheduler import VOCAB, FakeRunner, FakeSampler
 from tests.support.spy_executor import SpyExecutor
 

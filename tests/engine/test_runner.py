@@ -12,7 +12,7 @@ from transformers import Qwen3_5ForConditionalGeneration
 
 from qwen_chat.chat_types import ContextTooLong, InvalidInput
 from qwen_chat.engine.model.glue import attn_core
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 from qwen_chat.engine.model.fusion import fuse_linears
 from qwen_chat.engine.model.options import RunnerOptions
 from qwen_chat.engine.model.paged import OutOfBlocks

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from qwen_chat.engine.serving.requests import SamplingParams
+from qwen_chat.engine.types import SamplingParams
 from qwen_chat.engine.model.sampling import Sampler, nucleus_probs, scaled_logits
 
 V = 50

@@ -14,9 +14,9 @@ import torch
 
 from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, InvalidInput, NotReady
 from qwen_chat.engine.parallel.executors import LocalExecutor
-from qwen_chat.engine.serving.handles import group_chunks
-from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
-from qwen_chat.engine.serving.scheduler import Scheduler
+from qwen_chat.engine.core.handles import group_chunks
+from qwen_chat.engine.types import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.core.scheduler import Scheduler
 from tests.support.spy_executor import SpyExecutor
 
 VOCAB = 64

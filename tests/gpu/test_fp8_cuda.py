@@ -23,7 +23,7 @@ from qwen_chat.engine.checkpoints.fp8_loading import quantize_model
 from qwen_chat.engine.checkpoints.loading import torch_reference_kernels
 from qwen_chat.engine.model import fp8, fp8_gemv
 from qwen_chat.engine.model.runner import ModelRunner
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 from tests.support.small_model import TOL, rel_err, small_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from qwen_chat.engine.serving.requests import SamplingParams
+from qwen_chat.engine.types import SamplingParams
 from qwen_chat.engine.model.options import RunnerOptions
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
@@ -260,8 +260,8 @@ def test_scheduler_streams_on_cuda_equal_solo_streams(model, overlap):
     launched ahead): three sampled requests decoded together give exactly their solo streams."""
     from qwen_chat.chat_types import CancelToken
     from qwen_chat.engine.parallel.executors import LocalExecutor
-    from qwen_chat.engine.serving.requests import PreparedPrompt
-    from qwen_chat.engine.serving.scheduler import Scheduler
+    from qwen_chat.engine.types import PreparedPrompt
+    from qwen_chat.engine.core.scheduler import Scheduler
 
     runner = ModelRunner(model, num_slots=3, max_context=256, device="cuda")
     sched = Scheduler(LocalExecutor(runner, Sampler(3, runner.vocab_size, "cuda")), num_slots=3, max_queue=4,
@@ -283,7 +283,7 @@ def test_launching_a_decode_step_does_not_wait_for_the_gpu(model):
     """The point of launching ahead: queueing a decode step (inputs, graph replay, sampling, the copy of the
     tokens to the host) makes no call that waits for the GPU, for greedy, fused top-k and general rows."""
     from qwen_chat.engine.parallel.executors import LocalExecutor
-    from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, StepPlan
+    from qwen_chat.engine.types import PrefillItem, PreparedPrompt, StepPlan
 
     runner = ModelRunner(model, num_slots=3, max_context=256, device="cuda")
     sampler = Sampler(3, runner.vocab_size, "cuda")

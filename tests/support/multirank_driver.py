@@ -138,7 +138,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = ServiceConfig.from_argv(service).validate()
 
-    from qwen_chat.engine.serving import bootstrap
+    from qwen_chat.engine.startup import bootstrap
 
     engine = bootstrap.start_engine(cfg)  # worker ranks never return
     results = {"pid": os.getpid(), "info": {"world_size": engine.info.world_size, "mode": engine.info.mode},

@@ -83,10 +83,10 @@ def api_app(backend, cfg: ServiceConfig) -> tuple[FastAPI, ops.InstrumentedBacke
 @contextmanager
 def engine_link(engine, stream_interval: int = 1, prompt_workers: int = 1) -> Iterator[object]:
     """Serve ``engine`` (a ``ChatEngine``) over the real engine link, as the service does between its engine
-    process and its web front, with both ends in this process: ``engine_core.serve_engine`` in a thread and an
+    process and its web front, with both ends in this process: ``core.link.serve_engine`` in a thread and an
     ``EngineHub``.  Yields the front's ``EngineClient``; at the end the engine is closed through the link."""
-    from qwen_chat.engine.serving.engine_core import serve_engine as serve_over_link  # noqa: PLC0415
-    from qwen_chat.engine.serving.engine_hub import EngineHub, link_address  # noqa: PLC0415
+    from qwen_chat.engine.core.link import serve_engine as serve_over_link  # noqa: PLC0415
+    from qwen_chat.engine.client.engine_hub import EngineHub, link_address  # noqa: PLC0415
 
     address, stop = link_address("127.0.0.1"), threading.Event()
     hub = EngineHub(address, "secret", replicas=1, stream_interval=stream_interval, prompt_workers=prompt_workers)
@@ -106,7 +106,7 @@ def engine_link(engine, stream_interval: int = 1, prompt_workers: int = 1) -> It
 def serve_engine(loaded, cfg: ServiceConfig) -> Iterator[tuple[str, object]]:
     """``build_engine(loaded, cfg)`` served over the engine link (``engine_link``) behind ``api_app`` on a
     ``RunningServer``, as the service runs it: yields (url, engine); the engine is closed at the end."""
-    from qwen_chat.engine.serving.chat_engine import build_engine  # noqa: PLC0415 (engine tests only)
+    from qwen_chat.engine.startup.runner_setup import build_engine  # noqa: PLC0415 (engine tests only)
 
     engine = build_engine(loaded, cfg)
     try:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 
 if TYPE_CHECKING:
     from qwen_chat.engine.model.runner import ModelRunner

@@ -5,7 +5,7 @@ import threading
 from typing import Optional
 
 from qwen_chat.engine.parallel.executors import LocalExecutor
-from qwen_chat.engine.serving.requests import StepPlan
+from qwen_chat.engine.types import StepPlan
 
 GATE_TIMEOUT_S = 30.0
 

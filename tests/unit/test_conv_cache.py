@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from qwen_chat.engine.serving.conv_cache import ConversationCache, prompt_key
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.core.conv_cache import ConversationCache, prompt_key
+from qwen_chat.engine.types import PreparedPrompt
 
 IDS = torch.tensor([1, 2, 9, 9, 9, 9, 3, 4, 5, 6])
 

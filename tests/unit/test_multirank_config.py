@@ -10,7 +10,7 @@ import torch
 
 from qwen_chat.engine.parallel import executors
 from qwen_chat.engine.parallel import ranks as qdist
-from qwen_chat.engine.serving.selfcheck import compare_self_checks
+from qwen_chat.engine.startup.selfcheck import compare_self_checks
 from qwen_chat.engine.parallel.sharding import ShardingError, check_tp_degree, read_plan
 from qwen_chat.engine.parallel.tp_layers import GatheredColumnLinear, VocabParallelEmbedding
 

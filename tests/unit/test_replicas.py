@@ -18,7 +18,7 @@ from qwen_chat.chat_types import (
 )
 from qwen_chat.config import ConfigError, ServiceConfig
 from qwen_chat.engine.parallel.layout import LayoutError, ReplicaLayout
-from qwen_chat.engine.serving.router import Load, Router, conversation_key, order_replicas
+from qwen_chat.engine.client.router import Load, Router, conversation_key, order_replicas
 from qwen_chat.web import ops
 from tests.support.fake_backend import FakeBackend
 from tests.support.metrics import metric_samples

@@ -18,10 +18,10 @@ import xgrammar as xgr
 
 from qwen_chat.chat_types import CancelToken, GenerationSettings, ToolSpec
 from qwen_chat.engine.model.grammar import Grammars, apply_token_bitmask
-from qwen_chat.engine.serving.constraints import Constraint, ConstraintTable
-from qwen_chat.engine.serving.handles import RequestHandle
-from qwen_chat.engine.serving.replies import stream_replies
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.core.constraints import Constraint, ConstraintTable
+from qwen_chat.engine.core.handles import RequestHandle
+from qwen_chat.engine.output.replies import stream_replies
+from qwen_chat.engine.types import PreparedPrompt
 from qwen_chat.engine.text.textstream import ReplyDecoder
 from qwen_chat.engine.text.tokenizer_build import build_qwen35_tokenizer
 from qwen_chat.engine.text.toolcalls import TOOL_CALL_END_ID, TOOL_CALL_ID, ToolCallSplitter, typed_value

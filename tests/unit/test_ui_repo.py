@@ -1,7 +1,6 @@
 """The set-up promises of the repository: README's two commands, .ci/run, pinned requirements, import hygiene."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from qwen_chat.engine.checkpoints.layout import CheckpointError
+from qwen_chat.engine.checkpoints.errors import CheckpointError
 
 QUANT_METHOD = "fp8"
 FMT = "e4m3"

@@ -31,6 +31,9 @@ from typing import Any, Mapping, Optional
 import torch
 from safetensors.torch import save_file
 
+from qwen_chat.engine.checkpoints.errors import CheckpointError  # raised here; other modules import it from here too
+from qwen_chat.engine.checkpoints.fp8_format import check_fp8_tensors, check_quantization
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "qwen3_5"
@@ -50,11 +53,6 @@ _CONFIG_TOKEN_IDS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|vid
                      "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
 
 _HEADER_LIMIT = 100 * 2 ** 20  # bytes; safetensors' own limit on the JSON header
-
-
-class CheckpointError(ValueError):
-    """A checkpoint (or adapter) folder is incomplete or does not fit this model; the message is one line
-    that names the file."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +141,6 @@ def inspect_checkpoint(folder: Path) -> CheckpointReport:
     other than FP8 in the block format or a broken FP8 one (``fp8_format.check_fp8_tensors``), no weights, a
     shard the index names that is missing or unreadable, or an index entry its shard lacks.
     """
-    from qwen_chat.engine.checkpoints.fp8_format import check_fp8_tensors, check_quantization
 
     folder = Path(folder)
     config = _read_json(folder / "config.json")

@@ -16,7 +16,7 @@ become ``fp8.Fp8Linear`` before the model moves to its device (``fp8_loading``).
 fp32 on CPU (the published weights are bf16, docs/facts.md, "Shape"; CPU matmuls in bf16 are slow and less
 exact).
 
-Under a DeepSpeed sharding plan the caller (``qwen_chat.engine.serving.bootstrap``) first runs
+Under a DeepSpeed sharding plan the caller (``qwen_chat.engine.startup.bootstrap``) first runs
 ``sharding.prepare_loading(plan)`` (for ZeRO-3 it keeps an ``HfDeepSpeedConfig`` alive, so ``from_pretrained``
 partitions the weights as it builds the model), then calls ``load_model(..., place_on_device=False)`` and hands the
 result to ``sharding.shard_model``; ``from_pretrained`` therefore stays a plain call here and the model is not

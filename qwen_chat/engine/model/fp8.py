@@ -186,16 +186,6 @@ def is_local_fp8(m: torch.nn.Module) -> bool:
     return type(m) is Fp8Linear and not m._forward_hooks and not m._forward_pre_hooks
 
 
-def weight_of(m: torch.nn.Module) -> Optional[Weight]:
-    """The weight a projection multiplies by when its forward is exactly ``x @ w^T``: an ``Fp8Linear``'s
-    ``Fp8Weight``, else a plain bias-free ``nn.Linear``'s weight tensor; None for anything else."""
-    from qwen_chat.engine.model.fusion import is_plain_linear
-
-    if is_local_fp8(m):
-        return m.fp8_weight()
-    return m.weight if is_plain_linear(m) else None
-
-
 def fp8_summary(model: torch.nn.Module) -> dict:
     """Which weights are FP8, for the start-up log and ``/v1/models``: ``{"fp8_modules": count, "fp8_bytes":
     bytes held by FP8 weights and their scales, "fp8_kinds": {"mlp.gate_proj": count, ...}}`` (kinds:
@@ -232,22 +222,3 @@ def describe_weights(model: torch.nn.Module, source: str) -> str:
     return (f"weights: FP8 e4m3 in {BLOCK} x {BLOCK} blocks ({source}) for {r['fp8_modules']} linear layers, "
             f"{size_text(r['fp8_bytes'])} on this rank: {kinds}; {r['dtype']} for the rest (embeddings, lm_head, "
             "vision tower, norms and the layers left unquantised)")
-
-
-def dequant_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the largest dequantised FP8 weight a prefill step holds at once (its [N, K] temporary in
-    ``dtype``): the largest group of FP8 layers that read one input (``fusion.projection_groups``: fused into
-    one GEMM) or the largest single FP8 layer; 0 without FP8.  Part of the activation reserve
-    (``runner_setup.size_memory``)."""
-    from qwen_chat.engine.model.fusion import projection_groups
-
-    def elems(m: torch.nn.Module) -> int:
-        get = getattr(m, "fp8_weight", None)
-        w = get() if callable(get) else None
-        return w.data.numel() if isinstance(w, Fp8Weight) else 0
-
-    best = max((elems(m) for m in model.modules()), default=0)
-    for layer in model.model.language_model.layers:
-        for mods in projection_groups(layer).values():
-            best = max(best, sum(elems(m) for m in mods))
-    return best * dtype.itemsize

@@ -167,3 +167,28 @@ def fuse_layers(layers: Sequence[torch.nn.Module], enabled: bool = True) -> tupl
     fused = [{} if not enabled else {k: f for k, mods in g.items() if (f := fuse_group(mods)) is not None}
              for g in groups]
     return groups, fused
+
+
+def weight_of(m: torch.nn.Module) -> Optional[Weight]:
+    """The weight a projection multiplies by when its forward is exactly ``x @ w^T``: an ``Fp8Linear``'s
+    ``Fp8Weight``, else a plain bias-free ``nn.Linear``'s weight tensor; None for anything else."""
+    if is_local_fp8(m):
+        return m.fp8_weight()
+    return m.weight if is_plain_linear(m) else None
+
+
+def dequant_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of the largest dequantised FP8 weight a prefill step holds at once (its [N, K] temporary in
+    ``dtype``): the largest group of FP8 layers that read one input (``projection_groups``: fused into
+    one GEMM) or the largest single FP8 layer; 0 without FP8.  Part of the activation reserve
+    (``runner_setup.size_memory``)."""
+    def elems(m: torch.nn.Module) -> int:
+        get = getattr(m, "fp8_weight", None)
+        w = get() if callable(get) else None
+        return w.data.numel() if isinstance(w, Fp8Weight) else 0
+
+    best = max((elems(m) for m in model.modules()), default=0)
+    for layer in model.model.language_model.layers:
+        for mods in projection_groups(layer).values():
+            best = max(best, sum(elems(m) for m in mods))
+    return best * dtype.itemsize

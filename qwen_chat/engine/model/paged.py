@@ -59,7 +59,7 @@ class BlockTables:
         num_blocks: usable blocks; id ``num_blocks`` is the null block.
         max_blocks: table width (blocks of the longest sequence: ``blocks_for(max_context)``).
         device: where the device table lives; None: no device table (the scheduler's count of the same blocks,
-            ``serving.kv_budget``).
+            ``core.kv_budget``).
         block_tokens: positions per block.
 
     Attributes:

@@ -1,5 +1,5 @@
 """Prefix states kept for later prompts: what a follow-up turn of a conversation needs to prefill only what is
-new (the runner's half; which prompt continues which kept state is the scheduler's: ``serving.conv_cache``).
+new (the runner's half; which prompt continues which kept state is the scheduler's: ``core.conv_cache``).
 
 A hybrid model cannot reuse its KV cache alone: the Gated DeltaNet layers carry a conv ring and a recurrent
 state that sum up every earlier token and cannot be rewound.  So a kept prefix is the state at one exact

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_chat.chat_types import InvalidInput
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 
 
 @dataclass

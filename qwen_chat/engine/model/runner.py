@@ -47,7 +47,7 @@ from qwen_chat.engine.model.prompt_inputs import PromptInputs
 from qwen_chat.engine.model.state import Geometry, SlotState, probe_geometry
 from qwen_chat.engine.parallel.sharding import is_zero3_partitioned
 from qwen_chat.engine.parallel.tp_decode import decode_projections
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ The frequency penalty (before the presence penalty; not at temperature 0, like i
 the draw) and log-probabilities are the per-slot rules of ``sampling_rules``; they cost nothing in batches
 that do not use them.
 Grammar masks of structured output (``constraints``, rank 0 only) come first: a constrained row's forbidden
-tokens are -inf before everything above, greedy rows included (``qwen_chat.engine.serving.constraints``).
+tokens are -inf before everything above, greedy rows included (``qwen_chat.engine.core.constraints``).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from qwen_chat.engine.model.sampling_rules import FrequencyCounts, LogprobRows, ThinkingBudget, logprobs_of
-from qwen_chat.engine.serving.requests import SamplingParams
+from qwen_chat.engine.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Sampler:
         #: parallelism ``collectives.broadcast_from_rank0``, so that every rank records and
         #: feeds rank 0's tokens (queued on the device, no host wait).
         self.token_sync: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-        #: Optional grammar masks (``serving.constraints.ConstraintTable``, set on rank 0 only): its
+        #: Optional grammar masks (``core.constraints.ConstraintTable``, set on rank 0 only): its
         #: ``mask(slots, logits)`` returns the logits with each constrained row's forbidden tokens at -inf, and
         #: ``drawn(slots, last_tokens)`` learns each draw's tokens (read back when the slot is masked next).
         self.constraints = None

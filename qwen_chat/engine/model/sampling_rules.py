@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from qwen_chat.engine.serving.requests import SampledLogprob
+from qwen_chat.engine.types import SampledLogprob
 
 
 class FrequencyCounts:

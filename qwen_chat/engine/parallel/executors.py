@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from qwen_chat.chat_types import ChatError, NotReady
 from qwen_chat.engine.model.runner import Chunk
-from qwen_chat.engine.serving.requests import SampledTokens, StepPlan
+from qwen_chat.engine.types import SampledTokens, StepPlan
 from qwen_chat.lifecycle import die, install_worker_stop_signals
 
 log = logging.getLogger(__name__)

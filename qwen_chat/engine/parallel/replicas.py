@@ -12,7 +12,7 @@ the whole single-replica code path run unchanged; log lines carry ``[replica R r
 The rendezvous is one ``TCPStore`` at the launcher's ``MASTER_ADDR:MASTER_PORT``, hosted by global rank 0
 (under torchrun its agent's store); each replica's process groups use it through a ``PrefixStore`` of their
 own, so no further port is needed for them.  The same store carries each rank's place (host, device) for the
-start-up log and the address and secret of the web front's link (``engine_core`` / ``engine_client``): the
+start-up log and the address and secret of the web front's link (``core.link`` / ``engine_client``): the
 front binds it on ``MASTER_ADDR``, every replica's lead connects to it (a hello without the secret is
 ignored; the secret travels in the store, which is as trusted as the launcher's own rendezvous).
 

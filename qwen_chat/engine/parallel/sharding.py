@@ -21,7 +21,7 @@ This is the only module of the service that imports ``deepspeed``.  Modes (``Sha
   holds it weakly); optional ``offload_param`` to CPU with pinned memory.  Small tensors (norms, ``A_log``,
   ``dt_bias``, the depthwise conv) stay resident through ``stage3_param_persistence_threshold``.
 
-Usage (what ``qwen_chat.engine.serving.bootstrap`` does on every rank)::
+Usage (what ``qwen_chat.engine.startup.bootstrap`` does on every rank)::
 
     plan = read_plan(cfg.ds_config, world_size, device.type)
     check_tp_degree(text_config, plan.tp_size)

@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from qwen_chat.engine.model import fp8
+from qwen_chat.engine.model import fp8, fusion
 from qwen_chat.engine.parallel.collectives import TensorParallelComm
 from qwen_chat.engine.parallel.tp_layers import GatheredColumnLinear, VocabParallelEmbedding, row_parallel_weight
 
@@ -76,7 +76,7 @@ class LocalDecode:
 
     def _entry(self, m: torch.nn.Module) -> Optional[tuple[fp8.Weight, Optional[str]]]:
         """How the step runs module ``m`` itself: (weight, finish), or None to call the module."""
-        w = fp8.weight_of(m)
+        w = fusion.weight_of(m)
         return None if w is None else (w, None)
 
     # ------------------------------------------------------------------ step
@@ -151,7 +151,7 @@ class TensorParallelDecode(LocalDecode):
         self._step_fused = False  # set while a decode step that uses it is traced or run
 
     def _entry(self, m: torch.nn.Module) -> Optional[tuple[fp8.Weight, Optional[str]]]:
-        if (w := fp8.weight_of(m)) is not None:
+        if (w := fusion.weight_of(m)) is not None:
             return w, None
         if (w := row_parallel_weight(m)) is not None:
             return w, "all_reduce"

@@ -63,7 +63,7 @@ from qwen_chat.chat_types import (
     ToolSpec,
     is_blank,
 )
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 from qwen_chat.engine.text.text_ids import shared_prefix, text_ids
 from qwen_chat.engine.text.toolcalls import check_no_control_text, template_tool_calls, template_tools
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from qwen_chat.chat_types import ChatMessage, GenerationSettings, InvalidInput
-from qwen_chat.engine.serving import wire
+from qwen_chat.engine import wire
 
 _PROCESSOR: Any = None
 _CONTROL: tuple = ()
@@ -122,7 +122,7 @@ def pack_prompt(prompt) -> dict:
 
 def unpack_prompt(d: dict):
     """The ``PreparedPrompt`` of ``pack_prompt`` (engine side)."""
-    from qwen_chat.engine.serving.requests import PreparedPrompt
+    from qwen_chat.engine.types import PreparedPrompt
 
     return PreparedPrompt(input_ids=unpack_tensor(d["input_ids"]), pixel_values=unpack_tensor(d["pixel_values"]),
                           image_grid_thw=unpack_tensor(d["image_grid_thw"]),

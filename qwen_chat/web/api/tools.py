@@ -10,7 +10,7 @@ Accepted (everything else in these fields is a 400 naming the field):
   ``protocol`` (code ``unsupported_parameter``).
 * ``tool_choice``: ``"auto"`` (default), ``"none"`` (the tools are not shown to the model), ``"required"``,
   or ``{"type": "function", "function": {"name": NAME}}``; the last two are enforced by constrained
-  decoding (``qwen_chat.engine.serving.constraints``).  ``parallel_tool_calls``: true (default) or false.
+  decoding (``qwen_chat.engine.core.constraints``).  ``parallel_tool_calls``: true (default) or false.
 * ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON object) or
   ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?}}``, enforced during sampling.
 * ``messages``: an assistant message may carry ``tool_calls`` (``[{"id", "type": "function", "function":

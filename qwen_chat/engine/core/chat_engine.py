@@ -8,7 +8,7 @@ stop strings, log-probabilities).  Every user error is raised by
 ``finish_reason == "error"`` and a notice, never with an exception in the middle of a reply.
 
 Start-up: app.py calls ``bootstrap.start_engine(cfg)`` (loading, sharding, process groups), which on rank 0
-composes the engine with ``build_engine`` (runner + sampler, the start-up self-check, the executor: a
+composes the engine with ``runner_setup.build_engine`` (runner + sampler, the start-up self-check, the executor: a
 ``LocalExecutor`` or, under several ranks, a ``DistributedExecutor``) and returns it; app.py then attaches it to
 the web layer's ``PendingBackend``.  Without bootstrap (tests, one process)::
 
@@ -37,18 +37,15 @@ from qwen_chat.chat_types import (
     NotReady,
     StreamUpdate,
 )
-from qwen_chat.config import ServiceConfig
 from qwen_chat.engine.model.fp8 import weights_report
 from qwen_chat.engine.model.paged import BLOCK_TOKENS
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.text.prompt import build_prompt
-from qwen_chat.engine.serving.constraints import StructuredOutput, reply_constraints
-from qwen_chat.engine.serving.replies import stream_replies
-from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
-from qwen_chat.engine.serving.runner_setup import build_runner, idle_captures
-from qwen_chat.engine.serving.scheduler import Scheduler
-from qwen_chat.engine.serving.selfcheck import run_self_check
-from qwen_chat.lifecycle import exit_process_soon
+from qwen_chat.engine.core.constraints import StructuredOutput, reply_constraints
+from qwen_chat.engine.output.replies import stream_replies
+from qwen_chat.engine.types import PreparedPrompt, SamplingParams
+from qwen_chat.engine.core.scheduler import Scheduler
+from qwen_chat.engine.startup.selfcheck import run_self_check
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +205,7 @@ class ChatEngine:
     def submit_prepared(self, prompt: PreparedPrompt, settings: GenerationSettings, cancel: CancelToken,
                         sink=None) -> list:
         """Queue the ``settings.n`` choices of a prompt already built (by ``prepare`` here, or by the front's
-        prompt workers: ``engine_core``): the handles (``handles.RequestHandle``, index 0 .. n-1) pushing to
+        prompt workers: ``core.link``): the handles (``handles.RequestHandle``, index 0 .. n-1) pushing to
         ``sink`` (any object with ``put``; default one queue of their own).  Compiles the structured-output
         grammar.  Raises InvalidInput (bad settings), Busy, NotReady, ContextTooLong."""
         self._check_open()
@@ -376,34 +373,3 @@ class ChatEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def build_engine(
-    loaded,
-    config: ServiceConfig,
-    executor_factory: Optional[Callable] = None,
-    *,
-    exit_on_failure: bool = True,
-) -> ChatEngine:
-    """Compose the engine app.py serves: runner + sampler sized from the memory budget
-    (``runner_setup.build_runner``), a ``LocalExecutor``, the start-up
-    self-check on it (``selfcheck.run_self_check``), the executor the scheduler drives
-    (``executor_factory(local_executor, self_check_result)``, default the ``LocalExecutor`` itself; bootstrap's
-    compares the result across ranks and wraps the executor in a ``DistributedExecutor``), then the
-    ``ChatEngine``, whose ``health()`` reports the self-check.
-
-    With ``exit_on_failure`` (default) an engine failure ends the process with code 1
-    (``lifecycle.exit_process_soon``).  Raises whatever the self-check or the factory raise.
-    """
-    runner, sampler, plan, chunk = build_runner(loaded, config)
-    local = LocalExecutor(runner, sampler)
-    result = run_self_check(local, loaded.tokenizer)
-    executor = executor_factory(local, result) if executor_factory is not None else local
-    engine = ChatEngine(
-        loaded, runner, executor, image_token_budget=config.image_token_budget,
-        max_context=runner.max_context, max_queue=config.max_queue, num_slots=runner.num_slots,
-        on_fatal=exit_process_soon if exit_on_failure else None, memory=plan, prefill_chunk_tokens=chunk,
-        idle_captures=idle_captures(runner), conversation_cache=config.conversation_cache,
-    )
-    engine.self_check(result)
-    return engine

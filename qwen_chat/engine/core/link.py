@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import zmq
 
 from qwen_chat.chat_types import CancelToken
-from qwen_chat.engine.serving import wire
+from qwen_chat.engine import wire
 from qwen_chat.engine.text.prompt_worker import unpack_prompt
 from qwen_chat.lifecycle import die_unless_stopping
 

@@ -1,6 +1,6 @@
 """``RequestHandle``: the token stream of one request, between the scheduler thread and one consumer.
 
-The scheduler (``qwen_chat.engine.serving.scheduler``) creates a handle in ``Scheduler.submit``, pushes each
+The scheduler (``qwen_chat.engine.core.scheduler``) creates a handle in ``Scheduler.submit``, pushes each
 sampled token id and finally the finish reason; the consumer (``ChatEngine``'s update stream) iterates it and
 may ``close()`` it to take the request out of the batch.  The n choices of one request (n > 1) are n handles
 that share one queue (``sink``); ``group_chunks`` reads them together.
@@ -27,7 +27,7 @@ class _Finish:
 @dataclass
 class Chunk:
     """What one handle of a group produced since the previous read: its ``index``, the token ids in order,
-    their ``SampledLogprob``s (``qwen_chat.engine.serving.requests``; None where not asked for), and
+    their ``SampledLogprob``s (``qwen_chat.engine.types``; None where not asked for), and
     ``finished`` when its stream ended after them."""
 
     index: int

@@ -1,7 +1,7 @@
 """The scheduler's batch state: who waits, who runs in which slot, and what the next step does.
 
 ``Batch`` is the deciding half of the continuous-batching scheduler; ``Scheduler``
-(``qwen_chat.engine.serving.scheduler``) owns the model thread and the executor and calls it.  All state lives
+(``qwen_chat.engine.core.scheduler``) owns the model thread and the executor and calls it.  All state lives
 under one condition variable, ``Batch.cond``:
 
 - admission (``submit``): the context check, the queue bound (``Busy``), one ``RequestHandle`` per request, one
@@ -33,12 +33,12 @@ from typing import Iterable, Optional
 
 from qwen_chat.chat_types import Busy, CancelToken, ContextTooLong, FinishReason, NotReady
 from qwen_chat.engine.model.paged import BLOCK_TOKENS, blocks_for
-from qwen_chat.engine.serving import prefill_plan
-from qwen_chat.engine.serving.conv_cache import ConversationCache, prompt_key
-from qwen_chat.engine.serving.handles import RequestHandle
-from qwen_chat.engine.serving.kv_budget import BlockBudget
-from qwen_chat.engine.serving.request_state import Request
-from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.core import prefill_plan
+from qwen_chat.engine.core.conv_cache import ConversationCache, prompt_key
+from qwen_chat.engine.core.handles import RequestHandle
+from qwen_chat.engine.core.kv_budget import BlockBudget
+from qwen_chat.engine.core.request_state import Request
+from qwen_chat.engine.types import PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: the one thread that drives the model through an executor.
 
-Callers ``submit`` a prepared prompt and get a ``RequestHandle`` (``qwen_chat.engine.serving.handles``) that yields
+Callers ``submit`` a prepared prompt and get a ``RequestHandle`` (``qwen_chat.engine.core.handles``) that yields
 the sampled token ids as they come.  One background thread loops: take the next ``StepPlan`` from the batch
-state (``qwen_chat.engine.serving.batch``: free finished slots, prefill waiting requests into free slots, one
+state (``qwen_chat.engine.core.batch``: free finished slots, prefill waiting requests into free slots, one
 decode step for every running sequence), hand it to the executor, route each sampled token to the stream of
 the request that owns the slot.  New requests therefore join the running decode batch between steps, and
 finished, cancelled or abandoned requests leave at once and free their slot.
@@ -31,9 +31,9 @@ from typing import Callable, Iterable, Optional
 
 from qwen_chat.chat_types import CancelToken, ChatError, NotReady
 from qwen_chat.engine.model.paged import BLOCK_TOKENS
-from qwen_chat.engine.serving.batch import Batch, Request
-from qwen_chat.engine.serving.handles import RequestHandle
-from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.core.batch import Batch, Request
+from qwen_chat.engine.core.handles import RequestHandle
+from qwen_chat.engine.types import PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Scheduler:
             been fed to the next step; that step's token for it is discarded (its slot is freed afterwards),
             and sequences that reach their length limit are left out of the step ahead, so no step goes past
             ``max_new_tokens`` or the context.  Constrained requests (structured output) keep the overlap: the
-            sampler reads each one's previous token when it masks (``qwen_chat.engine.serving.constraints``).
+            sampler reads each one's previous token when it masks (``qwen_chat.engine.core.constraints``).
         constraints: the ``constraints.ConstraintTable`` the sampler masks with (rank 0), or None (requests
             with constraints are then refused).
         idle_captures: (padded batch, context bucket) decode graphs to capture, one per step, whenever the
@@ -109,7 +109,7 @@ class Scheduler:
         self.executor = executor
         self.on_fatal = on_fatal
         #: Called (no arguments) on the scheduler thread after every step's tokens were delivered and once more
-        #: after the final drain: ``engine_core`` sends the step's output to the front from there.
+        #: after the final drain: ``core.link`` sends the step's output to the front from there.
         self.on_step: Optional[Callable[[], None]] = None
         self.overlap = bool(overlap)
         if self.overlap and not (hasattr(executor, "launch") and hasattr(executor, "collect")):
@@ -143,7 +143,7 @@ class Scheduler:
         """Queue the n = ``len(samplings)`` choices of one request: n handles (``index`` 0..n-1) on one shared
         queue (``handles.group_chunks``); the choices that find free slots together share one prefill.
         ``constraints``: one ``constraints.Constraint`` per choice (structured output), or None.  ``sink``: the
-        queue the handles push to (any object with ``put``; ``engine_core`` collects a whole step's output
+        queue the handles push to (any object with ``put``; ``core.link`` collects a whole step's output
         there), default a new one.  Raises like ``submit`` (``Busy`` unless all n fit the queue)."""
         return self._batch.submit_choices(prompt, samplings, cancel, constraints, sink)
 

@@ -1,6 +1,6 @@
 """The web front's end of the link to the engine processes: ``EngineHub`` (one PULL socket every engine pushes
 to) and ``EngineClient`` (one engine process = one replica, with the ``ChatBackend`` interface).  No torch,
-no CUDA: the front decodes text with the checkpoint's ``tokenizer.json`` alone (``TokenTable``).
+no CUDA: the front decodes text with the checkpoint's ``tokenizer.json`` alone (``output.updates.TokenTable``).
 
 Output processing happens here, once per engine step for every request: the hub's receiver thread
 (``engine_hub``) takes one
@@ -26,8 +26,6 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Iterator, Optional, Sequence
 
 import zmq
@@ -39,59 +37,16 @@ from qwen_chat.chat_types import (
     NotReady,
     StreamUpdate,
 )
-from qwen_chat.engine.serving import wire
+from qwen_chat.engine import wire
+from qwen_chat.engine.output.updates import Logprob, merge_updates
 
 if TYPE_CHECKING:
-    from qwen_chat.engine.serving.engine_hub import EngineHub
+    from qwen_chat.engine.client.engine_hub import EngineHub
 
 log = logging.getLogger(__name__)
 
 #: Seconds a waiting consumer sleeps at most before it looks at its cancel token again.
 CANCEL_POLL_S = 0.05
-
-
-class TokenTable:
-    """``convert_ids_to_tokens`` over the checkpoint's ``tokenizer.json`` (the ``tokenizers`` library alone: no
-    transformers, no torch); what ``textstream.ReplyDecoder`` needs to turn ids into text."""
-
-    def __init__(self, checkpoint: Path) -> None:
-        from tokenizers import Tokenizer
-
-        self._tok = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
-
-    def convert_ids_to_tokens(self, token_id: int) -> Optional[str]:
-        """The token string of ``token_id`` (byte-level symbols), None for an id without a token."""
-        return self._tok.id_to_token(int(token_id))
-
-
-class _Logprob:
-    """A sampled token's log-probability as the wire carries it (``SampledLogprob``'s fields)."""
-
-    __slots__ = ("logprob", "top_ids", "top_logprobs")
-
-    def __init__(self, packed: Sequence) -> None:
-        self.logprob, self.top_ids, self.top_logprobs = packed
-
-
-def merge_updates(updates: Sequence[StreamUpdate]) -> list[StreamUpdate]:
-    """Consecutive updates of the same choice merged into one (deltas and log-probabilities concatenated, the
-    newest full texts and counters); a choice's last update (``finish_reason``) stays last.  Order across
-    choices is kept."""
-    out: list[StreamUpdate] = []
-    open_at: dict[int, int] = {}  # choice -> position in out of its mergeable update
-    for u in updates:
-        at = open_at.get(u.index)
-        if at is not None:
-            prev = out[at]
-            u = replace(u, reasoning_delta=prev.reasoning_delta + u.reasoning_delta,
-                        answer_delta=prev.answer_delta + u.answer_delta, logprobs=prev.logprobs + u.logprobs)
-            out[at] = u
-        else:
-            open_at[u.index] = len(out)
-            out.append(u)
-        if u.finish_reason is not None:
-            open_at.pop(u.index, None)
-    return out
 
 
 class _Inbox:
@@ -380,7 +335,7 @@ class EngineClient:
                 continue
             updates = []
             for _, index, ids, lps, finish, error, completion, cached, ttft in group:
-                logprobs = [None if lp is None else _Logprob(lp) for lp in lps] if lps else [None] * len(ids)
+                logprobs = [None if lp is None else Logprob(lp) for lp in lps] if lps else [None] * len(ids)
                 made = req.assembler.feed(index, ids, logprobs, finish=finish, error=error,
                                           completion_tokens=completion, ttft_s=ttft, cached_tokens=cached)
                 if made and made[-1].finish_reason is not None and req.assembler.choices[index].stopped_by_string \

@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from qwen_chat.engine.serving.handles import RequestHandle
-from qwen_chat.engine.serving.requests import PreparedPrompt, SamplingParams
+from qwen_chat.engine.core.handles import RequestHandle
+from qwen_chat.engine.types import PreparedPrompt, SamplingParams
 
 
 class Request:

@@ -4,18 +4,23 @@
 its own budget and all take the smallest, so every rank holds the same slots and blocks).  The budget
 (``size_memory``): ``--memory-budget-gib`` when given; on CUDA what ``--gpu-memory-utilization`` leaves after the
 weights (measured: what the process holds after loading, so FP8 weights count at their size) and the activation
-reserve (``memory.gpu_memory``, ``memory.activation_reserve``, plus ``fp8.dequant_bytes`` with FP8); on CPU
+reserve (``memory.gpu_memory``, ``memory.activation_reserve``, plus ``fusion.dequant_bytes`` with FP8); on CPU
 ``CPU_BUDGET_GIB``.  Its split into state slots, KV blocks and the longest context is ``memory.plan_memory``.
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Optional
 
 import torch
 
 from qwen_chat.config import ServiceConfig
-from qwen_chat.engine.model import fp8, memory
+from qwen_chat.engine.core.chat_engine import ChatEngine
+from qwen_chat.engine.parallel.executors import LocalExecutor
+from qwen_chat.engine.startup.selfcheck import run_self_check
+from qwen_chat.lifecycle import exit_process_soon
+from qwen_chat.engine.model import fusion, memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
 from qwen_chat.engine.model.state import Geometry, probe_geometry
 
@@ -70,7 +75,7 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
         slots = max(1, memory.state_slots(geometry, usable - held, config.max_batch))
         reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots)
         gathered = _largest_gathered_parameter(model)
-        dequant = fp8.dequant_bytes(model, dtype)
+        dequant = fusion.dequant_bytes(model, dtype)
         budget = usable - held - reserve - gathered - dequant
         how += (f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
                 + (f" - {gathered / GIB:.2f} GiB for the largest parameter ZeRO-3 gathers" if gathered else "")
@@ -137,3 +142,34 @@ def build_runner(loaded, config: ServiceConfig):
         log.info("compiled the sampler in %.1f s", time.monotonic() - t0)
     log.info("prefill: up to %d prompt tokens per step", chunk)
     return runner, sampler, plan, chunk
+
+
+def build_engine(
+    loaded,
+    config: ServiceConfig,
+    executor_factory: Optional[Callable] = None,
+    *,
+    exit_on_failure: bool = True,
+) -> ChatEngine:
+    """Compose the engine app.py serves: runner + sampler sized from the memory budget
+    (``runner_setup.build_runner``), a ``LocalExecutor``, the start-up
+    self-check on it (``selfcheck.run_self_check``), the executor the scheduler drives
+    (``executor_factory(local_executor, self_check_result)``, default the ``LocalExecutor`` itself; bootstrap's
+    compares the result across ranks and wraps the executor in a ``DistributedExecutor``), then the
+    ``ChatEngine``, whose ``health()`` reports the self-check.
+
+    With ``exit_on_failure`` (default) an engine failure ends the process with code 1
+    (``lifecycle.exit_process_soon``).  Raises whatever the self-check or the factory raise.
+    """
+    runner, sampler, plan, chunk = build_runner(loaded, config)
+    local = LocalExecutor(runner, sampler)
+    result = run_self_check(local, loaded.tokenizer)
+    executor = executor_factory(local, result) if executor_factory is not None else local
+    engine = ChatEngine(
+        loaded, runner, executor, image_token_budget=config.image_token_budget,
+        max_context=runner.max_context, max_queue=config.max_queue, num_slots=runner.num_slots,
+        on_fatal=exit_process_soon if exit_on_failure else None, memory=plan, prefill_chunk_tokens=chunk,
+        idle_captures=idle_captures(runner), conversation_cache=config.conversation_cache,
+    )
+    engine.self_check(result)
+    return engine

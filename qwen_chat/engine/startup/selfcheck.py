@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from qwen_chat.engine.serving.requests import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.types import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 
 #: Fixed prompt of the self-check (raw text, no chat template) and the number of greedy tokens it decodes.
 SELF_CHECK_TEXT = "Self-check: the capital of France is"

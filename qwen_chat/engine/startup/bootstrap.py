@@ -19,14 +19,14 @@ Steps, identical on every rank:
 4. runner + sampler sized from the memory budget (``runner_setup.build_runner``), the start-up self-check
    (``selfcheck.run_self_check``) run on every rank and compared across ranks (a mismatch stops the start-up: ``StartupError``, exit code 78,
    before the engine answers any request);
-5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor`` (``chat_engine.build_engine``) and hands
+5. rank 0 builds the ``ChatEngine`` around a ``DistributedExecutor`` (``runner_setup.build_engine``) and hands
    SIGTERM to ``lifecycle.install_rank0_sigterm``; the others enter the worker loop.
 
 With ``--data-parallel N`` (``docs/replicas.md``) the layout is checked first (``layout.ReplicaLayout``), every
 rank joins its replica's own world (``replicas.join``: afterwards ``RANK``/``WORLD_SIZE`` are the rank's place
 inside its replica, so the steps above run per replica, "rank 0" meaning the replica's lead), rank 0 logs the
 layout and opens the link for the other leads; then each lead builds its engine as above.  Rank 0 returns a
-its engine (app.py serves it to the web front process, ``engine_core.serve_engine``); every other lead serves
+its engine (app.py serves it to the web front process, ``core.link.serve_engine``); every other lead serves
 its engine to the same front (the link's address from the launcher's store) and never returns.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from qwen_chat.engine.model.memory import MemoryBudgetError
 from qwen_chat.engine.parallel import ranks as qdist
 from qwen_chat.engine.parallel import sharding
 from qwen_chat.engine.parallel.layout import ReplicaLayout
-from qwen_chat.engine.serving.selfcheck import compare_self_checks, run_self_check
+from qwen_chat.engine.startup.selfcheck import compare_self_checks, run_self_check
 from qwen_chat.lifecycle import die, install_rank0_sigterm
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def start_engine(cfg: ServiceConfig, link=None):
     """Bring up the engine on this rank (see the module docstring for the steps).
 
     Returns:
-        the ``ChatEngine`` (``qwen_chat.engine.serving.chat_engine``) on rank 0, or with several data-parallel
+        the ``ChatEngine`` (``qwen_chat.engine.core.chat_engine``) on rank 0, or with several data-parallel
         replicas replica 0's (the web front routes over all of them).  Other ranks never return: they serve plans until their lead's
         exit message (a replica's lead: its engine to rank 0, until rank 0's close) and then leave the process
         with code 0.
@@ -198,7 +198,7 @@ def _serve_replica(engine, world):
     """The lead of a replica >= 1 with its engine started: serve it to the web front (the link's address and
     secret from the launcher's store) and leave the process (code 0 after the front's orderly close; SIGTERM
     raises SystemExit through here)."""
-    from qwen_chat.engine.serving.engine_core import serve_engine
+    from qwen_chat.engine.core.link import serve_engine
 
     layout = world.layout
     try:
@@ -220,8 +220,8 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     from qwen_chat.engine.model.fp8 import describe_weights
     from qwen_chat.engine.checkpoints.layout import CheckpointError, inspect_checkpoint
     from qwen_chat.engine.checkpoints.loading import describe_kernels, load_model
-    from qwen_chat.engine.serving.chat_engine import build_engine
-    from qwen_chat.engine.serving.runner_setup import build_runner
+    from qwen_chat.engine.startup.runner_setup import build_engine
+    from qwen_chat.engine.startup.runner_setup import build_runner
 
     path = _resolve_checkpoint_in_order(cfg, info, groups)
     try:  # the folder and the adapter are checked before any weight loads; each refusal is one line

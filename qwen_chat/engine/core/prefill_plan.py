@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from qwen_chat.engine.serving.request_state import Request
-from qwen_chat.engine.serving.requests import PrefillItem, StepPlan
+from qwen_chat.engine.core.request_state import Request
+from qwen_chat.engine.types import PrefillItem, StepPlan
 
 
 def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:

@@ -1,7 +1,7 @@
 """The wire format between the web front and the engine processes: msgpack, and nothing that runs code on
 unpacking (no pickle: the sockets listen on ``MASTER_ADDR``).  No torch.
 
-Every message is one msgpack array.  Front -> engine (``engine_core``):
+Every message is one msgpack array.  Front -> engine (``core.link``):
 
   ``["prompt", rid, prompt, settings]``          a request: its prompt built by the front's prompt workers
                                                  (``prompt_worker.pack_prompt``: token ids and pixels as

@@ -28,7 +28,7 @@ from typing import Collection, Optional
 
 import torch
 
-from qwen_chat.engine.serving.requests import PreparedPrompt
+from qwen_chat.engine.types import PreparedPrompt
 
 
 @dataclass(frozen=True)

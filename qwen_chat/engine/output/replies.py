@@ -14,10 +14,10 @@ import logging
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from qwen_chat.chat_types import GenerationSettings, StreamUpdate, TokenLogprob
-from qwen_chat.engine.serving.handles import RequestHandle, group_chunks
+from qwen_chat.engine.core.handles import RequestHandle, group_chunks
 
 if TYPE_CHECKING:
-    from qwen_chat.engine.serving.requests import PreparedPrompt
+    from qwen_chat.engine.types import PreparedPrompt
 from qwen_chat.engine.text.textstream import ReplyDecoder, StopStringFilter
 from qwen_chat.engine.text.toolcalls import ToolCallSplitter
 

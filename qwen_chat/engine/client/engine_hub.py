@@ -21,8 +21,9 @@ from typing import Callable, Optional
 import zmq
 
 from qwen_chat.chat_types import GenerationSettings
-from qwen_chat.engine.serving import wire
-from qwen_chat.engine.serving.engine_client import EngineClient, TokenTable
+from qwen_chat.engine import wire
+from qwen_chat.engine.client.engine_client import EngineClient
+from qwen_chat.engine.output.updates import TokenTable
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class EngineHub:
 
     def assembler(self, settings: GenerationSettings, prompt_tokens: int, notice: str, dropped: int, rid: int):
         """A ``ReplyAssembler`` for an accepted request (the tokenizer of replica 0's checkpoint)."""
-        from qwen_chat.engine.serving.replies import ReplyAssembler
+        from qwen_chat.engine.output.replies import ReplyAssembler
 
         setup = self.clients[min(self.clients)].setup
         if self._tokens is None:

@@ -1,0 +1,56 @@
+"""What the front's output processing needs beside ``replies.ReplyAssembler``: the token table it decodes with
+(``TokenTable``: the checkpoint's ``tokenizer.json`` through the ``tokenizers`` library alone, no torch), a
+sampled token's log-probability as the engine link carries it (``Logprob``), and the merging of the updates a
+slow reader has not taken yet (``merge_updates``).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional, Sequence
+
+from qwen_chat.chat_types import StreamUpdate
+
+
+class TokenTable:
+    """``convert_ids_to_tokens`` over the checkpoint's ``tokenizer.json`` (the ``tokenizers`` library alone: no
+    transformers, no torch); what ``textstream.ReplyDecoder`` needs to turn ids into text."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
+
+    def convert_ids_to_tokens(self, token_id: int) -> Optional[str]:
+        """The token string of ``token_id`` (byte-level symbols), None for an id without a token."""
+        return self._tok.id_to_token(int(token_id))
+
+
+class Logprob:
+    """A sampled token's log-probability as the wire carries it (``SampledLogprob``'s fields)."""
+
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+
+    def __init__(self, packed: Sequence) -> None:
+        self.logprob, self.top_ids, self.top_logprobs = packed
+
+
+def merge_updates(updates: Sequence[StreamUpdate]) -> list[StreamUpdate]:
+    """Consecutive updates of the same choice merged into one (deltas and log-probabilities concatenated, the
+    newest full texts and counters); a choice's last update (``finish_reason``) stays last.  Order across
+    choices is kept."""
+    out: list[StreamUpdate] = []
+    open_at: dict[int, int] = {}  # choice -> position in out of its mergeable update
+    for u in updates:
+        at = open_at.get(u.index)
+        if at is not None:
+            prev = out[at]
+            u = replace(u, reasoning_delta=prev.reasoning_delta + u.reasoning_delta,
+                        answer_delta=prev.answer_delta + u.answer_delta, logprobs=prev.logprobs + u.logprobs)
+            out[at] = u
+        else:
+            open_at[u.index] = len(out)
+            out.append(u)
+        if u.finish_reason is not None:
+            open_at.pop(u.index, None)
+    return out
