@@ -9,7 +9,6 @@ pool so that waiting requests never starve the rest of the server.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import time
 import uuid
@@ -26,6 +25,7 @@ from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import ImageLimits
 from qwen_chat.web.api.protocol import (
     APIRequestError,
+    parse_body,
     read_body,
     check_key,
     error_response,
@@ -147,15 +147,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         except APIRequestError as exc:
             return error_response(exc)
         try:
-            raw = await read_body(request, body_limit)
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                raise APIRequestError("the request body is not valid JSON") from None
-            except RecursionError:
-                raise APIRequestError("the request body is nested too deeply") from None
-            if not isinstance(body, dict):
-                raise APIRequestError("the request body must be a JSON object")
+            body = await run(parse_body, await read_body(request, body_limit))
             if body.get("model") is not None and body["model"] not in aliases():
                 raise model_not_found(str(body["model"]), model_id_of(cfg))
             settings = settings_from_request(body)
@@ -225,6 +217,28 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         if dropped:
             body["dropped_messages"] = dropped
         return JSONResponse(body, headers={"X-Dropped-Messages": str(dropped)})
+
+    def wrong_method(allowed: str):
+        async def refuse(request: Request) -> Response:
+            response = error_response(APIRequestError(
+                f"{request.method} is not allowed on {request.url.path}; use {allowed}", status=405,
+                type="invalid_request_error", code="method_not_allowed"))
+            response.headers["Allow"] = allowed
+            return response
+        return refuse
+
+    others = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    router.add_api_route("/chat/completions", wrong_method("POST"), methods=[m for m in others if m != "POST"],
+                         include_in_schema=False)
+    for path in ("/models", "/models/{model_id:path}"):
+        router.add_api_route(path, wrong_method("GET"), methods=[m for m in others if m != "GET"],
+                             include_in_schema=False)
+
+    @router.api_route("/{path:path}", methods=others, include_in_schema=False)
+    async def unknown_route(path: str) -> Response:
+        return error_response(APIRequestError(f"unknown API route /v1/{path}; this server has /v1/models and "
+                                              "/v1/chat/completions", status=404, type="not_found",
+                                              code="unknown_route"))
 
     return router
 
