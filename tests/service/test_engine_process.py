@@ -141,3 +141,30 @@ def test_a_16_mb_message_does_not_stall_the_running_streams(tmp_path, tiny_cache
                 answer += chunk
             answer = answer.decode()
         assert answer.startswith("HTTP/1.1 413") and "20.0 MB" in answer, answer[:500]
+
+
+def test_corrupt_weights_refuse_to_start_in_one_line(tmp_path, tiny_checkpoint):
+    """Every weight byte of the checkpoint overwritten (headers intact, same sizes): the start-up self-check
+    sees non-finite logits and the service exits 78 with one line naming the likely cause, instead of starting
+    and answering "!!!!"."""
+    import shutil
+    import struct
+    import subprocess
+    import sys
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    for shard in broken.glob("*.safetensors"):
+        with open(shard, "r+b") as f:
+            header = struct.unpack("<Q", f.read(8))[0]
+            f.seek(8 + header)
+            size = shard.stat().st_size - 8 - header
+            f.write(b"\xff" * size)  # 0xFFFF is a NaN in bf16 (and 0xFFFFFFFF in fp32)
+    port = free_port()
+    out = subprocess.run([sys.executable, "app.py", "--model", str(broken), "--device", "cpu", "--port", str(port),
+                          "--history-dir", str(tmp_path / "h")], cwd=Path(__file__).resolve().parents[2],
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "QWEN_CHAT_STARTSECS"})
+    assert out.returncode == 78, out.stderr[-2000:]
+    line = [l for l in out.stderr.splitlines() if l.startswith("app.py: cannot start the engine:")]
+    assert line and "non-finite logit" in line[-1] and "weights are likely corrupt" in line[-1], out.stderr[-2000:]

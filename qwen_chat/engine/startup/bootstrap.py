@@ -45,7 +45,7 @@ from qwen_chat.engine.model.memory import MemoryBudgetError
 from qwen_chat.engine.parallel import ranks as qdist
 from qwen_chat.engine.parallel import sharding
 from qwen_chat.engine.parallel.layout import ReplicaLayout
-from qwen_chat.engine.startup.selfcheck import compare_self_checks, run_self_check
+from qwen_chat.engine.startup.selfcheck import SelfCheckError, compare_self_checks, run_self_check
 from qwen_chat.lifecycle import die, install_rank0_sigterm
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def start_engine(cfg: ServiceConfig, link=None):
         if world is not None and layout.rank == 0:
             world.publish_link(link.address, link.token)
         engine_or_none = _start(cfg, info, device, plan, groups)
-    except MemoryBudgetError as exc:  # the budget's one line says what to change
+    except (MemoryBudgetError, SelfCheckError) as exc:  # one line that says what to change or check
         log.error("rank %d: start-up failed: %s", info.rank, exc)
         raise StartupError(str(exc)) from None
     except StartupError as exc:  # its message says what to change: no traceback in the way

@@ -24,6 +24,16 @@ from qwen_chat.engine.types import PrefillItem, PreparedPrompt, SamplingParams, 
 SELF_CHECK_TEXT = "Self-check: the capital of France is"
 SELF_CHECK_TOKENS = 8
 
+#: A prefill-logit spread (max - min) below this, with every greedy token the same id, is a degenerate
+#: distribution: random or trained weights give spreads of several units (the tiny model: about 10).
+DEGENERATE_SPREAD = 1e-3
+
+
+class SelfCheckError(RuntimeError):
+    """The self-check's outputs cannot come from working weights (non-finite or degenerate logits); the message
+    names the likely cause, for the start-up log."""
+
+
 #: Relative tolerance when comparing the self-check's prefill-logit checksums across ranks.  Every rank ends
 #: with the same (all-reduced or all-gathered) activations, so they agree to rounding at most.
 CHECKSUM_RTOL = 1e-4
@@ -37,8 +47,9 @@ def run_self_check(local_executor, tokenizer) -> dict:
 
     Returns: ``{"tokens": list[int], "checksum": float}`` - the greedy ids and the float64 sum of the fp32
     prefill logits [V].
-    Raises: RuntimeError when a sampled id lies outside the runner's vocabulary (``vocab_size``); whatever the
-    runner or the executor raise.
+    Raises: SelfCheckError when the prefill logits are not all finite, or when every greedy token is one id and
+    the logits are (nearly) all equal (``DEGENERATE_SPREAD``): the weights are corrupt; RuntimeError when a
+    sampled id lies outside the runner's vocabulary (``vocab_size``); whatever the runner or the executor raise.
     """
     ids = torch.tensor(tokenizer.encode(SELF_CHECK_TEXT), dtype=torch.int64)
     prompt = PreparedPrompt(input_ids=ids, max_new_tokens=SELF_CHECK_TOKENS)
@@ -46,12 +57,23 @@ def run_self_check(local_executor, tokenizer) -> dict:
                             max_new_tokens=SELF_CHECK_TOKENS, stop_token_ids=())
     runner = local_executor.runner
     with torch.no_grad():
-        checksum = float(runner.prefill(0, prompt).double().sum())
+        logits = runner.prefill(0, prompt).double()
         runner.free(0)
+    checksum = float(logits.sum())
+    bad = int((~torch.isfinite(logits)).sum())
+    if bad:
+        raise SelfCheckError(f"the start-up self-check got {bad} non-finite logit(s) (NaN or infinity) of "
+                             f"{logits.numel()}: the weights are likely corrupt; compare the checkpoint's shards "
+                             "with the published ones")
+    spread = float(logits.max() - logits.min())
     tokens = [local_executor.execute(StepPlan(prefills=[PrefillItem(0, prompt, params)]))[0]]
     for _ in range(SELF_CHECK_TOKENS - 1):
         tokens.append(local_executor.execute(StepPlan(decode_slots=[0], decode_tokens=[tokens[-1]]))[0])
     local_executor.execute(StepPlan(free_slots=[0]))
+    if len(set(tokens)) == 1 and spread < DEGENERATE_SPREAD:
+        raise SelfCheckError(f"the start-up self-check's logits are all equal (spread {spread:.3g}) and every greedy "
+                             f"token is id {tokens[0]}: the weights are likely corrupt (zeroed or overwritten); "
+                             "compare the checkpoint's shards with the published ones")
     vocab = getattr(runner, "vocab_size", None)
     if vocab is not None and not all(0 <= t < vocab for t in tokens):
         raise RuntimeError(f"sampled ids outside the vocabulary: {tokens}")
