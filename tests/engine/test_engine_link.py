@@ -3,7 +3,8 @@ to an ``EngineHub`` / ``EngineClient`` (the front's end), over real ZeroMQ socke
 between its engine process and its web front.
 
 Checks what a user of the front sees: replies equal the engine's own in-process replies (greedy, with an image,
-n = 2 with log-probabilities), 64 concurrent streams each equal their solo run with no cross-talk, refusals
+n = 2 with log-probabilities), 64 concurrent API streams (asyncio) and 4 page users (threads, as the UI's
+handlers run) each equal their solo run with no cross-talk, refusals
 raised before any update, Stop and a closed stream freeing the slot, a slow reader getting merged deltas whose
 concatenation is the fast reader's text, ``stream_interval`` 4 giving the same text in at most a quarter of the
 updates, and health, stats and an orderly close.
@@ -11,6 +12,7 @@ updates, and health, stats and an orderly close.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -85,7 +87,7 @@ def test_replies_over_the_link_equal_the_engine_in_process(engine):
     assert final_texts(remote[2])[1][3] == 12  # both choices counted their tokens
 
 
-def test_64_concurrent_streams_each_equal_their_solo_run(engine):
+def test_64_api_streams_and_4_page_users_each_equal_their_solo_run(engine):
     prompts = [[user(f"question number {i}: " + "word " * (i % 7))] for i in range(64)]
     with engine_link(engine) as client:
         solo = [final_texts(client.stream_chat(p, GREEDY, CancelToken())) for p in prompts[:8]]
@@ -96,7 +98,17 @@ def test_64_concurrent_streams_each_equal_their_solo_run(engine):
         async def all_at_once():
             return await asyncio.gather(*(one(p) for p in prompts))
 
+        ui_prompts = [[user(f"page user {i} asks")] for i in range(4)]
+        ui_solo = [final_texts(client.stream_chat(p, GREEDY, CancelToken())) for p in ui_prompts]
+        ui_together: dict = {}
+        ui_threads = [threading.Thread(target=lambda i=i: ui_together.__setitem__(
+            i, final_texts(client.stream_chat(ui_prompts[i], GREEDY, CancelToken())))) for i in range(4)]
+        for t in ui_threads:  # 4 page users (their handlers' threads) at the same time as 64 API streams
+            t.start()
         together = asyncio.run(all_at_once())
+        for t in ui_threads:
+            t.join(120)
+        assert [ui_together[i] for i in range(4)] == ui_solo
         assert together[:8] == solo  # batching with 63 others changes nothing
         assert len({t[0][1] + t[0][0] for t in together}) > 8  # different prompts, different replies
         wait_until(lambda: engine.scheduler.stats()["active"] == 0, 10, "every slot to be free again")

@@ -162,7 +162,6 @@ class EngineClient:
         returning; NotReady when the link is gone.  Closing the iterator (or cancelling ``cancel``) cancels
         the request in the engine."""
         self._check_reachable()
-        settings.validate()
         prompt = await self.hub.prompts.prepare(messages, settings, self.max_context)
         req = self._open(prompt, settings, asyncio.get_running_loop())
         try:
@@ -250,7 +249,6 @@ class EngineClient:
                     cancel: CancelToken) -> Iterator[StreamUpdate]:
         """``astream_chat`` for a thread (the UI's Gradio handlers): a blocking iterator."""
         self._check_reachable()
-        settings.validate()
         prompt = self.hub.prompts.prepare_blocking(messages, settings, self.max_context)
         req = self._open(prompt, settings, None)
         inbox = req.inbox

@@ -198,7 +198,7 @@ class ChatEngine:
         (``submit_prepared``).  ``stream_chat`` reads the handles in this process.  Raises like
         ``stream_chat``."""
         self._check_open()
-        settings.validate()
+        settings.validate()  # before the prompt is built from them (submit_prepared checks again: its own boundary)
         prompt = self.prepare(messages, settings)
         return self.submit_prepared(prompt, settings, cancel, sink), prompt
 
