@@ -2,7 +2,7 @@
 
 * ``kill -9`` of the engine process: the front answers 503 and exits non-zero within 5 s; ``kill -9`` of the
   front: the engine process exits within 5 s; either way no process of the group is left (the front's prompt
-  workers included), also with 2 CPU ranks;
+  workers included), also with 2 CPU ranks and with 2 data-parallel replicas;
 * a 16 MB message while 8 streams run: the streams keep receiving tokens (the message is tokenized in a
   prompt worker, not in the engine process nor in the front's event loop) and the big request gets its
   context error; a body over ``--max-request-mb`` gets 413 naming the limit, before it is read.
@@ -60,9 +60,9 @@ def gone_within(pids: list[int], seconds: float) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=["1-rank", "2-cpu-ranks"])
-def test_kill_9_of_either_process_ends_the_other(tmp_path, tiny_cache, ranks):
-    env = {"NUM_CPU_RANKS": str(ranks)} if ranks > 1 else None
+@pytest.mark.parametrize("ranks,replicas", [(1, 1), (2, 1), (2, 2)], ids=["1-rank", "2-cpu-ranks", "2-replicas"])
+def test_kill_9_of_either_process_ends_the_other(tmp_path, tiny_cache, ranks, replicas):
+    env = {"NUM_CPU_RANKS": str(ranks), "DATA_PARALLEL": str(replicas)} if ranks > 1 else None
     for victim in ("engine", "front"):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
