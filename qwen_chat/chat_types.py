@@ -87,6 +87,20 @@ class ContextTooLong(InvalidInput):
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
 
+    @classmethod
+    def for_prompt(cls, prompt_tokens: int, context_length: int, reply_tokens: int = 1,
+                   after_dropping: bool = False) -> "ContextTooLong":
+        """The one message of a prompt that does not fit (prompt building, the scheduler and the runner all
+        refuse with it): ``prompt_tokens`` plus at least ``reply_tokens`` exceed ``context_length``;
+        ``after_dropping``: the context policy already left out every earlier turn.  The last sentence is the
+        page's advice (the API swaps it for its own: ``web.api.protocol.context_message``)."""
+        return cls(
+            f"The message is too long for the model's context: the prompt needs {prompt_tokens} tokens"
+            f"{' even after leaving out all earlier turns' if after_dropping else ''}, plus at least "
+            f"{reply_tokens} for the reply, but the context holds {context_length} tokens. "
+            "Shorten the message or system prompt, attach fewer or smaller images, or start a new chat.",
+            prompt_tokens=prompt_tokens, context_length=context_length)
+
 
 class Busy(ChatError):
     """The generation queue is full; the caller should retry later (HTTP 429)."""

@@ -124,10 +124,7 @@ class Batch:
             raise ValueError("constrained requests need a ConstraintTable (the sampler's grammar masks)")
         n = prompt.num_tokens
         if self.max_context is not None and n >= self.max_context:
-            raise ContextTooLong(
-                f"prompt is {n} tokens but the context holds {self.max_context}; shorten the conversation",
-                prompt_tokens=n, context_length=self.max_context,
-            )
+            raise ContextTooLong.for_prompt(n, self.max_context)
         key = prompt_key(prompt) if self.cache is not None else None  # hashes images: not under the lock
         with self.cond:
             if self.stopping:

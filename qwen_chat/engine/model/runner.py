@@ -269,8 +269,7 @@ class ModelRunner:
             if c.start == 0 or c.slot in self._restored:
                 self._inputs.check(c.prompt)
                 if L >= self.max_context:
-                    raise ContextTooLong(f"prompt of {L} tokens does not fit the context of {self.max_context} "
-                                         "tokens (one position is needed for the reply)", L, self.max_context)
+                    raise ContextTooLong.for_prompt(L, self.max_context)
             if c.start > 0 and (self._active[c.slot] or self.lengths[c.slot] != c.start):
                 raise ValueError(f"chunk {c.start}..{end} does not continue slot {c.slot} (it holds "
                                  f"{self.lengths[c.slot]} tokens)")

@@ -349,12 +349,7 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
         room = context_length - prompt_tokens
         least = min(MIN_NEW_TOKENS, max_new_tokens)
         if room < least:
-            raise ContextTooLong(
-                f"The message is too long for the model's context: the prompt needs {prompt_tokens} tokens"
-                f"{' even after leaving out all earlier turns' if dropped else ''}, plus at least "
-                f"{least} for the reply, but the context holds {context_length} tokens. "
-                "Shorten the message or system prompt, attach fewer or smaller images, or start a new chat.",
-                prompt_tokens=prompt_tokens, context_length=context_length)
+            raise ContextTooLong.for_prompt(prompt_tokens, context_length, least, after_dropping=bool(dropped))
         new_tokens = room
         notices.append(f"The reply is limited to {new_tokens} new tokens (instead of {max_new_tokens}) to fit "
                        f"the context of {context_length} tokens.")
