@@ -253,6 +253,30 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()
 
 
+def conversation_problem(messages: Sequence["ChatMessage"]) -> Optional[tuple[int, str, str]]:
+    """What makes ``messages`` a conversation the model cannot answer, as ``(index of the message, its field
+    "role" or "content", a message for the user)``, or None when it can be answered.  The one check of a
+    conversation's shape: prompt building raises ``InvalidInput`` with it, the API a 400 naming
+    ``messages[index].field``.  Rules: at least one message; roles system, user, assistant, tool; a system
+    message only first; the last message from the user or a tool result; a last user message not blank
+    (``is_blank``) unless it has an image."""
+    if not messages:
+        return 0, "role", "There is no message to answer."
+    for index, message in enumerate(messages):
+        if message.role not in ("system", "user", "assistant", "tool"):
+            return index, "role", f"Unknown message role {message.role!r} (system, user, assistant, tool)."
+        if message.role == "system" and index != 0:
+            return index, "role", "A system message can only come first in a conversation."
+        if not isinstance(message.text, str):
+            return index, "content", "Message text must be a string."
+    last = messages[-1]
+    if last.role not in ("user", "tool"):
+        return len(messages) - 1, "role", "The last message must be from the user (or a tool result)."
+    if last.role == "user" and is_blank(last.text) and not last.images:
+        return len(messages) - 1, "content", "The message is empty: type some text or attach an image."
+    return None
+
+
 @dataclass(frozen=True)
 class StreamUpdate:
     """One step of a streamed reply.

@@ -44,7 +44,7 @@ def test_blank_in_the_rule_the_ui_the_api_and_the_engine(text, tmp_path):
     assert views == [] and store.user("local").list() == []
 
     images = ApiImageStore(tmp_path / "api_images", ImageLimits())
-    with pytest.raises(APIRequestError, match="the last user message is empty") as refused:
+    with pytest.raises(APIRequestError, match="The message is empty") as refused:
         parse_messages([{"role": "user", "content": text}], ServiceConfig(history_dir=tmp_path), images)
     assert refused.value.param == "messages[0].content"
 

@@ -61,7 +61,7 @@ from qwen_chat.chat_types import (
     InvalidImage,
     InvalidInput,
     ToolSpec,
-    is_blank,
+    conversation_problem,
 )
 from qwen_chat.engine.types import PreparedPrompt
 from qwen_chat.engine.text.text_ids import shared_prefix, text_ids
@@ -108,20 +108,9 @@ def _content_text(message: ChatMessage) -> str:
 
 
 def _validate(messages: Sequence[ChatMessage]) -> None:
-    if not messages:
-        raise InvalidInput("There is no message to answer.")
-    for index, message in enumerate(messages):
-        if message.role not in ("system", "user", "assistant", "tool"):
-            raise InvalidInput(f"Unknown message role {message.role!r}.")
-        if message.role == "system" and index != 0:
-            raise InvalidInput("A system prompt can only come first in a conversation.")
-        if not isinstance(message.text, str):
-            raise InvalidInput("Message text must be a string.")
-    last = messages[-1]
-    if last.role not in ("user", "tool"):
-        raise InvalidInput("The last message must be from the user (or a tool result).")
-    if last.role == "user" and is_blank(last.text) and not last.images:
-        raise InvalidInput("The message is empty: type some text or attach an image.")
+    problem = conversation_problem(messages)
+    if problem is not None:
+        raise InvalidInput(problem[2])
 
 
 def _split_turns(messages: Sequence[ChatMessage]) -> tuple[Optional[ChatMessage], list[_Turn]]:

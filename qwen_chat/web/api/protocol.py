@@ -28,7 +28,7 @@ from qwen_chat.chat_types import (
     GenerationSettings,
     InvalidImage,
     InvalidInput,
-    is_blank,
+    conversation_problem,
 )
 from qwen_chat.config import ServiceConfig
 from qwen_chat.history.api_images import ApiImageStore
@@ -282,18 +282,12 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
     if lead > 1:
         out[:lead] = [ChatMessage(role="system", text="\n\n".join(m.text for m in out[:lead]))]
         lead = 1
-    for i, msg in enumerate(out[lead:], start=lead):
-        if msg.role == "system":
-            raise APIRequestError("a system message may only come before the conversation (first)",
-                                  param=f"messages[{i + len(raw) - len(out)}].role")
-    check_tool_turns(out, len(raw) - len(out))
-    if out[-1].role not in ("user", "tool"):
-        raise APIRequestError("the last message must be a user message (or a tool result)",
-                              param=f"messages[{len(raw) - 1}].role")
-    last = out[-1]
-    if last.role == "user" and not last.images and is_blank(last.text):
-        raise APIRequestError("the last user message is empty (no text and no image)",
-                              param=f"messages[{len(out) - 1}].content")
+    merged = len(raw) - len(out)  # leading system messages merged into one
+    problem = conversation_problem(out)
+    if problem is not None:
+        index, field, message = problem
+        raise APIRequestError(message, param=f"messages[{index + merged if index else 0}].{field}")
+    check_tool_turns(out, merged)
     return out
 
 
