@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from qwen_chat.engine.types import PreparedPrompt, SamplingParams  # noqa: E402
 from qwen_chat.engine.model.options import RunnerOptions  # noqa: E402
-from qwen_chat.engine.model.runner import Chunk, ModelRunner  # noqa: E402
+from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.types import PrefillItem  # noqa: E402
 from qwen_chat.engine.model.sampling import Sampler  # noqa: E402
 
 CONFIG = Path(__file__).with_name("qwen3_5_9b_config.json")
@@ -313,7 +314,7 @@ def prefill_batched(runner, sampler, dev, counts, prompt_len: int, gen, repeats:
             reset()
             sync(dev)
             t0 = time.perf_counter()
-            logits = runner.prefill_batch([Chunk(s, p) for s, p in zip(slots, prompts)])
+            logits = runner.prefill_batch([PrefillItem(s, p) for s, p in zip(slots, prompts)])
             sampler.sample(slots, logits)  # host ints: waits for the device
             return time.perf_counter() - t0
 

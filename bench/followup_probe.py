@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tp_probe import build_model  # noqa: E402
 
-from qwen_chat.engine.model.runner import Chunk, ModelRunner  # noqa: E402
+from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.types import PrefillItem  # noqa: E402
 from qwen_chat.engine.types import PreparedPrompt  # noqa: E402
 
 
@@ -75,13 +76,13 @@ def main() -> int:
         hist = ids(n)
         runner.free(0), runner.free(1), runner.free(3)
         keep = n - 3
-        runner.prefill_batch([Chunk(0, PreparedPrompt(input_ids=hist), keep=(keep, 3))])
+        runner.prefill_batch([PrefillItem(0, PreparedPrompt(input_ids=hist), keep=(keep, 3))])
         follow = PreparedPrompt(input_ids=torch.cat([hist[:keep], ids(50)]))
 
         def once():
             runner.free(1)
             runner.restore(3, 1)
-            runner.prefill_batch([Chunk(1, follow, keep)])
+            runner.prefill_batch([PrefillItem(1, follow, start=keep)])
         once()
         times = [timed(once) for _ in range(5)]
         doc["cases"][f"followup_{label}"] = {"history": n, "new_tokens": follow.num_tokens - keep,

@@ -208,10 +208,10 @@ class GenerationSettings:
         for name, value, (low, high), kind in checks:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidInput(f"{name} must be a number in [{low}, {high}], got {value!r}")
+            if value != value or not (low <= value <= high):  # value != value catches NaN; also infinities
+                raise InvalidInput(f"{name} must be in [{low}, {high}], got {value!r}")
             if kind is int and int(value) != value:
                 raise InvalidInput(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-            if value != value or not (low <= value <= high):  # value != value catches NaN
-                raise InvalidInput(f"{name} must be in [{low}, {high}], got {value!r}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
                 SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]

@@ -78,12 +78,17 @@ class PrefillItem:
     same logits.  ``resume``: a preempted sequence recomputing its cache (``prompt`` = its prompt and the
     tokens it was fed); its sampler state is kept and nothing is sampled.  ``restore``: the state row of a kept
     prefix this sequence starts from (its first chunk then starts at that prefix's length; ``prefix_cache``),
-    or None.  ``keep``: (position, row): keep the state at that position in that empty row (``runner.Chunk``).
+    or None.  ``keep``: (position p, row): also keep the state at position p (start < p <= end) in the empty
+    state row ``row``, for later prompts that share the first p tokens (``prefix_cache``).
+
+    The one prompt-chunk type of every layer: the scheduler plans it, the executor broadcasts it, the runner's
+    ``prefill_batch`` runs it (``sampling`` None: a chunk the runner alone is given, as the tests and the
+    self-check do); ``forward.PrefillRows`` is only where its tokens sit in one packed forward.
     """
 
     slot: int
     prompt: PreparedPrompt
-    sampling: SamplingParams
+    sampling: Optional[SamplingParams] = None
     copies: list[tuple[int, SamplingParams]] = field(default_factory=list)
     start: int = 0
     end: Optional[int] = None
@@ -104,6 +109,12 @@ class PrefillItem:
     def last(self) -> bool:
         """True when this chunk ends the prompt."""
         return self.stop() == self.prompt.num_tokens
+
+    @property
+    def logits(self) -> bool:
+        """Whether the runner returns the logits of the prompt's last token (not for a preempted sequence
+        recomputing its cache: it needs no new token)."""
+        return not self.resume
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from qwen_chat.engine.types import PreparedPrompt
 from qwen_chat.engine.model.fusion import fuse_linears
 from qwen_chat.engine.model.options import RunnerOptions
 from qwen_chat.engine.model.paged import OutOfBlocks
-from qwen_chat.engine.model.runner import Chunk, ModelRunner
+from qwen_chat.engine.model.runner import ModelRunner
+from qwen_chat.engine.types import PrefillItem
 from qwen_chat.engine.parallel.tp_decode import LocalDecode
 from tests.support.small_model import (IMAGE, TOL, VOCAB, LiveBatch, Seq, image_seq, rel_err, small_config,
                                        small_model, text_ids)
@@ -244,7 +245,7 @@ def test_chunked_prefill_matches_the_whole_prompt(model, cuts):
     runner.prefill(1, other.prompt())  # a live neighbour: its state must not be touched
     prompt, start = seq.prompt(), 0
     for end in cuts:
-        logits = runner.prefill_batch([Chunk(0, prompt, start, end)])
+        logits = runner.prefill_batch([PrefillItem(0, prompt, start=start, end=end)])
         assert (logits is None) == (end < cuts[-1])
         start = end
     errs = [rel_err(logits[0], seq.reference(model))]
@@ -260,8 +261,8 @@ def test_chunk_boundary_inside_an_image(model):
     seq = image_seq(gen)  # 5 text, vision start, 6 image tokens (positions 6..11), vision end, 7 text
     runner = ModelRunner(model, num_slots=1, max_context=96, device="cpu", block_tokens=16)
     prompt = seq.prompt()
-    assert runner.prefill_batch([Chunk(0, prompt, 0, 9)]) is None
-    logits = runner.prefill_batch([Chunk(0, prompt, 9, prompt.num_tokens)])
+    assert runner.prefill_batch([PrefillItem(0, prompt, start=0, end=9)]) is None
+    logits = runner.prefill_batch([PrefillItem(0, prompt, start=9, end=prompt.num_tokens)])
     assert runner.rope_deltas[0] == -3
     errs = [rel_err(logits[0], seq.reference(model))] + decode_both(runner, model, {0: seq}, gen, 6)
     assert max(errs) <= TOL, errs
@@ -274,9 +275,9 @@ def test_batched_prefill_of_different_lengths_matches_each_alone(model):
     gen = torch.Generator().manual_seed(13)
     a, b, c, d = Seq(text_ids(gen, 3)), image_seq(gen), Seq(text_ids(gen, 50)), Seq(text_ids(gen, 21))
     runner = ModelRunner(model, num_slots=4, max_context=128, device="cpu", block_tokens=16)
-    runner.prefill_batch([Chunk(2, c.prompt(), 0, 30)])
-    logits = runner.prefill_batch([Chunk(0, a.prompt()), Chunk(1, b.prompt()), Chunk(2, c.prompt(), 30),
-                                   Chunk(3, d.prompt(), logits=False)])
+    runner.prefill_batch([PrefillItem(2, c.prompt(), start=0, end=30)])
+    logits = runner.prefill_batch([PrefillItem(0, a.prompt()), PrefillItem(1, b.prompt()), PrefillItem(2, c.prompt(), start=30),
+                                   PrefillItem(3, d.prompt(), resume=True)])
     assert logits.shape == (3, VOCAB)
     errs = [rel_err(logits[i], s.reference(model)) for i, s in enumerate((a, b, c))]
     errs += decode_both(runner, model, {0: a, 1: b, 2: c, 3: d}, gen, 5)
@@ -287,11 +288,11 @@ def test_chunks_that_do_not_continue_their_slot_are_refused(model):
     runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
     prompt = PreparedPrompt(input_ids=torch.arange(10))
     with pytest.raises(ValueError, match="does not continue slot 0"):
-        runner.prefill_batch([Chunk(0, prompt, 4, 10)])
+        runner.prefill_batch([PrefillItem(0, prompt, start=4, end=10)])
     with pytest.raises(ValueError, match="twice"):
-        runner.prefill_batch([Chunk(0, prompt), Chunk(0, prompt)])
+        runner.prefill_batch([PrefillItem(0, prompt), PrefillItem(0, prompt)])
     with pytest.raises(ValueError, match="outside the prompt"):
-        runner.prefill_batch([Chunk(1, prompt, 0, 11)])
+        runner.prefill_batch([PrefillItem(1, prompt, start=0, end=11)])
 
 
 def test_blocks_follow_the_length_and_come_back_on_free(model):

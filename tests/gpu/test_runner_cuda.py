@@ -78,14 +78,14 @@ def test_packed_and_chunked_prefill_on_cuda_match_the_reference(model):
     """fla's packed (varlen) chunk kernel, a later chunk through the lower-right causal attention over the
     slot's cached blocks, an image prompt and a short one in one prefill: all match the reference in fp32, and
     decode continues correctly."""
-    from qwen_chat.engine.model.runner import Chunk
+    from qwen_chat.engine.types import PrefillItem
 
     gen = torch.Generator().manual_seed(17)
     img = image_seq(gen)
     a, b, c = CudaSeq(text_ids(gen, 100)), CudaSeq(img.ids, img.image), CudaSeq(text_ids(gen, 5))
     runner = ModelRunner(model, num_slots=3, max_context=300, device="cuda", block_tokens=16)
-    first = runner.prefill_batch([Chunk(0, a.prompt(), 0, 37), Chunk(1, b.prompt()), Chunk(2, c.prompt())])
-    last = runner.prefill_batch([Chunk(0, a.prompt(), 37)])
+    first = runner.prefill_batch([PrefillItem(0, a.prompt(), start=0, end=37), PrefillItem(1, b.prompt()), PrefillItem(2, c.prompt())])
+    last = runner.prefill_batch([PrefillItem(0, a.prompt(), start=37)])
     errs = [rel_err(first[0], b.reference(model)), rel_err(first[1], c.reference(model)),
             rel_err(last[0], a.reference(model))]
     for _ in range(4):
@@ -100,29 +100,29 @@ def test_packed_and_chunked_prefill_on_cuda_match_the_reference(model):
 def test_kept_prefixes_with_the_packed_kernel_match_the_reference(model):
     """Keep points inside packed chunks (fla's varlen kernel in two calls) next to a chunk without one; the
     follow-ups restored from the kept states match the reference in fp32."""
-    from qwen_chat.engine.model.runner import Chunk
+    from qwen_chat.engine.types import PrefillItem
 
     gen = torch.Generator().manual_seed(19)
     img = image_seq(gen)
     a, b, c = CudaSeq(text_ids(gen, 90)), CudaSeq(img.ids, img.image), CudaSeq(text_ids(gen, 7))
     runner = ModelRunner(model, num_slots=6, max_context=300, device="cuda", block_tokens=16)
     pa, pb = len(a.ids) - 3, len(b.ids) - 2
-    out = runner.prefill_batch([Chunk(0, a.prompt(), keep=(pa, 3)), Chunk(1, b.prompt(), keep=(pb, 4)),
-                                Chunk(2, c.prompt())])
+    out = runner.prefill_batch([PrefillItem(0, a.prompt(), keep=(pa, 3)), PrefillItem(1, b.prompt(), keep=(pb, 4)),
+                                PrefillItem(2, c.prompt())])
     errs = [rel_err(out[0], a.reference(model)), rel_err(out[1], b.reference(model)),
             rel_err(out[2], c.reference(model))]
     for src, slot, seq, p in ((3, 5, a, pa), (4, 2, b, pb)):
         runner.free(slot)
         follow = CudaSeq(seq.ids[:p] + text_ids(gen, 11), seq.image)
         runner.restore(src, slot)
-        errs.append(rel_err(runner.prefill_batch([Chunk(slot, follow.prompt(), p)])[0], follow.reference(model)))
+        errs.append(rel_err(runner.prefill_batch([PrefillItem(slot, follow.prompt(), start=p)])[0], follow.reference(model)))
     assert max(errs) <= GPU_TOL, errs
 
 
 def test_chunked_prefill_in_bf16_agrees_with_the_whole_prompt(model):
     """bf16 (flash attention, fla's kernels): a 300-token prompt in chunks of 130 + 170 gives the logits of the
     whole prompt and the same decode, up to bf16 rounding."""
-    from qwen_chat.engine.model.runner import Chunk
+    from qwen_chat.engine.types import PrefillItem
 
     gen = torch.Generator().manual_seed(18)
     m16 = model.to(torch.bfloat16)
@@ -131,8 +131,8 @@ def test_chunked_prefill_in_bf16_agrees_with_the_whole_prompt(model):
         whole = ModelRunner(m16, num_slots=1, max_context=512, device="cuda")
         parts = ModelRunner(m16, num_slots=1, max_context=512, device="cuda")
         ref = whole.prefill(0, p)
-        assert parts.prefill_batch([Chunk(0, p, 0, 130)]) is None
-        errs = [rel_err(ref, parts.prefill_batch([Chunk(0, p, 130)])[0])]
+        assert parts.prefill_batch([PrefillItem(0, p, start=0, end=130)]) is None
+        errs = [rel_err(ref, parts.prefill_batch([PrefillItem(0, p, start=130)])[0])]
         for _ in range(4):
             tok = torch.randint(0, 290, (1,), generator=gen).cuda()
             errs.append(rel_err(whole.decode([0], tok), parts.decode([0], tok)))

@@ -84,6 +84,10 @@ def test_too_many_messages_nan_and_stream_options_are_400s_with_their_reason(ser
             "NaN is not a JSON number")
     refused(post(server, b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}'), 400,
             "Infinity is not a JSON number")
+    for field in ("max_tokens", "n", "top_logprobs", "top_k"):  # 1e400 parses as infinity: a range error, not a 500
+        extra = ', "logprobs": true' if field == "top_logprobs" else ""
+        refused(post(server, b'{"messages": [{"role": "user", "content": "x"}], "%s": 1e400%s}'
+                     % (field.encode(), extra.encode())), 400, "got inf")
     error = refused(post(server, {"messages": USER, "stream_options": {"include_usage": True}}), 400,
                     "only allowed when stream is true")
     assert error["param"] == "stream_options"
@@ -96,6 +100,9 @@ def test_wrong_methods_get_405_with_allow_and_unknown_routes_an_openai_404(serve
     refused(r, 405, "GET is not allowed on /v1/chat/completions")
     r = httpx.delete(server.url + "/v1/models", timeout=10)
     assert r.status_code == 405 and r.headers["allow"] == "GET"
+    for method in ("HEAD", "OPTIONS"):
+        r = httpx.request(method, server.url + "/v1/chat/completions", timeout=10)
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
     for method, path in (("GET", "/v1/nope"), ("POST", "/v1/completions"), ("GET", "/v1/chat/completions/x")):
         r = httpx.request(method, server.url + path, timeout=10)
         assert refused(r, 404, f"unknown API route {path}")["code"] == "unknown_route"

@@ -5,7 +5,7 @@ What is kept (the chat template decides what a follow-up shares): Qwen3.5's temp
 as its text only, without the reasoning and without the empty ``<think></think>`` block a reply generated with
 thinking off starts with, so the next prompt of a conversation shares the previous prompt up to the end of its
 last ``<|im_start|>assistant\\n`` header, and no further (``PreparedPrompt.shared_prefix``).  The state at that
-position is kept while the prompt is prefilled (a keep point: ``runner.Chunk.keep``); a follow-up then
+position is kept while the prompt is prefilled (a keep point: ``types.PrefillItem.keep``); a follow-up then
 prefills the previous reply's text, its own message and the generation prompt.  A Regenerate sends the same
 prompt again and prefills only the generation prompt; an edited earlier message falls back to the prefix of an
 earlier turn, when still kept, or to a full prefill.

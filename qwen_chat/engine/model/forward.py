@@ -29,8 +29,8 @@ from qwen_chat.engine.parallel.tp_decode import LocalDecode
 
 
 @dataclass
-class PackedSeq:
-    """One prompt chunk inside a packed prefill: ``slot``; ``start``: positions already in the slot's cache
+class PrefillRows:
+    """Where one prompt chunk (``types.PrefillItem``) sits in a packed prefill: ``slot``; ``start``: positions already in the slot's cache
     (0 for a new prompt); ``n``: tokens of this chunk (positions start..start+n-1); ``offset``: its first row
     in the packed tokens; ``rows``: int64 [start + n] flat KV-cache rows of positions 0..start+n-1 (device);
     ``logits``: whether the logits of its last token are wanted.  ``rows`` may be given on the host: the prefill
@@ -93,7 +93,7 @@ class ModelForward:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seqs: Sequence[PackedSeq]) -> Optional[torch.Tensor]:
+                seqs: Sequence[PrefillRows]) -> Optional[torch.Tensor]:
         """The prefill forward of prompt chunks packed one after the other (no padding).
 
         emb: [T, hidden] input embeddings (model dtype), T = sum of the chunks' n; cos/sin: [T, rotary_dim] of
@@ -122,14 +122,14 @@ class ModelForward:
         rows = h[0].index_select(0, meta["last"])  # [m, hidden]
         return self._lm_head(self._final_norm(rows)).float()
 
-    def _pack_meta(self, seqs: Sequence[PackedSeq], device: torch.device) -> tuple[list[PackedSeq], dict]:
+    def _pack_meta(self, seqs: Sequence[PrefillRows], device: torch.device) -> tuple[list[PrefillRows], dict]:
         """Every index the packed prefill needs on the device, sent in one copy (a host tensor sent on its own
         would make the host wait for the device each time): each chunk's KV rows; ``slots`` int64 [N];
         ``past`` bool [N] (the chunk continues its slot); ``take`` int64 [T], the conv output column of each token
         (``_conv_prefill``); ``prev_cols`` int64 [N, K - 1] and ``ring_cols`` int64 [N, K], the conv ring columns
         of the K - 1 inputs before each chunk and of its last K inputs (every Gated DeltaNet layer uses the same);
         ``last`` int64 [m], the packed row of the last token of each chunk whose logits are wanted; for keep points
-        (``PackedSeq.keep``) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the concatenated conv input
+        (``PrefillRows.keep``) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the concatenated conv input
         columns of the K inputs before each keep point) and ``keep_cols`` int64 [k, K] (their ring columns);
         ``seg`` (``delta_rule.Segments``) and its device index (``delta_rule.host_index``: ``cu`` the segment
         bounds, with ``cu_cpu``, ...)."""
@@ -157,7 +157,7 @@ class ModelForward:
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
         pieces = list(flat.split([p.numel() for p in parts]))
-        seqs = [PackedSeq(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits, sq.keep, sq.keep_row)
+        seqs = [PrefillRows(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits, sq.keep, sq.keep_row)
                 for sq, rows in zip(seqs, pieces)]
         n = len(seqs)
         meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], last=pieces[n + 3],

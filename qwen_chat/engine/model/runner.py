@@ -38,7 +38,7 @@ import torch
 from qwen_chat.chat_types import ContextTooLong
 from qwen_chat.engine.model import fp8_gemv, gemv, graphs, prefix_cache
 from qwen_chat.engine.model.delta_rule import resolve_chunk_rule
-from qwen_chat.engine.model.forward import ModelForward, PackedSeq
+from qwen_chat.engine.model.forward import ModelForward, PrefillRows
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
 from qwen_chat.engine.model.glue import glue_functions
 from qwen_chat.engine.model.options import RunnerOptions, resolve_options
@@ -47,33 +47,9 @@ from qwen_chat.engine.model.prompt_inputs import PromptInputs
 from qwen_chat.engine.model.state import Geometry, SlotState, probe_geometry
 from qwen_chat.engine.parallel.sharding import is_zero3_partitioned
 from qwen_chat.engine.parallel.tp_decode import decode_projections
-from qwen_chat.engine.types import PreparedPrompt
+from qwen_chat.engine.types import PrefillItem, PreparedPrompt
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Chunk:
-    """One prompt chunk of a prefill: the tokens start..end-1 of ``prompt`` go into ``slot``.
-
-    ``start`` is 0 for a prompt's first chunk (the slot is reset) and otherwise must equal the slot's length
-    (the previous chunk's end).  The chunk with ``end == prompt.num_tokens`` is the prompt's last: the slot
-    then becomes decodable and its logits are returned, unless ``logits`` is False (a preempted sequence
-    recomputing its cache needs no new token).  ``keep``: (position p, row): also keep the state at position p
-    (start < p <= end) in the empty state row ``row``, for later prompts that share the first p tokens
-    (``prefix_cache``).
-    """
-
-    slot: int
-    prompt: PreparedPrompt
-    start: int = 0
-    end: Optional[int] = None
-    logits: bool = True
-    keep: Optional[tuple[int, int]] = None
-
-    def stop(self) -> int:
-        """The end position (``end``, or the whole prompt)."""
-        return self.prompt.num_tokens if self.end is None else int(self.end)
 
 
 class ModelRunner:
@@ -242,8 +218,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill_batch(self, chunks: Sequence[Chunk]) -> Optional[torch.Tensor]:
-        """Run prompt chunks (``Chunk``), each into its own slot, in one packed forward.
+    def prefill_batch(self, chunks: Sequence[PrefillItem]) -> Optional[torch.Tensor]:
+        """Run prompt chunks (``types.PrefillItem``), each into its own slot, in one packed forward.
 
         A first chunk (start 0) resets its slot; a later one continues it.  Images: features from the model's
         own vision tower (``model.model.get_image_features``, once per prompt) replace the embeddings at the
@@ -301,7 +277,7 @@ class ModelRunner:
             rows = self.tables.positions(c.slot, 0, end)  # host; the forward sends all indexes in one copy
             last = end == c.prompt.num_tokens
             keep, row = (c.keep[0] - c.start, c.keep[1]) if c.keep is not None else (0, -1)
-            seqs.append(PackedSeq(c.slot, c.start, end - c.start, offset, rows, last and c.logits, keep, row))
+            seqs.append(PrefillRows(c.slot, c.start, end - c.start, offset, rows, last and c.logits, keep, row))
             offset += end - c.start
         self.tables.flush()
         emb, cos, sin = self._inputs.embed([(c.slot, c.prompt, c.start, c.stop()) for c in chunks])
@@ -315,7 +291,7 @@ class ModelRunner:
                 self._inputs.done(c.slot)
         return logits
 
-    def _check_keeps(self, chunks: Sequence[Chunk], slots: set) -> None:
+    def _check_keeps(self, chunks: Sequence[PrefillItem], slots: set) -> None:
         """Raise ValueError for a keep point outside its chunk, or into a row out of range, in this batch, kept
         twice or holding anything."""
         rows = set()
@@ -333,7 +309,7 @@ class ModelRunner:
     def prefill(self, slot: int, prompt: PreparedPrompt) -> torch.Tensor:
         """The whole prompt into ``slot`` in one chunk (``prefill_batch``).  Returns fp32 logits [vocab_size] of
         its last position.  Raises as ``prefill_batch``."""
-        return self.prefill_batch([Chunk(slot, prompt)]).reshape(-1)
+        return self.prefill_batch([PrefillItem(slot, prompt)]).reshape(-1)
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()

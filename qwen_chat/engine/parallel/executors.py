@@ -53,7 +53,6 @@ import torch
 import torch.distributed as dist
 
 from qwen_chat.chat_types import ChatError, NotReady
-from qwen_chat.engine.model.runner import Chunk
 from qwen_chat.engine.types import SampledTokens, StepPlan
 from qwen_chat.lifecycle import die, install_worker_stop_signals
 
@@ -150,9 +149,7 @@ class LocalExecutor:
                         self.runner.restore(item.restore, item.slot)
                     if item.first and not item.resume:
                         self.sampler.start(item.slot, item.sampling)
-                chunks = [Chunk(item.slot, item.prompt, item.start, item.end, logits=not item.resume, keep=item.keep)
-                          for item in plan.prefills]
-                logits = self.runner.prefill_batch(chunks)  # fp32 [m, V]: the last chunks that sample
+                logits = self.runner.prefill_batch(plan.prefills)  # fp32 [m, V]: the last chunks that sample
                 row = 0
                 for item in plan.prefills:
                     if not item.last or item.resume:

@@ -87,6 +87,26 @@ def _build(messages: list, settings: dict, image_token_budget: int, context_leng
         return "ok", pack_prompt(prompt)
     except Exception as exc:  # noqa: BLE001 - the caller raises it
         return "error", wire.pack_error(exc)
+    finally:
+        if sum(len(m["text"]) for m in messages) > LARGE_TEXT_CHARS:
+            _give_memory_back()
+
+
+#: Characters of message text above which a worker hands the memory its tokenizer took back to the system
+#: afterwards (a 16 MB message left a worker at 2.8 GB resident instead of about 0.75 GB).
+LARGE_TEXT_CHARS = 1 << 20
+
+
+def _give_memory_back() -> None:
+    """Collect garbage and return freed heap pages to the system (glibc's ``malloc_trim``; elsewhere a no-op)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _warm() -> bool:

@@ -227,7 +227,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             return response
         return refuse
 
-    others = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    others = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
     router.add_api_route("/chat/completions", wrong_method("POST"), methods=[m for m in others if m != "POST"],
                          include_in_schema=False)
     for path in ("/models", "/models/{model_id:path}"):
