@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from qwen_chat.config import ServiceConfig
-from qwen_chat.web.api.protocol import MAX_JSON_DEPTH, MAX_MESSAGES
+from qwen_chat.web.api.body import MAX_JSON_DEPTH, MAX_MESSAGES
 from tests.support.fake_backend import FakeBackend
 from tests.web.test_api import Server
 

@@ -23,10 +23,9 @@ from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError
 from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig, request_body_limit
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import ImageLimits
+from qwen_chat.web.api.body import parse_body, read_body
 from qwen_chat.web.api.protocol import (
     APIRequestError,
-    parse_body,
-    read_body,
     check_key,
     error_response,
     parse_messages,
