@@ -1,13 +1,15 @@
-"""Composition root of the Qwen3.5 chat service: config -> (rank 0) web server -> engine.
+"""Composition root of the Qwen3.5 chat service: config -> (rank 0) the web front process -> the engine.
 
     python app.py --model tiny                      # CPU demo model with random weights
     python app.py --model Qwen/Qwen3.5-9B --host 0.0.0.0 --users-file users.txt --api-key KEY
     bash start.sh ...                               # the same through the (DeepSpeed) launcher
 
-Rank 0 binds the port and serves it before anything heavy is imported (``qwen_chat.web.front``): ``/healthz``
-answers 503 ``{"reason": "loading"}`` from then on, without waiting on the loading (the main thread); the UI
-and the API follow once Gradio is imported and the application is built (a few seconds), and answer "still
-loading" until the engine has passed its self-check.  A busy port or a missing checkpoint folder therefore
+Rank 0 binds the port before anything heavy is imported and hands it to the web front, a child process
+(``qwen_chat.front_process``: uvicorn, Gradio, the API, asyncio) that serves it at once: ``/healthz`` answers
+503 ``{"reason": "loading"}`` from then on; the UI and the API follow once Gradio is imported (a few seconds)
+and answer "still loading" until the engine has passed its self-check.  Rank 0 itself then loads the model and
+becomes replica 0's engine process (``engine/core/link.serve_engine``: the scheduler loop, one message per step
+to the front).  Either process exits when the other one is gone (docs/architecture.md, "Processes").  A busy port or a missing checkpoint folder therefore
 fails in about a second, well inside Supervisor's ``startsecs`` (it then gives up with FATAL instead of
 restarting forever).
 
@@ -83,13 +85,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"app.py: cannot start the engine: {problem}", file=sys.stderr)
         return 1
 
-    # A replica's lead holds its engine's scheduler thread and every stream's thread (web threads on rank 0, the
-    # replica link's on the other leads).  Under load those keep the GIL busy, and the scheduler waits up to the
-    # switch interval each time it wants it back (Python's default: 5 ms, longer than a decode step); a 1 ms
-    # interval lets it launch the next step in time.
+    # A replica's lead (an engine process) holds the scheduler thread beside the link's input, sender and status
+    # threads (core/link.py).  When one of those holds the GIL (a grammar compiled, a step message packed) the
+    # scheduler waits up to the switch interval to get it back (Python's default: 5 ms, longer than a decode
+    # step); a 1 ms interval lets it launch the next step in time.
     if layout.is_lead:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    if layout.rank != 0:  # no web server: a worker rank, or the lead of replica >= 1 (it serves its engine to
+    if layout.rank != 0:  # no web front: a worker rank, or the lead of replica >= 1 (it serves its engine to
         # rank 0's front); neither returns from start_engine
         return _start_engine_or_exit(cfg, None)
 
