@@ -14,7 +14,8 @@ Engine -> front (``engine_client``), ``[replica, events]``, the events of one fl
 the input and status threads queued since the last send):
 
   ``["hello", token, input_address, status, setup]``    first; ``setup``: checkpoint folder, special token ids
-  ``["status", status]``                                every ``STATUS_INTERVAL_S``: health, stats, memory, info
+  ``["status", status]``                                every ``STATUS_INTERVAL_S``: health and stats (the hello's
+                                                        status also has ranks, memory report and model info)
   ``["accepted", rid, prompt_tokens, notice, dropped]`` / ``["refused", rid, error]``   the answer to "chat"
   ``["step", entries]``                                 one engine step; per choice that produced something:
                                                         ``[rid, index, ids, logprobs, finish, error,

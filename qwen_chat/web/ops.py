@@ -167,37 +167,20 @@ class InstrumentedBackend:
     ) -> Iterator[StreamUpdate]:
         """Same contract as ``ChatBackend.stream_chat``; closing this generator closes the inner one."""
         self.requests.inc()
-        self.active.inc()
-        start = time.monotonic()
-        first_at: Optional[float] = None
-        last: Optional[StreamUpdate] = None
-        completion: dict[int, int] = {}  # choice index -> its completion tokens (n > 1: several choices)
-        failed = False
-        inner = None
+        tally, inner = _Tally(self), None
         try:
             inner = iter(self.inner.stream_chat(messages, settings, cancel))
             for update in inner:
-                now = time.monotonic()
-                if first_at is None and (update.reasoning_delta or update.answer_delta or update.completion_tokens):
-                    first_at = now
-                    self.ttft.observe(update.ttft_s if update.ttft_s is not None else now - start)
-                last = update
-                completion[update.index] = update.completion_tokens
+                tally.see(update)
                 yield update
-        except ChatError as exc:
-            failed = True
-            self.errors.labels(kind=exc.kind).inc()
-            raise
-        except Exception:
-            failed = True
-            self.errors.labels(kind="internal").inc()
+        except Exception as exc:
+            tally.failed = True
+            self._count_error(exc)
             raise
         finally:
-            self.active.dec()
             if inner is not None and hasattr(inner, "close"):
                 inner.close()
-            if not failed:
-                self._record_end(last, first_at, sum(completion.values()))
+            tally.end()
 
     @property
     def supports_async(self) -> bool:
@@ -211,38 +194,27 @@ class InstrumentedBackend:
         self.requests.inc()
         try:
             inner = await self.inner.astream_chat(messages, settings, cancel)
-        except ChatError as exc:
-            self.errors.labels(kind=exc.kind).inc()
-            raise
-        except Exception:
-            self.errors.labels(kind="internal").inc()
+        except Exception as exc:
+            self._count_error(exc)
             raise
         return self._counted(inner)
 
     async def _counted(self, inner: AsyncIterator[StreamUpdate]) -> AsyncIterator[StreamUpdate]:
-        self.active.inc()
-        start = time.monotonic()
-        first_at: Optional[float] = None
-        last: Optional[StreamUpdate] = None
-        completion: dict[int, int] = {}
-        failed = False
+        tally = _Tally(self)
         try:
             async for update in inner:
-                if first_at is None and (update.reasoning_delta or update.answer_delta or update.completion_tokens):
-                    first_at = time.monotonic()
-                    self.ttft.observe(update.ttft_s if update.ttft_s is not None else first_at - start)
-                last = update
-                completion[update.index] = update.completion_tokens
+                tally.see(update)
                 yield update
-        except Exception:
-            failed = True
-            self.errors.labels(kind="internal").inc()
+        except Exception as exc:
+            tally.failed = True
+            self._count_error(exc)
             raise
         finally:
-            self.active.dec()
             await inner.aclose()
-            if not failed:
-                self._record_end(last, first_at, sum(completion.values()))
+            tally.end()
+
+    def _count_error(self, exc: Exception) -> None:
+        self.errors.labels(kind=exc.kind if isinstance(exc, ChatError) else "internal").inc()
 
     def _record_end(self, last: Optional[StreamUpdate], first_at: Optional[float], completion: int) -> None:
         if last is None:  # closed before any update (client left while queued)
@@ -258,6 +230,32 @@ class InstrumentedBackend:
             elapsed = time.monotonic() - first_at
             if elapsed > 0:
                 self.tokens_per_s.observe((completion - 1) / elapsed)
+
+
+class _Tally:
+    """One stream's metrics while it runs (sync or async alike): active from creation to ``end``, the time to
+    its first token, its last update and each choice's completion tokens (n > 1: several choices)."""
+
+    def __init__(self, backend: InstrumentedBackend) -> None:
+        self.backend = backend
+        self.start = time.monotonic()
+        self.first_at: Optional[float] = None
+        self.last: Optional[StreamUpdate] = None
+        self.completion: dict[int, int] = {}
+        self.failed = False
+        backend.active.inc()
+
+    def see(self, update: StreamUpdate) -> None:
+        if self.first_at is None and (update.reasoning_delta or update.answer_delta or update.completion_tokens):
+            self.first_at = time.monotonic()
+            self.backend.ttft.observe(update.ttft_s if update.ttft_s is not None else self.first_at - self.start)
+        self.last = update
+        self.completion[update.index] = update.completion_tokens
+
+    def end(self) -> None:
+        self.backend.active.dec()
+        if not self.failed:
+            self.backend._record_end(self.last, self.first_at, sum(self.completion.values()))
 
 
 def instrument(backend: ChatBackend, registry: Optional[CollectorRegistry] = None) -> InstrumentedBackend:

@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Seconds a waiting consumer sleeps at most before it looks at its cancel token again.
+#: Seconds a waiting thread consumer sleeps at most before it looks at its cancel token again.
 CANCEL_POLL_S = 0.05
+#: Seconds a waiting async consumer sleeps at most before it looks at its cancel token again.
+WAKE_S = 0.25
 
 
 class _Inbox:
@@ -61,28 +63,41 @@ class _Inbox:
         self.answer: Optional[tuple] = None  # ("accepted", ...) / ("refused", error) / ("lost", reason)
         self.done = False  # every choice's last update is in ``items`` (set together with them)
 
-    def put_many(self, items: list) -> None:
-        """Thread consumers: append and wake (called on the receiver thread)."""
+    def deliver(self, updates: list, answer: Optional[tuple], done: bool) -> None:
+        """Hand over one message's updates (and the engine's answer, and whether the stream is over) and wake
+        the consumer: under the condition for a thread, through the event on the consumer's own loop (the hub
+        calls this there)."""
+        if self.cond is None:
+            self._put(updates, answer, done)
+            self.event.set()
+            return
         with self.cond:
-            self.items.extend(items)
+            self._put(updates, answer, done)
             self.cond.notify()
 
-    def put_many_async(self, items: list) -> None:
-        """Async consumers: append and wake (called on the consumer's event loop)."""
-        self.items.extend(items)
-        self.event.set()
+    def _put(self, updates: list, answer: Optional[tuple], done: bool) -> None:
+        if answer is not None:
+            self.answer = answer
+        self.done = self.done or done
+        self.items.extend(updates)
+
+    async def wait(self) -> None:
+        """Async consumers: sleep until the next delivery (at most ``WAKE_S``, to look at the cancel token)."""
+        try:
+            await asyncio.wait_for(self.event.wait(), timeout=WAKE_S)
+        except asyncio.TimeoutError:
+            pass
 
 
 class _Request:
     """The front's state of one request on an engine: its inbox, the assembler of its choices, cancel."""
 
-    __slots__ = ("rid", "inbox", "assembler", "settings", "cancel_sent", "ended")
+    __slots__ = ("rid", "inbox", "assembler", "settings", "cancel_sent")
 
     def __init__(self, rid: int, inbox: _Inbox, settings: GenerationSettings) -> None:
         self.rid, self.inbox, self.settings = rid, inbox, settings
         self.assembler = None
         self.cancel_sent = False
-        self.ended = False  # receiver thread's view: the last updates were handed over
 
 
 class EngineClient:
@@ -102,6 +117,7 @@ class EngineClient:
         self._push_lock = threading.Lock()
         self._status, self._status_at = status, time.monotonic()
         self.ranks = list(status.get("ranks") or [replica])
+        self.info = wire.unpack_info(status["info"])  # the engine's ModelInfo (from its hello; it never changes)
         self.setup = setup
         self._requests: dict[int, _Request] = {}
         self._ids = itertools.count(1)
@@ -114,11 +130,6 @@ class EngineClient:
     supports_async = True
 
     # ---- the ChatEngine interface ---------------------------------------------------------------------------
-    @property
-    def info(self):
-        """The engine's ``ModelInfo`` (from its last status)."""
-        return wire.unpack_info(self._status["info"])
-
     def health(self) -> dict:
         """The engine's ``health()`` as last reported, or not ok (link gone, status stale)."""
         if self.lost:
@@ -182,10 +193,7 @@ class EngineClient:
             self._watch_cancel(req, cancel)
             inbox.event.clear()
             if inbox.answer is None:
-                try:
-                    await asyncio.wait_for(inbox.event.wait(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    pass
+                await inbox.wait()
         self._raise_refusal(req)
 
     def _raise_refusal(self, req: _Request) -> None:
@@ -238,10 +246,7 @@ class EngineClient:
                     continue
                 inbox.event.clear()
                 if not self._ready(req):
-                    try:
-                        await asyncio.wait_for(inbox.event.wait(), timeout=0.25)
-                    except asyncio.TimeoutError:
-                        pass
+                    await inbox.wait()
         finally:
             self._forget(req, cancel_remote=not req.inbox.done)
 
@@ -307,8 +312,9 @@ class EngineClient:
             kind = event[0]
             if kind == "step":
                 self._on_step(event[1], deliveries)
-            elif kind == "status":
-                self._status, self._status_at = event[1], time.monotonic()
+            elif kind == "status":  # health and stats; the hello's memory report and model info stay
+                self._status.update(event[1])
+                self._status_at = time.monotonic()
             elif kind in ("accepted", "refused"):
                 req = self._requests.get(event[1])
                 if req is None:
@@ -347,7 +353,6 @@ class EngineClient:
     def _deliver(self, req: _Request, updates: list, deliveries: dict, answer: Optional[tuple] = None,
                  done: bool = False) -> None:
         if done:
-            req.ended = True
             self._requests.pop(req.rid, None)
         deliveries.setdefault(req.inbox.loop, []).append((req, updates, answer, done))
 

@@ -29,12 +29,10 @@ log = logging.getLogger(__name__)
 
 
 def _apply(batch: list) -> None:
-    """On a consumer's event loop: hand one message's updates to their async inboxes."""
+    """Hand one message's updates to their inboxes: on the consumers' event loop for async inboxes, on the
+    receiver thread for thread inboxes."""
     for req, updates, answer, done in batch:
-        if answer is not None:
-            req.inbox.answer = answer
-        req.inbox.done = req.inbox.done or done
-        req.inbox.put_many_async(updates)
+        req.inbox.deliver(updates, answer, done)
 
 
 class EngineHub:
@@ -177,13 +175,7 @@ class EngineHub:
     def _flush(deliveries: dict) -> None:
         for loop, batch in deliveries.items():
             if loop is None:
-                for req, updates, answer, done in batch:
-                    with req.inbox.cond:
-                        if answer is not None:
-                            req.inbox.answer = answer
-                        req.inbox.done = req.inbox.done or done
-                        req.inbox.items.extend(updates)
-                        req.inbox.cond.notify()
+                _apply(batch)
             else:
                 try:
                     loop.call_soon_threadsafe(_apply, batch)
@@ -201,7 +193,7 @@ def link_address(host: str) -> str:
     return f"tcp://{host}:{port}" if ":" not in host else f"tcp://[{host}]:{port}"
 
 
-def parent_watch(interval_s: float = 0.25) -> Callable[[], bool]:
+def parent_watch() -> Callable[[], bool]:
     """A function telling whether this process's parent (the engine process of replica 0) has gone."""
     parent = os.getppid()
     return lambda: os.getppid() != parent

@@ -114,7 +114,6 @@ class _EngineServer:
         self.token = token
         self.outq: queue.SimpleQueue = queue.SimpleQueue()
         self.output = _StepOutput(self.outq.put)
-        self.cancels: dict[int, tuple[CancelToken, list]] = {}
         self.done = threading.Event()
         self.last_heard = time.monotonic()
 
@@ -134,12 +133,17 @@ class _EngineServer:
             if stop:
                 return
 
-    def status(self) -> dict:
+    def status(self, hello: bool = False) -> dict:
+        """Health and stats; with ``hello`` also what never changes after the start (ranks, memory report,
+        model info), sent once."""
         stats = dict(self.engine.stats())
         if isinstance(stats.get("gpu_memory_bytes"), (list, tuple)):  # this process's, by global rank
             stats["gpu_memory_bytes"] = {self.ranks[0] + i: v for i, v in enumerate(stats["gpu_memory_bytes"])}
-        return {"replica": self.replica, "ranks": self.ranks, "health": self.engine.health(), "stats": stats,
-                "memory": self.engine.memory_report(), "info": wire.pack_info(self.engine.info)}
+        status = {"health": self.engine.health(), "stats": stats}
+        if hello:
+            status.update(replica=self.replica, ranks=self.ranks, memory=self.engine.memory_report(),
+                          info=wire.pack_info(self.engine.info))
+        return status
 
     def status_loop(self) -> None:
         while not self.done.wait(wire.STATUS_INTERVAL_S):
@@ -171,12 +175,9 @@ class _EngineServer:
         kind = message[0]
         if kind == "prompt":
             self.prompt(*message[1:])
-        elif kind == "cancel":
-            entry = self.cancels.get(message[1])
-            if entry is not None:
-                entry[0].cancel()
-                for handle in entry[1]:
-                    handle.close()
+        elif kind == "cancel":  # closing a request's handles takes it out of the batch at the next step
+            for handle in self.output.handles.get(message[1], ()):
+                handle.close()
         elif kind == "close":
             self.done.set()
 
@@ -190,17 +191,9 @@ class _EngineServer:
         except Exception as exc:  # noqa: BLE001 - the front raises it for its caller
             self.outq.put(["refused", rid, wire.pack_error(exc)])
             return
-        self.output.handles[rid] = handles
-        self.cancels[rid] = (cancel, handles)
+        if not all(h.finish_reason is not None for h in handles):  # else its finish went out already
+            self.output.handles[rid] = handles
         self.outq.put(["accepted", rid, prompt.num_tokens, prompt.notice, prompt.dropped_messages])
-        self._forget_finished()
-
-    def _forget_finished(self) -> None:
-        """Drop the requests whose choices all finished (a finish may beat the registration above)."""
-        for rid in [r for r, (_, hs) in self.cancels.items() if all(h.finish_reason is not None for h in hs)]:
-            self.cancels.pop(rid, None)
-            if not self.output.items:  # nothing of it still to be flushed
-                self.output.handles.pop(rid, None)
 
     def shutdown(self) -> None:
         """Close the engine (open streams end "cancelled"; their last updates go out), then say "closed"."""
@@ -221,7 +214,7 @@ def serve_engine(engine, front_address: str, token: str, replica: int, ranks: Se
     engine.scheduler.on_step = server.output.flush
     sender = threading.Thread(target=server.send_loop, name="front-send", daemon=True)
     sender.start()
-    server.outq.put(["hello", token, server.input_address, server.status(),
+    server.outq.put(["hello", token, server.input_address, server.status(hello=True),
                      setup if setup is not None else engine_setup(engine)])
     threading.Thread(target=server.input_loop, name="front-recv", daemon=True).start()
     threading.Thread(target=server.status_loop, name="engine-status", daemon=True).start()

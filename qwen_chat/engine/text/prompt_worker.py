@@ -27,12 +27,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from qwen_chat.chat_types import ChatMessage, GenerationSettings, InvalidInput
+from qwen_chat.chat_types import ChatMessage, GenerationSettings
 from qwen_chat.engine import wire
 
 _PROCESSOR: Any = None
 _CONTROL: tuple = ()
-_TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 #: Seconds between a worker's checks that the front is still there.
 PARENT_POLL_S = 0.5
 
@@ -75,10 +74,7 @@ def _build(messages: list, settings: dict, image_token_budget: int, context_leng
     from qwen_chat.engine.text.prompt import build_prompt
 
     try:
-        s = wire.unpack_settings(settings)
-        vocab = _PROCESSOR.tokenizer.get_added_vocab()
-        if s.tools and s.tool_choice != "none" and not all(t in vocab for t in _TOOL_TOKENS):
-            raise InvalidInput("tools: this model's tokenizer has no <tool_call> token", param="tools")
+        s = wire.unpack_settings(settings)  # a tokenizer without tool-call tokens: the engine refuses the tools
         prompt = build_prompt(
             _PROCESSOR, wire.unpack_messages(messages), enable_thinking=s.enable_thinking,
             image_token_budget=image_token_budget, context_length=context_length,
