@@ -95,6 +95,20 @@ def per_replica(url: str, name: str) -> list[float]:
     return [metrics.get((name, (("replica", r),)), 0.0) for r in ("0", "1")]
 
 
+def settled(url: str, name: str) -> list[float]:
+    """``per_replica`` once two reads 0.6 s apart agree: every engine's counters reach the front in its status,
+    sent every 0.25 s, so a read right after a short request may not count it yet."""
+    last = [per_replica(url, name)]
+
+    def same():
+        now = per_replica(url, name)
+        agreed, last[0] = now == last[0], now
+        return agreed
+
+    wait_until(same, 10, f"{name} to settle", poll_s=0.6)
+    return last[0]
+
+
 def delta(before: list[float], after: list[float]) -> list[float]:
     return [b - a for a, b in zip(before, after)]
 
@@ -118,11 +132,11 @@ def test_sixteen_concurrent_requests_spread_over_both_replicas_and_equal_their_s
     prompts = [f"Request {i}: say something about the number {i * 13}." for i in range(16)]
     solo = [stream_text(service.url, p) for p in prompts]
     assert all(solo)
-    before = per_replica(service.url, "qwen_chat_engine_requests_total")
+    before = settled(service.url, "qwen_chat_engine_requests_total")
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(lambda p: stream_text(service.url, p), prompts))
     assert together == solo
-    served = delta(before, per_replica(service.url, "qwen_chat_engine_requests_total"))
+    served = delta(before, settled(service.url, "qwen_chat_engine_requests_total"))
     assert sum(served) == 16 and min(served) >= 4, served  # both replicas took a share of the burst
 
 

@@ -159,23 +159,6 @@ class Router:
             raise Busy("every replica's generation queue is full; retry in a moment")
         return order, key, count, preferred
 
-    def _tries(self, order: list[int], count: int) -> Iterator[int]:
-        """The replicas of ``order`` in turn, each counted in flight as it is tried (the first one by
-        ``_order`` already)."""
-        for tried, i in enumerate(order):
-            if tried:
-                with self._lock:
-                    self._inflight[i] += count
-            yield i
-
-    def _failed(self, replica: int, count: int, exc: BaseException) -> Busy:
-        """A try that raised: no longer in flight there; a ``Busy`` (its queue filled since the last stats) is
-        returned so the next replica is tried, anything else raised."""
-        self._release(replica, count)
-        if isinstance(exc, Busy):
-            return exc
-        raise exc
-
     def _routed_to(self, i: int, preferred: Optional[int]) -> None:
         with self._lock:
             self._routed[i] += 1
@@ -188,12 +171,19 @@ class Router:
         when every healthy replica is full, and whatever the chosen replica raises before its first update."""
         order, key, count, preferred = self._order(messages, settings)
         busy: Optional[Busy] = None
-        for i in self._tries(order, count):
+        for tried, i in enumerate(order):
+            if tried:
+                with self._lock:
+                    self._inflight[i] += count
             try:
                 updates = self.replicas[i].stream_chat(messages, settings, cancel)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by _failed unless Busy
-                busy = self._failed(i, count, exc)
+            except Busy as exc:  # its queue filled since the last stats: try the next replica
+                self._release(i, count)
+                busy = exc
                 continue
+            except BaseException:
+                self._release(i, count)
+                raise
             self._routed_to(i, preferred)
             return _Routed(self, i, updates, list(messages), key, count)
         raise busy
@@ -208,12 +198,19 @@ class Router:
         """``stream_chat`` for asyncio (replicas with ``astream_chat``): routed the same way."""
         order, key, count, preferred = self._order(messages, settings)
         busy: Optional[Busy] = None
-        for i in self._tries(order, count):
+        for tried, i in enumerate(order):
+            if tried:
+                with self._lock:
+                    self._inflight[i] += count
             try:
                 updates = await self.replicas[i].astream_chat(messages, settings, cancel)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by _failed unless Busy
-                busy = self._failed(i, count, exc)
+            except Busy as exc:
+                self._release(i, count)
+                busy = exc
                 continue
+            except BaseException:
+                self._release(i, count)
+                raise
             self._routed_to(i, preferred)
             return self._arouted(i, updates, list(messages), key, count)
         raise busy
