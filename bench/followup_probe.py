@@ -76,7 +76,7 @@ def main() -> int:
         hist = ids(n)
         runner.free(0), runner.free(1), runner.free(3)
         keep = n - 3
-        runner.prefill_batch([PrefillItem(0, PreparedPrompt(input_ids=hist), keep=(keep, 3))])
+        runner.prefill_batch([PrefillItem(0, PreparedPrompt(input_ids=hist), keeps=((keep, 3),))])
         follow = PreparedPrompt(input_ids=torch.cat([hist[:keep], ids(50)]))
 
         def once():

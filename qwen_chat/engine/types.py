@@ -24,6 +24,9 @@ class PreparedPrompt:
     ``dropped_messages``: messages the context policy left out (whole oldest turns), 0 if none.
     ``shared_prefix``: tokens the next prompt of the same conversation will share (``text_ids.shared_prefix``;
     the conversation cache keeps the state there), 0 if unknown.
+    ``system_prefix``: tokens of the system block at the prompt's start (the tools block and system message,
+    through its ``<|im_end|>\n``: what other conversations with the same system prompt and tools share;
+    ``text_ids.system_prefix``), 0 without one.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +37,7 @@ class PreparedPrompt:
     notice: str = ""
     dropped_messages: int = 0
     shared_prefix: int = 0
+    system_prefix: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +82,9 @@ class PrefillItem:
     same logits.  ``resume``: a preempted sequence recomputing its cache (``prompt`` = its prompt and the
     tokens it was fed); its sampler state is kept and nothing is sampled.  ``restore``: the state row of a kept
     prefix this sequence starts from (its first chunk then starts at that prefix's length; ``prefix_cache``),
-    or None.  ``keep``: (position p, row): also keep the state at position p (start < p <= end) in the empty
-    state row ``row``, for later prompts that share the first p tokens (``prefix_cache``).
+    or None.  ``keeps``: (position p, row) pairs, p increasing: also keep the state at each position p
+    (start < p <= end) in the empty state row ``row``, for later prompts that share the first p tokens
+    (``prefix_cache``): a system prompt's end, a conversation turn's end.
 
     The one prompt-chunk type of every layer: the scheduler plans it, the executor broadcasts it, the runner's
     ``prefill_batch`` runs it (``sampling`` None: a chunk the runner alone is given, as the tests and the
@@ -94,7 +99,7 @@ class PrefillItem:
     end: Optional[int] = None
     resume: bool = False
     restore: Optional[int] = None
-    keep: Optional[tuple[int, int]] = None
+    keeps: tuple[tuple[int, int], ...] = ()
 
     @property
     def first(self) -> bool:

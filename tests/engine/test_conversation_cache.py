@@ -1,7 +1,7 @@
 """The conversation cache end to end on the built-in tiny model (fp32, CPU): every turn of a conversation gives
 the same greedy reply with the cache as without it (text, images reused two turns later, thinking on and off,
-a stopped reply, Regenerate, an edited earlier message, a changed system prompt), follow-ups report the prompt
-tokens they did not prefill, and under a small budget the kept states give way to running sequences without a
+a stopped reply, Regenerate, an edited earlier message, a changed system prompt, a long system prompt shared by
+other conversations), follow-ups report the prompt tokens they did not prefill, and under a small budget the kept states give way to running sequences without a
 block leak."""
 from __future__ import annotations
 
@@ -119,6 +119,64 @@ def test_two_users_with_the_same_system_prompt_at_once_equal_their_solo_runs(eng
     assert [results[i][:3] for i in range(3)] == [s[:3] for s in solo]
 
 
+LONG_SYSTEM = " ".join(f"Rule {i}: answer briefly, politely and in plain words." for i in range(20))
+
+
+def test_a_long_system_prompt_is_shared_by_other_conversations(engines, tiny_loaded):
+    """A system prompt of at least ``SYSTEM_KEEP_MIN_TOKENS``: three users starting at once each get their solo
+    reply; the conversations after them start from the kept system block (``cached_tokens`` = its length,
+    counted in the metrics) and still equal their solo runs; a system prompt one token different gets no hit."""
+    from qwen_chat.engine.core.conv_cache import SYSTEM_KEEP_MIN_TOKENS
+
+    on = make(tiny_loaded, True, num_slots=8)
+    try:
+        system = ChatMessage(role="system", text=LONG_SYSTEM)
+        convs = [[system, u(f"Shared system, user {i}: what is rule {i}?")] for i in range(5)]
+        block = on.prepare(convs[0], settings()).system_prefix
+        assert block >= SYSTEM_KEEP_MIN_TOKENS
+        solo = [reply(engines[1], c)[:3] for c in convs]
+        with on.scheduler._batch.cond:  # the first three are planned in one step
+            streams = [on.stream_chat(c, settings(), CancelToken()) for c in convs[:3]]
+        got = []
+        for updates in streams:
+            last = None
+            for last in updates:
+                pass
+            got.append(((last.reasoning, last.answer, last.completion_tokens), last.cached_tokens))
+        assert [g[0] for g in got] == solo[:3] and [g[1] for g in got] == [0, 0, 0]
+        for i in (3, 4):
+            r = reply(on, convs[i])
+            assert r[:3] == solo[i] and r[3] == block
+        assert on.stats()["prefix_cache_system_hits_total"] == 2
+        changed = [ChatMessage(role="system", text=LONG_SYSTEM.replace("Rule 19", "Rule 91")), convs[0][1]]
+        assert reply(on, changed)[3] == 0
+        follow = convs[3] + [a(solo[3]), u("And rule 7?")]   # the conversation's own keep point is longer
+        r = reply(on, follow)
+        assert r[:3] == reply(engines[1], follow)[:3] and r[3] == on.prepare(convs[3], settings()).shared_prefix
+    finally:
+        on.close()
+
+
+def test_an_evicted_system_block_falls_back_to_a_full_prefill(tiny_loaded, engines):
+    """Under a budget of few rows and blocks the kept system block gives way to running sequences; the next
+    conversation with that system prompt is prefilled in full and gets its solo reply."""
+    engine = make(tiny_loaded, True, num_slots=3, num_blocks=16)
+    try:
+        system = ChatMessage(role="system", text=LONG_SYSTEM)
+        first = [system, u("First user.")]
+        reply(engine, first)
+        assert engine.stats()["prefix_cache_entries"] >= 1
+        others = [[u(f"Unrelated conversation {i} with a longer question to fill the cache blocks " * 6)]
+                  for i in range(4)]
+        for c in others:
+            reply(engine, c)
+        late = [system, u("Late user.")]
+        r = reply(engine, late)
+        assert r[3] == 0 and r[:3] == reply(engines[1], late)[:3]
+    finally:
+        engine.close()
+
+
 def assert_cached_count(batch) -> None:
     """The scheduler's running count of blocks only kept states hold equals a count from its block tables."""
     with batch.cond:
@@ -136,7 +194,8 @@ def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
     kept state is free."""
     engine = make(tiny_loaded, True, num_slots=3, num_blocks=24)
     rng = random.Random(7)
-    convs = [[u(f"Conversation {i}: hello.")] for i in range(6)]
+    system = ChatMessage(role="system", text=LONG_SYSTEM)   # half of them share a long system prompt
+    convs = [([system] if i % 2 else []) + [u(f"Conversation {i}: hello.")] for i in range(6)]
     finished = 0
     try:
         for turn in range(500):
@@ -146,16 +205,19 @@ def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
             if action < 0.15 and len(msgs) > 2:
                 msgs = msgs[:-2]                          # regenerate the previous turn
             elif action < 0.25:
-                msgs = [u(f"Conversation {c} edited {turn}.")] + msgs[1:]
+                head = [system] if c % 2 else []
+                msgs = head + [u(f"Conversation {c} edited {turn}.")] + msgs[len(head) + 1:]
             out = reply(engine, msgs, n=rng.choice([1, 2, 3]))
             finished += 1
             if turn % 25 == 0:
                 assert_cached_count(engine.scheduler._batch)
-            convs[c] = (msgs + [a(out), u(f"turn {turn}")])[-7:] if len(msgs) < 7 else [u(f"restart {turn}")]
+            head = [system] if c % 2 else []
+            convs[c] = msgs + [a(out), u(f"turn {turn}")] if len(msgs) < 7 else head + [u(f"restart {turn}")]
         batch = engine.scheduler._batch
         stats = engine.scheduler.stats()
         assert finished == 500 and stats["active"] == 0
         assert stats["cache"]["hits"] > 50                    # follow-ups hit even as states are evicted
+        assert stats["cache"]["system_hits"] > 5              # new conversations start from the system block
         runner = engine.runner
         kept = set(batch.cache.rows())
         # the last reply's slot is freed in the runner by the scheduler's next (idle) step

@@ -1,4 +1,4 @@
-"""Kept prefix states (``prefix_cache``, ``runner.Chunk.keep``, ``ModelRunner.restore``) on the small random
+"""Kept prefix states (``prefix_cache``, ``PrefillItem.keeps``, ``ModelRunner.restore``) on the small random
 Qwen3.5 (fp32, CPU): the state kept at an inner position of a prompt, restored into another slot and prefilled
 only with the new tokens, gives the reference's logits for the whole new prompt; the prompt that kept it, and
 other users of the same prefix, are not disturbed; images inside the prefix are not encoded again; every block
@@ -44,10 +44,10 @@ def test_a_follow_up_prefills_only_its_new_tokens_and_matches_the_whole_prompt(m
     if chunked:  # the keep point lies in the first of two chunks, a boundary inside the image
         logits = runner.prefill_batch([PrefillItem(0, first.prompt(), start=0, end=p - 5), PrefillItem(3, other.prompt())])
         errs.append(rel_err(logits[0], other.reference(model)))
-        logits = runner.prefill_batch([PrefillItem(0, first.prompt(), start=p - 5, keep=(p, 5))])
+        logits = runner.prefill_batch([PrefillItem(0, first.prompt(), start=p - 5, keeps=((p, 5),))])
         errs.append(rel_err(logits[0], first.reference(model)))
     else:
-        logits = runner.prefill_batch([PrefillItem(3, other.prompt()), PrefillItem(0, first.prompt(), keep=(p, 5))])
+        logits = runner.prefill_batch([PrefillItem(3, other.prompt()), PrefillItem(0, first.prompt(), keeps=((p, 5),))])
         errs += [rel_err(logits[0], other.reference(model)), rel_err(logits[1], first.reference(model))]
     assert runner.lengths[5] == p and runner.tables.count(5) == -(-p // 16)
     errs += step(runner, model, {0: first, 3: other}, gen)   # the owner writes on into the shared block
@@ -71,7 +71,7 @@ def test_a_kept_prefix_at_the_end_of_a_chunk_and_a_regenerated_reply(model):
     gen = torch.Generator().manual_seed(23)
     seq = Seq(text_ids(gen, 30))
     runner = ModelRunner(model, num_slots=3, max_context=96, num_blocks=12, device="cpu", block_tokens=16)
-    first = runner.prefill_batch([PrefillItem(0, seq.prompt(), start=0, end=26, resume=True, keep=(26, 2))])
+    first = runner.prefill_batch([PrefillItem(0, seq.prompt(), start=0, end=26, resume=True, keeps=((26, 2),))])
     assert first is None
     logits = runner.prefill_batch([PrefillItem(0, seq.prompt(), start=26)])
     runner.free(0)
@@ -86,7 +86,7 @@ def test_images_inside_the_kept_prefix_are_not_encoded_again(model, monkeypatch)
     first = image_seq(gen)
     runner = ModelRunner(model, num_slots=3, max_context=128, num_blocks=20, device="cpu", block_tokens=16)
     p = len(first.ids) - 2
-    runner.prefill_batch([PrefillItem(0, first.prompt(), keep=(p, 2))])
+    runner.prefill_batch([PrefillItem(0, first.prompt(), keeps=((p, 2),))])
     seq = Seq(first.ids[:p] + text_ids(gen, 6), first.image)
     ref = seq.reference(model)
     encoded = []
@@ -104,7 +104,7 @@ def test_kept_prefixes_give_every_block_back(model):
     """Blocks shared by a slot and a kept row stay while either owns them and are free once both let go."""
     gen = torch.Generator().manual_seed(22)
     runner = ModelRunner(model, num_slots=3, max_context=128, num_blocks=12, device="cpu", block_tokens=16)
-    runner.prefill_batch([PrefillItem(0, Seq(text_ids(gen, 35)).prompt(), keep=(33, 2))])   # 3 blocks, 3 shared
+    runner.prefill_batch([PrefillItem(0, Seq(text_ids(gen, 35)).prompt(), keeps=((33, 2),))])   # 3 blocks, 3 shared
     assert runner.tables.free_blocks == 9
     runner.free(0)
     assert runner.tables.free_blocks == 9                    # the kept row still owns them
@@ -116,7 +116,7 @@ def test_kept_prefixes_give_every_block_back(model):
     with pytest.raises(ValueError, match="holds tokens"):
         runner.restore(2, 0)
     with pytest.raises(ValueError, match="outside the chunk"):
-        runner.prefill_batch([PrefillItem(0, Seq(text_ids(gen, 10)).prompt(), keep=(11, 2))])
-    runner.prefill_batch([PrefillItem(0, Seq(text_ids(gen, 10)).prompt(), keep=(5, 2))])
+        runner.prefill_batch([PrefillItem(0, Seq(text_ids(gen, 10)).prompt(), keeps=((11, 2),))])
+    runner.prefill_batch([PrefillItem(0, Seq(text_ids(gen, 10)).prompt(), keeps=((5, 2),))])
     with pytest.raises(ValueError, match="in use"):
-        runner.prefill_batch([PrefillItem(1, Seq(text_ids(gen, 10)).prompt(), keep=(5, 2))])
+        runner.prefill_batch([PrefillItem(1, Seq(text_ids(gen, 10)).prompt(), keeps=((5, 2),))])

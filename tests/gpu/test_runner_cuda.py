@@ -107,7 +107,7 @@ def test_kept_prefixes_with_the_packed_kernel_match_the_reference(model):
     a, b, c = CudaSeq(text_ids(gen, 90)), CudaSeq(img.ids, img.image), CudaSeq(text_ids(gen, 7))
     runner = ModelRunner(model, num_slots=6, max_context=300, device="cuda", block_tokens=16)
     pa, pb = len(a.ids) - 3, len(b.ids) - 2
-    out = runner.prefill_batch([PrefillItem(0, a.prompt(), keep=(pa, 3)), PrefillItem(1, b.prompt(), keep=(pb, 4)),
+    out = runner.prefill_batch([PrefillItem(0, a.prompt(), keeps=((pa, 3),)), PrefillItem(1, b.prompt(), keeps=((pb, 4),)),
                                 PrefillItem(2, c.prompt())])
     errs = [rel_err(out[0], a.reference(model)), rel_err(out[1], b.reference(model)),
             rel_err(out[2], c.reference(model))]

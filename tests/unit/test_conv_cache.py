@@ -27,7 +27,7 @@ def test_the_same_ids_around_another_image_do_not_match():
 def test_the_longest_prefix_that_leaves_a_token_wins_and_eviction_is_lru_but_not_pinned():
     cache = ConversationCache()
     key = prompt_key(PreparedPrompt(input_ids=torch.arange(20), shared_prefix=15))
-    assert key.keep_at == 15
+    assert key.keeps == (15,) and key.system_at == 0
     cache.add(3, key, 5)
     cache.add(4, key, 15)
     cache.add(5, prompt_key(PreparedPrompt(input_ids=torch.arange(30))), 20)   # the whole 20-token prompt
@@ -40,3 +40,26 @@ def test_the_longest_prefix_that_leaves_a_token_wins_and_eviction_is_lru_but_not
     assert cache.victim({5}) == 3
     cache.remove(5)
     assert sorted(cache.rows()) == [3, 4] and len(cache) == 2
+
+
+def test_a_long_system_block_is_a_keep_point_a_short_one_is_not():
+    """The system block's end becomes a keep point from ``SYSTEM_KEEP_MIN_TOKENS`` tokens on, before the turn's
+    own; ``holds_prefix`` finds an entry of exactly those tokens, and a hit on it counts as a system hit."""
+    from qwen_chat.engine.core.conv_cache import SYSTEM_KEEP_MIN_TOKENS as M
+
+    ids = torch.arange(M + 40)
+    short = prompt_key(PreparedPrompt(input_ids=ids, shared_prefix=M + 30, system_prefix=M - 1))
+    assert short.keeps == (M + 30,) and short.system_at == 0
+    key = prompt_key(PreparedPrompt(input_ids=ids, shared_prefix=M + 30, system_prefix=M))
+    assert key.keeps == (M, M + 30) and key.system_at == M
+    cache = ConversationCache()
+    assert not cache.holds_prefix(key, M)
+    cache.add(1, key, M)
+    assert cache.holds_prefix(key, M) and not cache.holds_prefix(key, M - 1)
+    other = prompt_key(PreparedPrompt(input_ids=torch.cat([ids[:M], ids[M:] + 1000]), system_prefix=M))
+    hit = cache.match(other)
+    assert hit.row == 1 and hit.system
+    cache.record(hit)
+    assert (cache.hits, cache.system_hits, cache.cached_tokens) == (1, 1, M)
+    edited = prompt_key(PreparedPrompt(input_ids=torch.cat([ids[:M - 1] + 1, ids[M - 1:]]), system_prefix=M))
+    assert cache.match(edited) is None and not cache.holds_prefix(edited, M)

@@ -355,3 +355,16 @@ def test_long_message_ids_are_kept_between_turns_and_equal_a_fresh_encoding(tiny
     assert torch.equal(first.input_ids, again.input_ids)
     fresh = tiny_loaded.processor.tokenizer.encode(long, add_special_tokens=False, split_special_tokens=True)
     assert list(text_ids._TEXT_IDS[(id(tiny_loaded.processor.tokenizer), long)]) == fresh
+
+
+def test_the_system_block_ends_after_its_im_end(tiny_loaded):
+    """``PreparedPrompt.system_prefix`` is the tokens through the system block's ``<|im_end|>\\n``, the same for
+    two conversations with the same system prompt, 0 without a system block."""
+    system = ChatMessage(role="system", text="You are a careful assistant.")
+    a = build(tiny_loaded, [system, ChatMessage(role="user", text="First question?")])
+    b = build(tiny_loaded, [system, ChatMessage(role="user", text="Another one entirely")])
+    text = tiny_loaded.processor.tokenizer.decode(a.input_ids[:a.system_prefix])
+    assert text == "<|im_start|>system\nYou are a careful assistant.<|im_end|>\n"
+    assert a.system_prefix == b.system_prefix and torch.equal(a.input_ids[:a.system_prefix],
+                                                              b.input_ids[:b.system_prefix])
+    assert build(tiny_loaded, [ChatMessage(role="user", text="No system here.")]).system_prefix == 0

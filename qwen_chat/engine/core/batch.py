@@ -315,8 +315,9 @@ class Batch:
             for req in reqs:
                 if req.slot is not None and self.running.get(req.slot) is req:
                     self.retire(req, "error", message)
-                if req.kept is not None and self.cache is not None and self.cache.holds(req.kept):
-                    prefill_plan.evict(self, req.kept.row, None)  # its keep point may not have run
+                for entry in req.kept:
+                    if self.cache is not None and self.cache.holds(entry):
+                        prefill_plan.evict(self, entry.row, None)  # its keep point may not have run
 
     def drain(self, reason: FinishReason) -> None:
         """End every open stream (shutdown or a dead loop) so that no consumer blocks forever."""

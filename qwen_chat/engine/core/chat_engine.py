@@ -270,7 +270,8 @@ class ChatEngine:
         idle), ``gpu_memory_bytes`` (list with this process's allocated CUDA bytes; only on CUDA), and with the
         conversation cache on ``prefix_cache_entries`` (kept prefixes now), ``prefix_cache_queries_total``
         (prompts admitted), ``prefix_cache_hits_total``, ``prefix_cache_cached_tokens_total`` (prompt tokens not
-        prefilled thanks to a hit), ``prefix_cache_hit_rate`` (hits / queries since start, 0 before any).
+        prefilled thanks to a hit), ``prefix_cache_system_hits_total`` (hits on a system block's state another
+        conversation kept), ``prefix_cache_hit_rate`` (hits / queries since start, 0 before any).
         """
         s = self.scheduler.stats()
         t = s["totals"]
@@ -288,7 +289,7 @@ class ChatEngine:
         cache = s["cache"]
         if cache is not None:
             out["prefix_cache_entries"] = cache["entries"]
-            for key in ("queries", "hits", "cached_tokens"):
+            for key in ("queries", "hits", "cached_tokens", "system_hits"):
                 out[f"prefix_cache_{key}_total"] = cache[key]
             out["prefix_cache_hit_rate"] = cache["hits"] / cache["queries"] if cache["queries"] else 0.0
         if torch.cuda.is_available() and torch.cuda.is_initialized():

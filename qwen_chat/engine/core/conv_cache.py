@@ -5,10 +5,16 @@ What is kept (the chat template decides what a follow-up shares): Qwen3.5's temp
 as its text only, without the reasoning and without the empty ``<think></think>`` block a reply generated with
 thinking off starts with, so the next prompt of a conversation shares the previous prompt up to the end of its
 last ``<|im_start|>assistant\\n`` header, and no further (``PreparedPrompt.shared_prefix``).  The state at that
-position is kept while the prompt is prefilled (a keep point: ``types.PrefillItem.keep``); a follow-up then
+position is kept while the prompt is prefilled (a keep point: ``types.PrefillItem.keeps``); a follow-up then
 prefills the previous reply's text, its own message and the generation prompt.  A Regenerate sends the same
 prompt again and prefills only the generation prompt; an edited earlier message falls back to the prefix of an
 earlier turn, when still kept, or to a full prefill.
+
+Conversations that share a system prompt (and tools block) share its state too: a prompt whose system block
+is at least ``SYSTEM_KEEP_MIN_TOKENS`` long also keeps the state where that block ends
+(``PreparedPrompt.system_prefix``), unless a kept prefix already holds exactly those tokens, so the next
+conversation with the same system prompt prefills only its own messages.  Such an entry is counted apart
+(``system_hits``); it is kept, matched and evicted like any other.
 
 Matching is by token ids (the longest kept prefix that equals the prompt's first tokens and leaves at least one
 token to prefill) and by image content: image-pad ids are the same for every image, so each image inside a
@@ -31,18 +37,28 @@ import torch
 from qwen_chat.engine.types import PreparedPrompt
 
 
+#: Shortest system block (tokens) whose state is kept for other conversations.  A kept prefix takes a state
+#: row of its own (the Gated DeltaNet state of every layer: about 50 MiB for Qwen3.5-9B, docs/facts.md)
+#: that a running sequence could use; a shorter block costs little to prefill again.  The template's tools
+#: block alone is about 330 tokens, so every request with tools qualifies.
+SYSTEM_KEEP_MIN_TOKENS = 128
+
+
 @dataclass(frozen=True)
 class PromptKey:
     """What matching compares: ``ids`` int64 [L] (host), ``images``: (first pad position, digest) per image in
-    order, ``keep_at``: the position to keep the state at (``PreparedPrompt.shared_prefix``; 0: none)."""
+    order, ``keeps``: the positions to keep the state at, increasing (the system block's end when long enough,
+    ``PreparedPrompt.system_prefix``; the end of the last assistant header, ``PreparedPrompt.shared_prefix``);
+    ``system_at``: the system block's end when it is among ``keeps``, else 0."""
 
     ids: torch.Tensor
     images: tuple[tuple[int, bytes], ...]
-    keep_at: int
+    keeps: tuple[int, ...]
+    system_at: int = 0
 
     def extended(self, ids: torch.Tensor) -> "PromptKey":
         """The key of a longer sequence with the same images (a preempted sequence's prompt and fed tokens)."""
-        return PromptKey(ids, self.images, self.keep_at)
+        return PromptKey(ids, self.images, self.keeps, self.system_at)
 
 
 def prompt_key(prompt: PreparedPrompt) -> PromptKey:
@@ -69,31 +85,36 @@ def prompt_key(prompt: PreparedPrompt) -> PromptKey:
     elif prompt.pixel_values is not None:  # images without their positions: one digest of all, at position 0
         h = hashlib.blake2b(prompt.pixel_values.detach().cpu().contiguous().numpy().tobytes(), digest_size=16)
         images.append((0, h.digest()))
-    keep = int(prompt.shared_prefix)
-    return PromptKey(ids, tuple(images), keep if 0 < keep < ids.numel() else 0)
+    L = ids.numel()
+    system = int(prompt.system_prefix)
+    system = system if SYSTEM_KEEP_MIN_TOKENS <= system < L else 0
+    keeps = sorted({p for p in (system, int(prompt.shared_prefix)) if 0 < p < L})
+    return PromptKey(ids, tuple(images), tuple(keeps), system)
 
 
 @dataclass
 class Entry:
     """One kept prefix: its state ``row``, ``n`` tokens, their ids (int64 [n], host) and the images among them,
-    ``used``: the cache's clock at its last use (LRU)."""
+    ``used``: the cache's clock at its last use (LRU); ``system``: it is a system block's end (shared by
+    conversations), not a conversation turn's."""
 
     row: int
     n: int
     ids: torch.Tensor
     images: tuple[tuple[int, bytes], ...]
     used: int
+    system: bool = False
 
 
 class ConversationCache:
     """The kept prefixes of one scheduler (see the module docstring).  Not thread-safe: the scheduler's lock
     guards it.  Counters: ``queries`` (prompts looked up), ``hits``, ``cached_tokens`` (prompt tokens not
-    prefilled thanks to a hit)."""
+    prefilled thanks to a hit), ``system_hits`` (hits on a system block's entry)."""
 
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
         self._clock = itertools.count()
-        self.queries = self.hits = self.cached_tokens = 0
+        self.queries = self.hits = self.cached_tokens = self.system_hits = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -133,10 +154,18 @@ class ConversationCache:
         if hit is not None:
             self.hits += 1
             self.cached_tokens += hit.n
+            self.system_hits += int(hit.system)
+
+    def holds_prefix(self, key: PromptKey, n: int) -> bool:
+        """True when a kept prefix holds exactly the first ``n`` tokens of ``key``'s prompt (and its images)."""
+        images = tuple(im for im in key.images if im[0] < n)
+        return any(e.n == n and e.images == images and torch.equal(key.ids[:n], e.ids)
+                   for e in self._entries.values())
 
     def add(self, row: int, key: PromptKey, n: int) -> Entry:
         """Register the prefix of ``n`` tokens of ``key``'s prompt as kept in ``row``."""
-        e = Entry(row, n, key.ids[:n].clone(), tuple(im for im in key.images if im[0] < n), next(self._clock))
+        e = Entry(row, n, key.ids[:n].clone(), tuple(im for im in key.images if im[0] < n), next(self._clock),
+                  system=n == key.system_at)
         self._entries[row] = e
         return e
 

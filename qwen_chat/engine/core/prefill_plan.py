@@ -7,8 +7,9 @@ sequence is admitted only when a state row and the KV blocks of its whole prompt
 evicting kept prefixes (least recently used first, never one this plan restores or keeps).  A prompt whose
 first tokens a kept prefix holds starts from it (``PrefillItem.restore``) and prefills only the rest (not from a
 prefix this same plan keeps: its state is written by the plan's prefill, after the plan's restores); a chunk
-that covers its prompt's keep point keeps the state there in a row of its own (``PrefillItem.keep``), when a
-row is free or can be freed.  The later choices of a request whose whole prompt is prefilled in one step share
+that covers one of its prompt's keep points (a conversation turn's end; a long system block's end, shared by
+other conversations: ``conv_cache``) keeps the state there in a row of its own (``PrefillItem.keeps``), when a
+row is free or can be freed and no kept prefix holds those tokens already.  The later choices of a request whose whole prompt is prefilled in one step share
 its prefill (``PrefillItem.copies``) when rows allow; the others get their own later.
 
 Every function here runs under the batch's lock (``Batch.cond``) and takes the ``Batch`` as its first argument.
@@ -35,12 +36,11 @@ def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:
         start = req.cached
         end = min(req.target.num_tokens, start + budget)
         budget -= end - start
-        keep = _keep_point(b, req, start, end, plan, pinned)
-        if keep is not None:
-            kept.add(keep[1])
+        keeps = _keep_points(b, req, start, end, plan, pinned)
+        kept.update(row for _, row in keeps)
         req.cached = end
         plan.prefills.append(PrefillItem(req.slot, req.target, req.sampling, start=start, end=end,
-                                         resume=req.resume, restore=restore, keep=keep))
+                                         resume=req.resume, restore=restore, keeps=keeps))
         prefilled.append(req)
 
     for req in sorted((r for r in b.running.values() if r.prefilling), key=lambda r: r.order):
@@ -117,21 +117,26 @@ def _start(b, req: Request, hit, pinned: set) -> None:
         req.cached = 0
 
 
-def _keep_point(b, req: Request, start: int, end: int, plan: StepPlan, pinned: set) -> Optional[tuple[int, int]]:
-    """(position, row) when the chunk start..end of ``req`` covers its keep point and a row can be had without
-    taking one that a waiting request needs (the prefix is then registered in the cache), else None."""
-    if b.cache is None or req.kept is not None:
-        return None
-    p = req.key.keep_at
-    if not start < p <= end or (b.waiting and len(b.free_rows) <= len(b.waiting)):
-        return None
-    row = take_row(b, plan, pinned)
-    if row is None:
-        return None
-    b.kv.keep(row, req.slot, p)
-    req.kept = b.cache.add(row, req.key, p)
-    pinned.add(row)
-    return p, row
+def _keep_points(b, req: Request, start: int, end: int, plan: StepPlan, pinned: set) -> tuple[tuple[int, int], ...]:
+    """(position, row) of each keep point of ``req`` (``PromptKey.keeps``) the chunk start..end covers, for which
+    a row can be had without taking one that a waiting request needs, and that no kept prefix holds already
+    (the prefix is then registered in the cache).  Empty when none."""
+    if b.cache is None:
+        return ()
+    out = []
+    for p in req.key.keeps:
+        if not start < p <= end or any(e.n == p for e in req.kept) or b.cache.holds_prefix(req.key, p):
+            continue
+        if b.waiting and len(b.free_rows) <= len(b.waiting):
+            break
+        row = take_row(b, plan, pinned)
+        if row is None:
+            break
+        b.kv.keep(row, req.slot, p)
+        req.kept.append(b.cache.add(row, req.key, p))
+        pinned.add(row)
+        out.append((p, row))
+    return tuple(out)
 
 
 def take_row(b, plan: StepPlan, pinned: set) -> Optional[int]:

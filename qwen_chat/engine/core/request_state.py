@@ -19,7 +19,7 @@ class Request:
     the prompt, or after a preemption the prompt and the tokens it was fed; None while preempted), ``cached``
     (tokens planned into its cache so far), ``generated`` (every token delivered), ``resume`` (the target
     recomputes a preempted sequence).  Conversation cache: ``key`` (``conv_cache.PromptKey`` of the prompt, or
-    None with the cache off), ``kept`` (the ``conv_cache.Entry`` its keep point made, or None).
+    None with the cache off), ``kept`` (the ``conv_cache.Entry`` of each keep point it made).
     """
 
     __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings", "constraint",
@@ -41,7 +41,7 @@ class Request:
         self.generated: list[int] = []
         self.resume = False
         self.key = key
-        self.kept = None
+        self.kept: list = []
 
     @property
     def prefilling(self) -> bool:

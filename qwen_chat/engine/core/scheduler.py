@@ -154,7 +154,8 @@ class Scheduler:
         ``kv_blocks``, ``kv_blocks_used`` (KV blocks of the runner that running sequences hold now) and
         ``kv_blocks_cached`` (blocks only kept prefixes hold: evicted as soon as a sequence needs them),
         ``block_tokens``, ``cache`` (None with the conversation cache off, else {entries (kept prefixes now),
-        queries (prompts admitted), hits, cached_tokens (prompt tokens not prefilled thanks to a hit)}),
+        queries (prompts admitted), hits, cached_tokens (prompt tokens not prefilled thanks to a hit),
+        system_hits (hits on a shared system block's state)}),
         ``healthy`` (bool), ``reason`` (why unhealthy), ``step_running_s`` (seconds the step in progress has
         been running, 0.0 when idle), ``totals`` {requests, rejected_busy, prompt_tokens,
         generated_tokens, steps, step_seconds (wall seconds spent inside the executor's steps), decode_steps,
@@ -176,7 +177,7 @@ class Scheduler:
                 "kv_blocks_cached": cached_blocks,
                 "cache": None if batch.cache is None else {
                     "entries": len(batch.cache), "queries": batch.cache.queries, "hits": batch.cache.hits,
-                    "cached_tokens": batch.cache.cached_tokens},
+                    "cached_tokens": batch.cache.cached_tokens, "system_hits": batch.cache.system_hits},
                 "block_tokens": batch.kv.block_tokens,
                 "healthy": self._healthy,
                 "reason": self._unhealthy_reason,

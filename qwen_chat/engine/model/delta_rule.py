@@ -8,7 +8,8 @@ such a chunk is run in two segments: its tokens up to the keep point (whose fina
 the rest, started from that state.  With the packed kernel this is one call over all segments (the tails start
 from a placeholder state, their outputs are discarded) and one small call over the tails from the kept states,
 so a step with keep points costs one more kernel call per layer, not one per sequence: fla's fused recurrent
-kernel (one launch; the tails are the few tokens of a generation prompt) where fla is installed.
+kernel (one launch) for the few tokens of a generation prompt where fla is installed.  A chunk may hold several
+keep points (a system prompt's end and a conversation turn's end): it is cut at each, one more call per cut.
 """
 from __future__ import annotations
 
@@ -54,61 +55,76 @@ def resolve_chunk_rule(device: torch.device, dtype: torch.dtype
         return reference
 
 
+#: Longest tail (tokens of one segment after a keep point) run by fla's fused recurrent kernel, which steps
+#: through the tokens one at a time in one launch: right for the few tokens of a generation prompt after a
+#: conversation's keep point, while the tail after a system prompt's keep point (the first user message) can
+#: be thousands of tokens long and goes through the chunked kernel.
+TAIL_RECURRENT_MAX = 64
+
+
 @dataclass
 class Segments:
     """Host-side layout of the packed rule for one step (``segments``).
 
-    ``bounds``: (first row, end row) in the packed tokens of every segment, in order; ``h0``: per segment the
-    chunk whose initial state it starts from, or -1 (a tail: started from the kept state in the second call);
-    ``tails``: (first row, end row) of each tail; ``tail_from``: per tail the segment whose final state it
-    starts from; ``final``: per chunk, the index of its final state in (first call's states, then the tails');
-    ``kept``: per keep point, the index of the kept state in the same list.
+    A chunk with keep points is cut at each of them into consecutive segments.  ``bounds``: (first row, end
+    row) in the packed tokens of every segment, chunk by chunk, in position order; ``h0``: per segment the
+    chunk whose initial state it starts from, or -1 (it starts from the final state of the segment before it,
+    in a later round); ``depth``: per segment its round (0 for a chunk's first segment, r for its r-th keep
+    point's tail); ``final``: per chunk, the index of its last segment; ``kept``: per keep point (chunk order,
+    then position order), the index of the segment that ends at it.
     """
 
     bounds: list[tuple[int, int]]
     h0: list[int]
-    tails: list[tuple[int, int]]
-    tail_from: list[int]
+    depth: list[int]
     final: list[int]
     kept: list[int]
 
+    @property
+    def rounds(self) -> int:
+        """Calls of the rule the packed path makes: 1 + the most keep points inside one chunk."""
+        return 1 + max(self.depth, default=0)
 
-def segments(chunks: Sequence[tuple[int, int, int]]) -> Segments:
-    """The segments of packed chunks ``(offset, n, keep)``: ``keep`` is the tokens of the chunk before its keep
-    point (1..n), or 0 for a chunk without one.  Raises ValueError for a keep point outside 1..n."""
-    bounds, h0, tails, tail_from, final, kept = [], [], [], [], [], []
-    tail_final = []  # (chunk index, tail index) of the split chunks
-    for j, (off, n, keep) in enumerate(chunks):
-        if keep < 0 or keep > n:
-            raise ValueError(f"keep point {keep} outside the chunk of {n} tokens")
-        if 0 < keep < n:
-            bounds += [(off, off + keep), (off + keep, off + n)]
-            h0 += [j, -1]
-            kept.append(len(bounds) - 2)
-            tail_from.append(len(bounds) - 2)
-            tails.append((off + keep, off + n))
-            tail_final.append((j, len(tails) - 1))
-            final.append(-1)
-        else:
-            bounds.append((off, off + n))
-            h0.append(j)
-            final.append(len(bounds) - 1)
-            if keep == n:
+    def round_segments(self, r: int) -> list[int]:
+        """Indexes of the segments of round ``r``."""
+        return [s for s, d in enumerate(self.depth) if d == r]
+
+
+def segments(chunks: Sequence[tuple[int, int, Sequence[int]]]) -> Segments:
+    """The segments of packed chunks ``(offset, n, keeps)``: ``keeps`` the tokens of the chunk before each of
+    its keep points (each 1..n, increasing), empty for none.  Raises ValueError for a keep point outside 1..n
+    or keep points out of order."""
+    bounds, h0, depth, final, kept = [], [], [], [], []
+    for j, (off, n, keeps) in enumerate(chunks):
+        keeps = list(keeps)
+        if any(not 0 < p <= n for p in keeps) or keeps != sorted(set(keeps)):
+            raise ValueError(f"keep points {keeps} are not increasing positions inside the chunk of {n} tokens")
+        cuts = [p for p in keeps if p < n]
+        lo = 0
+        for d, hi in enumerate(cuts + [n]):
+            bounds.append((off + lo, off + hi))
+            h0.append(j if d == 0 else -1)
+            depth.append(d)
+            if hi in keeps:
                 kept.append(len(bounds) - 1)
-    for j, t in tail_final:
-        final[j] = len(bounds) + t
-    return Segments(bounds, h0, tails, tail_from, final, kept)
+            lo = hi
+        final.append(len(bounds) - 1)
+    return Segments(bounds, h0, depth, final, kept)
 
 
 def packed_delta_rule(rule: Callable, varlen: bool, seg: Segments, q, k, v, g, beta, h0: torch.Tensor,
                       index: dict, tail_rule: Optional[Callable] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the chunked gated delta rule over packed chunks with keep points (``tail_rule``: the packed rule
-    for the tails after keep points, ``resolve_chunk_rule``; None: ``rule``).
+    for short tails after keep points, ``resolve_chunk_rule``; None: ``rule``).
 
     q, k: [1, T, HV, dk]; v: [1, T, HV, dv]; g, beta: [1, T, HV] (the rule's inputs, heads already repeated);
     h0: [N, HV, dk, dv] each chunk's initial state (key-major, as the rule takes it); seg: ``segments`` of the
-    N chunks; index: the device copies of the layout (``device_index``).
+    N chunks; index: the device copies of the layout (``host_index``; each bounds tensor ``<name>`` also as
+    ``<name>_cpu`` on the host).  The packed path makes one call over all segments (those after a keep point
+    start from a placeholder state and are run again), then one call per further round over the segments of
+    that round, each from the final state of the segment before it: a step with keep points costs one more
+    call per layer for each keep point inside one chunk, not one per sequence.
     Returns (out [1, T, HV, dv], final [N, HV, dk, dv], kept [number of keep points, HV, dk, dv]).
     """
     if not varlen:
@@ -120,43 +136,44 @@ def packed_delta_rule(rule: Callable, varlen: bool, seg: Segments, q, k, v, g, b
             outs.append(o)
             states.append(st)
         out = torch.cat(outs, dim=1)
-        states_all = torch.cat(states, dim=0)  # in segment order: a tail right after its head
-        final = states_all[[_seq_final(seg, j) for j in range(len(seg.final))]]
-        return out, final, states_all[seg.kept]
+        states_all = torch.cat(states, dim=0)  # in segment order
+        return out, states_all[seg.final], states_all[seg.kept]
     first = h0.index_select(0, index["h0"].clamp(min=0))
-    if seg.tails:
+    if seg.rounds > 1:
         first = first * (index["h0"] >= 0).to(first.dtype)[:, None, None, None]
-    out, st1 = rule(q, k, v, g=g, beta=beta, initial_state=first, output_final_state=True,
-                    use_qk_l2norm_in_kernel=False, cu_seqlens=index["cu"], cu_seqlens_cpu=index["cu_cpu"])
-    states = st1
-    if seg.tails:
-        rows = index["tail_rows"]
-        extra = {} if tail_rule is not None else {"cu_seqlens_cpu": index["tail_cu_cpu"]}
-        o2, st2 = (tail_rule or rule)(q[:, rows], k[:, rows], v[:, rows], g=g[:, rows], beta=beta[:, rows],
-                                      initial_state=st1.index_select(0, index["tail_from"]),
-                                      output_final_state=True, use_qk_l2norm_in_kernel=False,
-                                      cu_seqlens=index["tail_cu"], **extra)
-        out = out.index_copy(1, rows, o2)
-        states = torch.cat([st1, st2], dim=0)
+    out, states = rule(q, k, v, g=g, beta=beta, initial_state=first, output_final_state=True,
+                       use_qk_l2norm_in_kernel=False, cu_seqlens=index["cu"], cu_seqlens_cpu=index["cu_cpu"])
+    for r in range(1, seg.rounds):
+        rows = index[f"t{r}_rows"]
+        longest = max(seg.bounds[s][1] - seg.bounds[s][0] for s in seg.round_segments(r))
+        fn = tail_rule if tail_rule is not None and longest <= TAIL_RECURRENT_MAX else rule
+        extra = {"cu_seqlens_cpu": index[f"t{r}_cu_cpu"]} if fn is rule else {}
+        o2, st2 = fn(q[:, rows], k[:, rows], v[:, rows], g=g[:, rows], beta=beta[:, rows],
+                     initial_state=states.index_select(0, index[f"t{r}_seg"] - 1), output_final_state=True,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=index[f"t{r}_cu"], **extra)
+        out = out.index_copy(1, rows, o2.to(out.dtype))
+        states = states.index_copy(0, index[f"t{r}_seg"], st2.to(states.dtype))
     return out, states.index_select(0, index["final"]), states.index_select(0, index["kept"])
 
 
-def _seq_final(seg: Segments, j: int) -> int:
-    """Per-sequence path: the index (in segment order) of chunk j's final state."""
-    f = seg.final[j]
-    if f < len(seg.bounds):
-        return f
-    return seg.tail_from[f - len(seg.bounds)] + 1  # the tail segment right after its head
-
-
 def host_index(seg: Segments) -> dict[str, torch.Tensor]:
-    """The layout as int64 host tensors (``device_index`` sends them): ``h0``, ``cu`` (segment bounds,
-    [S + 1]), ``tail_rows``, ``tail_cu``, ``tail_from``, ``final``, ``kept``."""
-    cu = [0] + [hi for _, hi in seg.bounds]
-    tail_rows = [r for lo, hi in seg.tails for r in range(lo, hi)]
-    tail_cu = [0]
-    for lo, hi in seg.tails:
-        tail_cu.append(tail_cu[-1] + hi - lo)
+    """The layout as int64 host tensors (the forward sends them to the device in one copy): ``h0``, ``cu``
+    (segment bounds, [S + 1]), ``final``, ``kept``, and per later round r: ``t<r>_rows`` (its packed rows),
+    ``t<r>_cu`` (their bounds) and ``t<r>_seg`` (its segments; each starts from segment index - 1)."""
     t = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    return dict(h0=t(seg.h0), cu=t(cu), tail_rows=t(tail_rows), tail_cu=t(tail_cu), tail_from=t(seg.tail_from),
-                final=t(seg.final), kept=t(seg.kept))
+    out = dict(h0=t(seg.h0), cu=t([0] + [hi for _, hi in seg.bounds]), final=t(seg.final), kept=t(seg.kept))
+    for r in range(1, seg.rounds):
+        segs = seg.round_segments(r)
+        cu = [0]
+        for s in segs:
+            cu.append(cu[-1] + seg.bounds[s][1] - seg.bounds[s][0])
+        out[f"t{r}_rows"] = t([row for s in segs for row in range(*seg.bounds[s])])
+        out[f"t{r}_cu"] = t(cu)
+        out[f"t{r}_seg"] = t(segs)
+    return out
+
+
+def host_bounds(index: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The host copies ``packed_delta_rule`` also wants: ``<name>_cpu`` for each bounds tensor ``<name>`` of
+    ``host_index`` (fla's kernel plans its launch from them without waiting for the device)."""
+    return {f"{key}_cpu": value for key, value in index.items() if key.endswith("cu")}

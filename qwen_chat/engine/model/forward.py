@@ -34,9 +34,10 @@ class PrefillRows:
     (0 for a new prompt); ``n``: tokens of this chunk (positions start..start+n-1); ``offset``: its first row
     in the packed tokens; ``rows``: int64 [start + n] flat KV-cache rows of positions 0..start+n-1 (device);
     ``logits``: whether the logits of its last token are wanted.  ``rows`` may be given on the host: the prefill
-    sends every chunk's rows and its own indexes to the device in one copy (``_pack_meta``).  ``keep``: tokens
-    of the chunk before its keep point (1..n), 0 for none: the Gated DeltaNet conv and recurrent state at
-    position start + keep are also written into state row ``keep_row`` (``delta_rule``, ``prefix_cache``)."""
+    sends every chunk's rows and its own indexes to the device in one copy (``_pack_meta``).  ``keeps``: per
+    keep point, in position order, (tokens of the chunk before it (1..n), state row): the Gated DeltaNet conv
+    and recurrent state at position start + keep are also written into that row (``delta_rule``,
+    ``prefix_cache``)."""
 
     slot: int
     start: int
@@ -44,8 +45,7 @@ class PrefillRows:
     offset: int
     rows: torch.Tensor
     logits: bool
-    keep: int = 0
-    keep_row: int = -1
+    keeps: tuple[tuple[int, int], ...] = ()
 
 
 class ModelForward:
@@ -129,25 +129,25 @@ class ModelForward:
         (``_conv_prefill``); ``prev_cols`` int64 [N, K - 1] and ``ring_cols`` int64 [N, K], the conv ring columns
         of the K - 1 inputs before each chunk and of its last K inputs (every Gated DeltaNet layer uses the same);
         ``last`` int64 [m], the packed row of the last token of each chunk whose logits are wanted; for keep points
-        (``PrefillRows.keep``) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the concatenated conv input
-        columns of the K inputs before each keep point) and ``keep_cols`` int64 [k, K] (their ring columns);
-        ``seg`` (``delta_rule.Segments``) and its device index (``delta_rule.host_index``: ``cu`` the segment
-        bounds, with ``cu_cpu``, ...)."""
+        (``PrefillRows.keeps``, chunk by chunk) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the
+        concatenated conv input columns of the K inputs before each keep point) and ``keep_cols`` int64 [k, K]
+        (their ring columns); ``seg`` (``delta_rule.Segments``) and its device index (``delta_rule.host_index``:
+        ``cu`` the segment bounds, with ``cu_cpu``, ...)."""
         K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
         take, keep_ext, keep_cols, e = [], [], [], 0
         for sq in seqs:
             take.append(torch.arange(e, e + sq.n))
-            if sq.keep:
-                keep_ext.append(torch.arange(e + sq.keep - 1, e + sq.keep - 1 + K))
-                keep_cols.append(torch.arange(sq.start + sq.keep - K, sq.start + sq.keep) % K)
+            for keep, _ in sq.keeps:
+                keep_ext.append(torch.arange(e + keep - 1, e + keep - 1 + K))
+                keep_cols.append(torch.arange(sq.start + keep - K, sq.start + keep) % K)
             e += sq.n + K - 1
-        seg = delta_rule.segments([(sq.offset, sq.n, sq.keep) for sq in seqs])
+        seg = delta_rule.segments([(sq.offset, sq.n, tuple(k for k, _ in sq.keeps)) for sq in seqs])
         index = delta_rule.host_index(seg)
         last = torch.tensor([sq.offset + sq.n - 1 for sq in seqs if sq.logits], dtype=torch.long)
         prev_cols = torch.stack([torch.arange(sq.start - K + 1, sq.start) for sq in seqs]) % K
         ring_cols = torch.stack([torch.arange(sq.start + sq.n - K, sq.start + sq.n) for sq in seqs]) % K
         nk = len(keep_ext)
-        keeps = [torch.tensor([sq.keep_row for sq in seqs if sq.keep], dtype=torch.long),
+        keeps = [torch.tensor([row for sq in seqs for _, row in sq.keeps], dtype=torch.long),
                  torch.cat(keep_ext) if nk else torch.zeros(0, dtype=torch.long),
                  torch.cat(keep_cols) if nk else torch.zeros(0, dtype=torch.long)]
         parts = [sq.rows.cpu() for sq in seqs] + [
@@ -157,14 +157,14 @@ class ModelForward:
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
         pieces = list(flat.split([p.numel() for p in parts]))
-        seqs = [PrefillRows(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits, sq.keep, sq.keep_row)
+        seqs = [PrefillRows(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits, sq.keeps)
                 for sq, rows in zip(seqs, pieces)]
         n = len(seqs)
         meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], last=pieces[n + 3],
                     prev_cols=pieces[n + 4].view(n, K - 1), ring_cols=pieces[n + 5].view(n, K),
                     keep_rows=pieces[n + 6], keep_ext=pieces[n + 7].view(nk, K), keep_cols=pieces[n + 8].view(nk, K),
                     seg=seg, **dict(zip(index, pieces[n + 9:])))
-        meta["cu_cpu"], meta["tail_cu_cpu"] = index["cu"], index["tail_cu"]
+        meta.update(delta_rule.host_bounds(index))
         return seqs, meta
 
     def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

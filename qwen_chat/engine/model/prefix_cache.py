@@ -6,7 +6,7 @@ state that sum up every earlier token and cannot be rewound.  So a kept prefix i
 position n, held by a state row of its own (a slot that runs no sequence): the conv ring and recurrent state at
 n, the M-RoPE delta, and a block table sharing the KV blocks of positions 0..n-1 with the sequence that made it
 (reference-counted, ``paged.BlockTables``).  It is written during a prefill: a chunk's keep point
-(``types.PrefillItem.keep``) makes the forward also write the Gated DeltaNet state at that position into the row
+(``types.PrefillItem.keeps``) makes the forward also write the Gated DeltaNet state at that position into the row
 (``delta_rule``), and ``keep_blocks`` then gives the row its blocks.  The row is read-only from then on; the
 sequence that made it writes positions >= n into the last, partly filled block they share, which the kept
 prefix never reads.

@@ -276,15 +276,15 @@ class ModelRunner:
             end = c.stop()
             rows = self.tables.positions(c.slot, 0, end)  # host; the forward sends all indexes in one copy
             last = end == c.prompt.num_tokens
-            keep, row = (c.keep[0] - c.start, c.keep[1]) if c.keep is not None else (0, -1)
-            seqs.append(PrefillRows(c.slot, c.start, end - c.start, offset, rows, last and c.logits, keep, row))
+            keeps = tuple((p - c.start, row) for p, row in c.keeps)
+            seqs.append(PrefillRows(c.slot, c.start, end - c.start, offset, rows, last and c.logits, keeps))
             offset += end - c.start
         self.tables.flush()
         emb, cos, sin = self._inputs.embed([(c.slot, c.prompt, c.start, c.stop()) for c in chunks])
         logits = self._forward.prefill(emb, cos, sin, seqs)
         for c in chunks:
-            if c.keep is not None:
-                prefix_cache.keep_blocks(self, c.slot, c.keep[1], c.keep[0], self.rope_deltas[c.slot])
+            for p, row in c.keeps:
+                prefix_cache.keep_blocks(self, c.slot, row, p, self.rope_deltas[c.slot])
             self.lengths[c.slot] = c.stop()
             if c.stop() == c.prompt.num_tokens:
                 self._active[c.slot] = True
@@ -292,19 +292,20 @@ class ModelRunner:
         return logits
 
     def _check_keeps(self, chunks: Sequence[PrefillItem], slots: set) -> None:
-        """Raise ValueError for a keep point outside its chunk, or into a row out of range, in this batch, kept
-        twice or holding anything."""
+        """Raise ValueError for a keep point outside its chunk or out of order, or into a row out of range, in
+        this batch, kept twice or holding anything."""
         rows = set()
         for c in chunks:
-            if c.keep is None:
-                continue
-            p, row = c.keep
-            self._check_slot(row)
-            if not c.start < p <= c.stop():
-                raise ValueError(f"keep point {p} is outside the chunk {c.start}..{c.stop()}")
-            if row in slots or row in rows or self.lengths[row] or self.tables.count(row):
-                raise ValueError(f"keep row {row} is in use")
-            rows.add(row)
+            points = [p for p, _ in c.keeps]
+            if points != sorted(set(points)):
+                raise ValueError(f"keep points {points} of one chunk are not in increasing order")
+            for p, row in c.keeps:
+                self._check_slot(row)
+                if not c.start < p <= c.stop():
+                    raise ValueError(f"keep point {p} is outside the chunk {c.start}..{c.stop()}")
+                if row in slots or row in rows or self.lengths[row] or self.tables.count(row):
+                    raise ValueError(f"keep row {row} is in use")
+                rows.add(row)
 
     def prefill(self, slot: int, prompt: PreparedPrompt) -> torch.Tensor:
         """The whole prompt into ``slot`` in one chunk (``prefill_batch``).  Returns fp32 logits [vocab_size] of

@@ -64,7 +64,7 @@ from qwen_chat.chat_types import (
     conversation_problem,
 )
 from qwen_chat.engine.types import PreparedPrompt
-from qwen_chat.engine.text.text_ids import shared_prefix, text_ids
+from qwen_chat.engine.text.text_ids import shared_prefix, system_prefix, text_ids
 from qwen_chat.engine.text.toolcalls import check_no_control_text, template_tool_calls, template_tools
 
 #: Pixels per visual token: one token per 32 x 32 px block (16 px patches, 2 x 2 merge; docs/facts.md,
@@ -346,7 +346,8 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
     input_ids = torch.tensor(encoded.ids, dtype=torch.int64)
     prepared = PreparedPrompt(input_ids=input_ids, max_new_tokens=new_tokens, notice=" ".join(notices),
                               dropped_messages=sum(len(turn.messages) for turn in turns[:dropped]),
-                              shared_prefix=shared_prefix(processor.tokenizer, encoded.ids))
+                              shared_prefix=shared_prefix(processor.tokenizer, encoded.ids),
+                              system_prefix=system_prefix(processor.tokenizer, encoded.ids))
     if encoded.image_paths:
         vision = _vision_inputs(processor, encoded, kwargs)
         image_pad_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_PAD)

@@ -133,7 +133,7 @@ def pack_prompt(prompt) -> dict:
             "image_grid_thw": pack_tensor(prompt.image_grid_thw),
             "mm_token_type_ids": pack_tensor(prompt.mm_token_type_ids), "max_new_tokens": prompt.max_new_tokens,
             "notice": prompt.notice, "dropped_messages": prompt.dropped_messages,
-            "shared_prefix": prompt.shared_prefix}
+            "shared_prefix": prompt.shared_prefix, "system_prefix": prompt.system_prefix}
 
 
 def unpack_prompt(d: dict):
@@ -144,7 +144,8 @@ def unpack_prompt(d: dict):
                           image_grid_thw=unpack_tensor(d["image_grid_thw"]),
                           mm_token_type_ids=unpack_tensor(d["mm_token_type_ids"]),
                           max_new_tokens=int(d["max_new_tokens"]), notice=d["notice"],
-                          dropped_messages=int(d["dropped_messages"]), shared_prefix=int(d["shared_prefix"]))
+                          dropped_messages=int(d["dropped_messages"]), shared_prefix=int(d["shared_prefix"]),
+                          system_prefix=int(d["system_prefix"]))
 
 
 class PromptPool:

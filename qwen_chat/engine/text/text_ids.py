@@ -2,7 +2,8 @@
 
 Used by ``prompt.build_prompt``: every turn of a conversation sends its earlier messages again, so the ids of
 long texts are kept (``text_ids``), and the conversation cache keeps the state where the next prompt stops
-sharing this one (``shared_prefix``; docs/conversation-cache.md).
+sharing this one (``shared_prefix``) and where its system block ends, the part other conversations with the
+same system prompt and tools share (``system_prefix``; docs/conversation-cache.md).
 """
 from __future__ import annotations
 
@@ -49,4 +50,26 @@ def shared_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
     for i in range(len(ids) - h, -1, -1):
         if list(ids[i:i + h]) == header:
             return i + h
+    return 0
+
+
+#: The template text that opens a system block, and the text that ends every message (docs/facts.md, "Chat
+#: template behaviour").
+SYSTEM_HEADER = "<|im_start|>system\n"
+MESSAGE_END = "<|im_end|>\n"
+
+
+def system_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
+    """Tokens of ``ids`` up to the end of the system block it starts with (``<|im_start|>system\n``, the tools
+    block and system message as the template renders them, then ``<|im_end|>\n``), or 0 when the prompt does
+    not start with one.  Message texts cannot contain ``<|im_end|>`` (a control id never comes from a message:
+    ``text_ids``), so the first one closes the system block."""
+    header = tokenizer.encode(SYSTEM_HEADER, add_special_tokens=False)
+    end = tokenizer.encode(MESSAGE_END, add_special_tokens=False)
+    if list(ids[:len(header)]) != header:
+        return 0
+    e = len(end)
+    for i in range(len(header), len(ids) - e + 1):
+        if list(ids[i:i + e]) == end:
+            return i + e
     return 0
