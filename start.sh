@@ -16,11 +16,20 @@
 #   MASTER_PORT          rendezvous port of the launcher (default 29500)
 #   HOSTFILE             DeepSpeed hostfile for multi-node runs (passwordless ssh between the machines)
 #   DATA_PARALLEL        replicas the ranks form (read by app.py, like --data-parallel; default 1)
+#   QWEN_CHAT_COMPILE_CACHE  where compiled kernels are kept between starts (default ~/.cache/qwen_chat/compile)
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
 export QWEN_CHAT_DS_CONFIG="${QWEN_CHAT_DS_CONFIG:-$here/ds_config.json}"
 export PYTHONUNBUFFERED=1
+# Compiled kernels survive restarts (docs/deployment.md, "Start-up time"): Inductor's cache (the decode glue
+# and sampler), Triton's (every Triton kernel, fla's included) and Triton's autotuning results (fla's kernels
+# are autotuned on first use: seconds per kernel otherwise on every start).  Each cache keys its entries by
+# the source, the library versions and the GPU, so a changed version recompiles.  Set variables win.
+compile_cache="${QWEN_CHAT_COMPILE_CACHE:-${HOME:-/tmp}/.cache/qwen_chat/compile}"
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$compile_cache/inductor}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$compile_cache/triton}"
+export TRITON_CACHE_AUTOTUNING="${TRITON_CACHE_AUTOTUNING:-1}"
 port="${MASTER_PORT:-29500}"
 py="${PYTHON:-python3}"
 

@@ -51,6 +51,16 @@ mode; random-word prompts, since the API has no ignore-EOS, so tokens are counte
 - ``followup_ttft_ms``: TTFT p50 (ms) of a conversation's next turn (a 20-token message) after an 8k and a 30k
   history, keyed "8k" / "30k", each with "cached" (the conversation cache holds the first turn) and "uncached"
   (one word changed at the start: everything prefilled) (``serve_followup.py``; 3 repeats each);
+- ``first_use_ttft_ms`` / ``steady_ttft_ms``: TTFT (ms) of one request of each kind, keyed "1k", "8k" (prompts of
+  that many tokens), "image" (a photo, ``tests/fixtures/images/chelsea.png``, and a short question), "burst8"
+  (the median of 8 streams sent at once, 600-token prompts): first right after ``/healthz`` turns 200 (before
+  anything else is sent), then again after the other phases (``serve_firstuse.request_kinds``);
+- ``shared_system_prompt``: {"ttft_ms", "cached_tokens"}: new conversations of different users that start with
+  the same 4k-token system prompt and their own 20-token question, after a first one: TTFT p50 (ms) and the
+  smallest ``cached_tokens`` (``serve_firstuse.shared_system_prompt``; a changed system prompt's TTFT for
+  comparison in ``detail.shared_system_prompt``);
+- ``startup_warm_s``: seconds to ``/healthz`` 200 when the service is started again right after the main phases
+  (whatever it keeps on disk between starts is there; ``--skip-restart`` skips it);
 - ``cap24``: the service restarted with its CUDA allocator capped at 22.5 GiB by a ``sitecustomize.py`` on
   PYTHONPATH (``torch.cuda.set_per_process_memory_fraction``; no flag changed): whether it started, aggregate
   tok/s + TTFT at 8 and 32 streams, and ``long_context``: 32 prompts of 32k tokens at once, how many the KV
@@ -88,6 +98,7 @@ import serve_host as S  # noqa: E402
 import serve_http as H  # noqa: E402
 import serve_report as R  # noqa: E402
 from serve_capacity import capped_service  # noqa: E402
+from serve_firstuse import request_kinds, shared_system_prompt  # noqa: E402
 from serve_followup import followups  # noqa: E402
 from serve_noisy import noisy_neighbour  # noqa: E402
 from serve_ckpt import DEFAULT_CKPT_DIR  # noqa: E402
@@ -100,6 +111,8 @@ FULL = dict(calib_words=(200, 4000), warmup_new=32, batch1_prompt=100, batch1_ne
             followups={"8k": 8000, "30k": 30000}, followup_reply=32, followup_new=20, followup_repeats=3,
             repeats={"1k": 3, "8k": 3, "32k": 2, "128k": 1}, startup_timeout_s=420, budget_s=540,
             cap_long=dict(tokens=32000, streams=32, new_tokens=16),
+            kinds=dict(sizes={"1k": 1000, "8k": 8000}, new_tokens=8),
+            shared=dict(system_tokens=4000, question_tokens=20, users=3, new_tokens=4),
             noisy=dict(streams=32, new_tokens=256, body_chars=16 * 2 ** 20, big_max_tokens=16))
 SMOKE = dict(calib_words=(20, 200), warmup_new=4, batch1_prompt=20, batch1_new=24, batch1_runs=1,
              burst_prompt=40, burst_new=4, prompt_new=2,
@@ -107,6 +120,8 @@ SMOKE = dict(calib_words=(20, 200), warmup_new=4, batch1_prompt=20, batch1_new=2
              followups={"8k": 120, "30k": 240}, followup_reply=4, followup_new=10, followup_repeats=2,
              repeats={"1k": 2, "8k": 2, "32k": 1, "128k": 1}, startup_timeout_s=300, budget_s=0,
              cap_long=dict(tokens=240, streams=4, new_tokens=2),
+             kinds=dict(sizes={"1k": 60, "8k": 120}, new_tokens=2),
+             shared=dict(system_tokens=200, question_tokens=10, users=2, new_tokens=2),
              noisy=dict(streams=8, new_tokens=32, body_chars=2 * 2 ** 20, big_max_tokens=16))
 T0 = time.monotonic()
 
@@ -168,7 +183,8 @@ class Bench:
                         "versions": None, "peak_gpu_memory_gib": None, "models": None, "service_command": None,
                         "checkpoint": None, "sizes": sizes, "errors": [],
                         "host_cpu_us_per_token": None, "gpu_busy_share": {k: None for k in R.BUSY_CONCURRENCY},
-                        "noisy_neighbour": None,
+                        "noisy_neighbour": None, "first_use_ttft_ms": None, "steady_ttft_ms": None,
+                        "shared_system_prompt": None, "startup_warm_s": None,
                         "sampling": "the service's defaults (model-card preset of thinking mode), max_tokens set",
                         "detail": {"calibration": None, "batch1": [], "bursts": {}, "prompts": {}, "phases": {}}}
         # what start.sh got besides the flags (DATA_PARALLEL..., and QWEN_CHAT_QUANTIZE passed through from here)
@@ -322,6 +338,42 @@ class Bench:
                                                     if v else f"null: {detail[label]['error']}"))
         self.save()
 
+    def run_kinds(self, url: str, model: str, key: str) -> None:
+        """``first_use_ttft_ms`` or ``steady_ttft_ms`` (``key``): one request of each kind."""
+        K = self.P["kinds"]
+        res, detail = request_kinds(url, model, self.prompt, sizes=K["sizes"], burst_prompt=self.P["burst_prompt"],
+                                    new_tokens=K["new_tokens"])
+        self.context[key] = res
+        self.detail[key] = detail
+        progress(f"{key}: " + ", ".join(f"{k} {_ms(v)}" for k, v in res.items()))
+        self.save()
+
+    def run_shared_system(self, url: str, model: str) -> None:
+        S_ = self.P["shared"]
+        res, detail = shared_system_prompt(url, model, self.prompt, system_tokens=S_["system_tokens"],
+                                           question_tokens=S_["question_tokens"], users=S_["users"],
+                                           new_tokens=S_["new_tokens"])
+        self.context["shared_system_prompt"] = res
+        self.detail["shared_system_prompt"] = detail
+        progress("shared system prompt: " + (f"TTFT p50 {_ms(res['ttft_ms'])}, cached_tokens {res['cached_tokens']} "
+                                             f"(first user {_ms(detail['first'])}, changed prompt "
+                                             f"{_ms(H.percentile(detail['changed'], 50))})"
+                                             if res else f"null: {detail['error']}"))
+        self.save()
+
+    def restart_warm(self, svc: Service) -> None:
+        """``startup_warm_s``: the same service started again right after it stopped."""
+        again = Service(svc.args, svc.port, svc.log, self.env)
+        self.services.append(again)
+        progress("restarting the service (warm start-up)")
+        if again.start(self.P["startup_timeout_s"]):
+            self.context["startup_warm_s"] = again.startup_s
+            progress(f"/healthz 200 after {again.startup_s:.1f} s (warm)")
+        else:
+            self.context["errors"].append(f"warm restart failed: {again.error}")
+        again.stop()
+        self.save()
+
     def service_argv(self, model_arg: str, port: int) -> list[str]:
         """start.sh's arguments for every service of the run: the model, ``--port`` when not 7860, and
         ``--service-args``."""
@@ -345,6 +397,8 @@ class Bench:
         self.context["models"] = httpx.get(url + "/v1/models", timeout=30).json()
         self.context["healthz"] = httpx.get(url + "/healthz", timeout=30).json()
         model = self.context["models"]["data"][0]["id"]
+        progress("first use of each kind of request")
+        self.run_kinds(url, model, "first_use_ttft_ms")   # before anything else reaches the service
         self.phase_memory("after_startup", url)
         self.calibrate(url, model)
         progress("warm-up stream")
@@ -362,14 +416,24 @@ class Bench:
         if not self.args.skip_followups:
             progress("follow-up TTFT, cached and uncached")
             self.run_followups(url, model)
+        progress("shared system prompt")
+        self.run_shared_system(url, model)
         progress("prompt TTFT, one prompt at a time")
         self.run_prompts(url, model, svc)
+        progress("steady TTFT of each kind of request")
+        self.run_kinds(url, model, "steady_ttft_ms")
         svc.stop()
+        if not self.args.skip_restart:
+            self.restart_warm(svc)
         return True
 
     def cap_service(self, model_arg: str, port: int, log: Path) -> None:
         """The service restarted under the 24 GB cap: bursts and the long-context phase (``serve_capacity``)."""
         capped_service(self, model_arg, port, log, progress)
+
+
+def _ms(v) -> str:
+    return "null" if v is None else f"{v:.0f} ms"
 
 
 def _raise_interrupt(signum, frame):
@@ -394,6 +458,7 @@ def main(argv=None) -> int:
                          "flags are what a user gets; this is for what-if runs, recorded in the JSON)")
     ap.add_argument("--skip-long", action="store_true", help="skip the 32k and 128k-token prompts")
     ap.add_argument("--skip-followups", action="store_true", help="skip the follow-up (conversation cache) phase")
+    ap.add_argument("--skip-restart", action="store_true", help="skip the warm restart (startup_warm_s)")
     ap.add_argument("--budget-s", type=float, help="skip the 24 GB run when fewer seconds are left than its "
                                                    "start-up needs (default 540 on a GPU host; 0: no budget)")
     args = ap.parse_args(argv)

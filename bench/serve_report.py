@@ -13,6 +13,7 @@ CONCURRENCY = (1, 8, 32, 64, 128)
 CAP_CONCURRENCY = (8, 32)
 BUSY_CONCURRENCY = ("32", "128")  # the bursts of ``gpu_busy_share``
 PROMPT_SIZES = ("1k", "8k", "32k", "128k")
+KINDS = ("1k", "8k", "image", "burst8")  # the request kinds of first_use_ttft_ms / steady_ttft_ms
 
 
 def _pick(bursts: dict, key: str, levels) -> dict:
@@ -63,7 +64,16 @@ def _weights(doc: dict) -> str:
 def table(doc: dict) -> str:
     """The summary table (plain text) of a ``result_doc``."""
     rows = [("metric", "value"), ("weights", _weights(doc)), ("start-up to /healthz 200 (s)", _f(doc.get("startup_s"))),
+            ("start-up again, warm (s)", _f(doc.get("startup_warm_s"))),
             ("batch-1 decode (tok/s)", _f(doc.get("batch1_tok_s")))]
+    first, steady = doc.get("first_use_ttft_ms") or {}, doc.get("steady_ttft_ms") or {}
+    for kind in KINDS if first or steady else ():
+        rows.append((f"TTFT {kind}: first use after ready / steady (ms)",
+                     f"{_f(first.get(kind))} / {_f(steady.get(kind))}"))
+    shared = doc.get("shared_system_prompt")
+    if shared:
+        rows.append(("shared 4k system prompt: TTFT p50 (ms), cached tokens",
+                     f"{_f(shared['ttft_ms'])}, {shared['cached_tokens']}"))
     for size in PROMPT_SIZES:
         v = doc["prompt_ttft_ms"].get(size)
         why = ((doc.get("detail") or {}).get("prompts", {}).get(size) or {}).get("error")

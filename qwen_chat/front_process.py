@@ -6,7 +6,8 @@ and the same command line, and then becomes the engine process of replica 0.  He
 
 1. the port is served at once (``web.front``: 503 ``loading`` until the engines are ready);
 2. ``EngineHub`` binds the link address (``LINK_ENV``) that every engine process pushes to; Gradio and the
-   full application are built meanwhile;
+   full application are built meanwhile, and with ``--model`` a local folder the prompt workers load its
+   processor beside the engine (else at the engine's hello, which names the folder it loaded);
 3. once all ``REPLICAS_ENV`` engine processes said hello, the backend is their ``EngineClient`` (one replica)
    or a ``Router`` over them (several): the same client for replica 0 as for the others.
 
@@ -25,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
 from qwen_chat import lifecycle
@@ -91,6 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     hub = EngineHub(address, token, replicas, stream_interval=cfg.stream_interval, on_engine_gone=engine_gone,
                     prompt_workers=cfg.prompt_workers)
+    folder = Path(cfg.model).expanduser()
+    if (folder / "tokenizer_config.json").is_file():  # a local checkpoint: its processor loads beside the engine
+        hub.start_prompts(folder, cfg.image_token_budget)
     try:
         from qwen_chat.history.store import HistoryStore
         from qwen_chat.web import server as web_app  # Gradio: seconds of imports, while /healthz answers

@@ -61,11 +61,32 @@ class EngineHub:
         self.ready = threading.Event()
         self._tokens = None
         self.prompt_workers = int(prompt_workers)
-        self.prompts = None  # PromptPool, made at replica 0's hello (its checkpoint folder)
+        self.prompts = None  # PromptPool: made by start_prompts, or at replica 0's hello (its checkpoint folder)
+        self._prompts_key: Optional[tuple[str, int]] = None  # (folder, image token budget) of self.prompts
+        self._prompts_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-recv", daemon=True)
         self._thread.start()
         threading.Thread(target=self._ping, name="engine-ping", daemon=True).start()
+
+    def start_prompts(self, checkpoint: Path, image_token_budget: int) -> None:
+        """Start the prompt workers on ``checkpoint``'s processor now, while the engine still loads (they take
+        seconds to import and load: started at the hello, /healthz would wait for them after the engine is
+        ready).  The hello keeps them when the engine loaded that folder, else starts them again on its own."""
+        self._ensure_prompts(Path(checkpoint), int(image_token_budget))
+
+    def _ensure_prompts(self, checkpoint: Path, image_token_budget: int) -> None:
+        from qwen_chat.engine.text.prompt_worker import PromptPool
+
+        key = (str(checkpoint.expanduser().resolve()), image_token_budget)
+        with self._prompts_lock:
+            if self._prompts_key == key or self._stop.is_set():
+                return
+            if self.prompts is not None:
+                log.info("front: the engine loaded %s; prompt workers restarted on it", key[0])
+                self.prompts.close()
+            self.prompts = PromptPool(Path(key[0]), self.prompt_workers, image_token_budget)
+            self._prompts_key = key
 
     def assembler(self, settings: GenerationSettings, prompt_tokens: int, notice: str, dropped: int, rid: int):
         """A ``ReplyAssembler`` for an accepted request (the tokenizer of replica 0's checkpoint)."""
@@ -96,9 +117,10 @@ class EngineHub:
 
     def close(self) -> None:
         """Stop the receiver and ping threads and the prompt workers."""
-        self._stop.set()
-        if self.prompts is not None:
-            self.prompts.close()
+        with self._prompts_lock:
+            self._stop.set()
+            if self.prompts is not None:
+                self.prompts.close()
 
     def _ping(self) -> None:
         while not self._stop.wait(wire.PING_INTERVAL_S):
@@ -156,11 +178,8 @@ class EngineHub:
                         self.on_engine_gone(f"replica {replica}: {event[1]}")
                 elif event[0] == "hello" and event[1] == self.token and 0 <= replica < self.replicas:
                     _, _, input_address, status, setup = event
-                    if self.prompts is None:
-                        from qwen_chat.engine.text.prompt_worker import PromptPool
-
-                        self.prompts = PromptPool(Path(setup["checkpoint"]), self.prompt_workers,
-                                                  int(setup["image_token_budget"]))
+                    if replica == 0 or self.prompts is None:
+                        self._ensure_prompts(Path(setup["checkpoint"]), int(setup["image_token_budget"]))
                     client = self.clients[replica] = EngineClient(self, replica, input_address, status, setup)
                     log.info("replica %d: its engine process connected (%s)", replica,
                              status["health"].get("reason"))

@@ -1,0 +1,59 @@
+"""The front starts its prompt workers early (``EngineHub.start_prompts``: with ``--model`` a local folder,
+beside the engine's loading) and the engine's hello keeps them when it loaded that folder, or starts them
+again on the folder it names."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from qwen_chat.engine.client import engine_hub
+from qwen_chat.engine.text import prompt_worker
+
+
+class FakePool:
+    made: list = []
+
+    def __init__(self, checkpoint, workers, image_token_budget):
+        self.checkpoint, self.workers, self.budget, self.closed = checkpoint, workers, image_token_budget, False
+        FakePool.made.append(self)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    monkeypatch.setattr(prompt_worker, "PromptPool", FakePool)
+    FakePool.made = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    h = engine_hub.EngineHub(f"tcp://127.0.0.1:{port}", "token", 1, prompt_workers=3)
+    yield h
+    h.close()
+
+
+def test_the_hello_keeps_workers_started_on_the_folder_it_loaded(hub, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "link").symlink_to(ckpt)
+    hub.start_prompts(tmp_path / "link", 1024)
+    assert len(FakePool.made) == 1 and FakePool.made[0].workers == 3
+    hub._ensure_prompts(ckpt, 1024)                 # the hello names the resolved folder: kept
+    assert len(FakePool.made) == 1 and not FakePool.made[0].closed and hub.prompts is FakePool.made[0]
+
+
+def test_another_folder_or_budget_restarts_them_and_close_stops_them(hub, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    hub.start_prompts(a, 1024)
+    hub._ensure_prompts(b, 1024)
+    assert [p.closed for p in FakePool.made] == [True, False] and hub.prompts.checkpoint == b.resolve()
+    hub._ensure_prompts(b, 256)
+    assert len(FakePool.made) == 3 and hub.prompts.budget == 256
+    hub.close()
+    assert hub.prompts.closed
+    hub._ensure_prompts(a, 1024)                    # nothing is started after close
+    assert len(FakePool.made) == 3
