@@ -120,3 +120,22 @@ def test_kept_prefixes_give_every_block_back(model):
     runner.prefill_batch([PrefillItem(0, Seq(text_ids(gen, 10)).prompt(), keeps=((5, 2),))])
     with pytest.raises(ValueError, match="in use"):
         runner.prefill_batch([PrefillItem(1, Seq(text_ids(gen, 10)).prompt(), keeps=((5, 2),))])
+
+
+def test_two_keep_points_in_one_chunk_both_serve_their_follow_ups(model):
+    """A system block's end and a turn's end kept in the same chunk (next to another prompt): the prompt's own
+    logits and follow-ups restored from either kept state equal the reference."""
+    gen = torch.Generator().manual_seed(31)
+    first, other = Seq(text_ids(gen, 45)), Seq(text_ids(gen, 12))
+    runner = ModelRunner(model, num_slots=6, max_context=160, num_blocks=40, device="cpu", block_tokens=16)
+    logits = runner.prefill_batch([PrefillItem(3, other.prompt()),
+                                   PrefillItem(0, first.prompt(), keeps=((20, 4), (42, 5)))])
+    errs = [rel_err(logits[0], other.reference(model)), rel_err(logits[1], first.reference(model))]
+    assert (runner.lengths[4], runner.lengths[5]) == (20, 42)
+    for row, p, slot in ((4, 20, 1), (5, 42, 2)):
+        seq = Seq(first.ids[:p] + text_ids(gen, 8))
+        assert runner.restore(row, slot) == p
+        errs.append(rel_err(runner.prefill_batch([PrefillItem(slot, seq.prompt(), start=p)])[0], seq.reference(model)))
+    assert max(errs) <= TOL, errs
+    with pytest.raises(ValueError, match="increasing"):
+        runner.prefill_batch([PrefillItem(1, first.prompt(), keeps=((30, 2), (10, 3)))])

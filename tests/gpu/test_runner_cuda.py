@@ -119,6 +119,31 @@ def test_kept_prefixes_with_the_packed_kernel_match_the_reference(model):
     assert max(errs) <= GPU_TOL, errs
 
 
+def test_two_keep_points_in_one_chunk_with_fla_agree_with_plain_prefills(model):
+    """bf16 (fla's varlen kernel in three rounds): a 300-token prompt keeping its state at 150 (a system block's
+    end: the 140-token tail goes through the chunked kernel) and 296 (a turn's end: the fused recurrent one);
+    its logits and those of follow-ups restored from either kept state agree with plain prefills."""
+    from qwen_chat.engine.types import PrefillItem
+
+    gen = torch.Generator().manual_seed(23)
+    m16 = model.to(torch.bfloat16)
+    try:
+        ids = text_ids(gen, 300)
+        runner = ModelRunner(m16, num_slots=6, max_context=512, device="cuda", block_tokens=16)
+        plain = ModelRunner(m16, num_slots=1, max_context=512, device="cuda", block_tokens=16)
+        kept = runner.prefill_batch([PrefillItem(0, Seq(ids).prompt(), keeps=((150, 3), (296, 4)))])
+        errs = [rel_err(plain.prefill(0, Seq(ids).prompt()), kept[0])]
+        for row, p, slot in ((3, 150, 1), (4, 296, 2)):
+            follow = Seq(ids[:p] + text_ids(gen, 20)).prompt()
+            runner.restore(row, slot)
+            got = runner.prefill_batch([PrefillItem(slot, follow, start=p)])[0]
+            plain.free(0)
+            errs.append(rel_err(plain.prefill(0, follow), got))
+        assert max(errs) < 2e-2, errs
+    finally:
+        model.to(torch.float32)
+
+
 def test_chunked_prefill_in_bf16_agrees_with_the_whole_prompt(model):
     """bf16 (flash attention, fla's kernels): a 300-token prompt in chunks of 130 + 170 gives the logits of the
     whole prompt and the same decode, up to bf16 rounding."""
