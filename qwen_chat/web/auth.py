@@ -28,8 +28,12 @@ from typing import Optional, Sequence
 import bcrypt
 
 from qwen_chat.history.files import write_atomic
+from qwen_chat.history.store import LOCAL_USER
 
 USERNAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}$")
+#: Names the history store uses itself: ``local`` owns the history written with login off, so a login user of
+#: that name would read it.  Compared case-insensitively (a case-insensitive file system maps them to one folder).
+RESERVED_USERNAMES = frozenset({LOCAL_USER})
 MIN_PASSWORD_CHARS = 8
 MAX_PASSWORD_BYTES = 72  # bcrypt's input limit (bcrypt 5 raises ValueError beyond it)
 DEFAULT_ROUNDS = 12  # bcrypt cost factor: 2**12 key-expansion rounds, ~0.2 s per check on one CPU core
@@ -40,7 +44,8 @@ class UsersFileError(ValueError):
 
 
 def check_username(username: str) -> str:
-    """Return ``username`` if it is 1-64 chars of ``[A-Za-z0-9_.-]`` not starting with a dot.
+    """Return ``username`` if it is 1-64 chars of ``[A-Za-z0-9_.-]`` not starting with a dot and not reserved
+    (``RESERVED_USERNAMES``).
 
     Raises:
         UsersFileError: otherwise (the name is also a folder name, so ``..``, ``/`` and the like are refused).
@@ -49,6 +54,9 @@ def check_username(username: str) -> str:
         raise UsersFileError(
             f"invalid username {username!r}: use 1-64 letters, digits, '_', '-' or '.', not starting with '.'"
         )
+    if username.lower() in RESERVED_USERNAMES:
+        raise UsersFileError(f"username {username!r} is reserved: the history written with login off belongs to "
+                             f"it; choose another name")
     return username
 
 
@@ -103,6 +111,10 @@ class UserDB:
             name, sep, hashed = line.partition(":")
             if not sep or not USERNAME_RE.match(name) or not hashed.startswith("$2"):
                 raise UsersFileError(f"{path}:{number}: expected 'username:<bcrypt hash>'")
+            if name.lower() in RESERVED_USERNAMES:
+                raise UsersFileError(f"{path}:{number}: username {name!r} is reserved (the history written with "
+                                     f"login off belongs to it); remove the line and add the user under another "
+                                     f"name")
             users[name] = hashed.encode("ascii")
         return cls(users, path)
 

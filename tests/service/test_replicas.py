@@ -89,6 +89,10 @@ def open_stream(url: str, prompt: str):
     return stream
 
 
+#: Seconds between the two reads of ``settled``: more than two of the engines' status periods (0.25 s).
+STATUS_SETTLE_S = 0.6
+
+
 def per_replica(url: str, name: str) -> list[float]:
     """A replica-labelled series of ``/metrics`` for replicas 0 and 1."""
     metrics = scrape(url)
@@ -96,17 +100,19 @@ def per_replica(url: str, name: str) -> list[float]:
 
 
 def settled(url: str, name: str) -> list[float]:
-    """``per_replica`` once two reads 0.6 s apart agree: every engine's counters reach the front in its status,
-    sent every 0.25 s, so a read right after a short request may not count it yet."""
-    last = [per_replica(url, name)]
-
-    def same():
+    """``per_replica`` once two reads ``STATUS_SETTLE_S`` apart agree: every engine's counters reach the front
+    in its status, sent every 0.25 s, so a read right after a short request may not count it yet (two reads
+    moments apart would agree on the stale value)."""
+    deadline = time.monotonic() + 10
+    last = per_replica(url, name)
+    while True:
+        time.sleep(STATUS_SETTLE_S)
         now = per_replica(url, name)
-        agreed, last[0] = now == last[0], now
-        return agreed
-
-    wait_until(same, 10, f"{name} to settle", poll_s=0.6)
-    return last[0]
+        if now == last:
+            return now
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not settle: {last} then {now}")
+        last = now
 
 
 def delta(before: list[float], after: list[float]) -> list[float]:

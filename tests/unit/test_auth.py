@@ -54,6 +54,24 @@ def test_bad_usernames_refused(name):
         db.set_password(name, "long enough password", rounds=4)
 
 
+@pytest.mark.parametrize("name", ["local", "Local", "LOCAL"])
+def test_the_login_off_owner_is_a_reserved_name(name, tmp_path, capsys):
+    """``local`` owns the history written with login off: ``auth add`` refuses it (any case), and a users file
+    that has it is refused at load with its line number."""
+    with pytest.raises(UsersFileError, match="reserved"):
+        UserDB().set_password(name, "long enough password", rounds=4)
+    path = tmp_path / "users.txt"
+    assert main(["add", name, "--users-file", str(path), "--rounds", "4"], stdin=io.StringIO("long enough password\n")) != 0
+    assert "reserved" in capsys.readouterr().err and not path.exists()
+    db = UserDB(path=path)
+    db.set_password("alice", "long enough password", rounds=4)
+    db.save()
+    alice = next(line for line in path.read_text().splitlines() if line.startswith("alice:"))
+    path.write_text(f"{alice}\n{name}:{alice.split(':', 1)[1]}\n")
+    with pytest.raises(UsersFileError, match=r"users.txt:2: username .* is reserved"):
+        UserDB.from_file(path)
+
+
 def test_bad_passwords_refused():
     db = UserDB()
     with pytest.raises(UsersFileError, match="too short"):

@@ -110,7 +110,7 @@ def build_runner(loaded, config: ServiceConfig):
     Sizes: ``size_memory``.  Device: the device of the model's parameters.  Implementation:
     production's ``RunnerOptions`` with the tensor-parallel all-reduce of ``config.tp_allreduce`` and
     ``config.tp_fused``.  With CUDA graphs, the decode graphs of ``READY_CONTEXTS`` are captured for every batch
-    size before this returns.
+    size before this returns, and the prefill's kernels are compiled (``warmup.warm_up_prefill``).
 
     Returns: ``(runner, sampler, plan, prefill tokens per step)``.  Raises ``memory.MemoryBudgetError``.
     """
@@ -118,6 +118,7 @@ def build_runner(loaded, config: ServiceConfig):
     from qwen_chat.engine.model.runner import ModelRunner
     from qwen_chat.engine.model.sampling import Sampler
     from qwen_chat.engine.parallel.collectives import broadcast_from_rank0
+    from qwen_chat.engine.startup.warmup import warm_up_prefill
 
     device = next(loaded.model.parameters()).device
     plan, chunk, how, geometry = size_memory(loaded, config, device)
@@ -141,6 +142,7 @@ def build_runner(loaded, config: ServiceConfig):
     if sampler.device.type == "cuda":
         log.info("compiled the sampler in %.1f s", time.monotonic() - t0)
     log.info("prefill: up to %d prompt tokens per step", chunk)
+    warm_up_prefill(runner, loaded, chunk, config.image_token_budget)  # CUDA: no first-use stalls after ready
     return runner, sampler, plan, chunk
 
 
