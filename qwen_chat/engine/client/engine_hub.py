@@ -180,6 +180,8 @@ class EngineHub:
                     _, _, input_address, status, setup = event
                     if replica == 0 or self.prompts is None:
                         self._ensure_prompts(Path(setup["checkpoint"]), int(setup["image_token_budget"]))
+                    if self._tokens is None and replica == 0:  # loaded now, not by the first request
+                        self._tokens = TokenTable(Path(setup["checkpoint"]))
                     client = self.clients[replica] = EngineClient(self, replica, input_address, status, setup)
                     log.info("replica %d: its engine process connected (%s)", replica,
                              status["health"].get("reason"))
