@@ -36,7 +36,7 @@ def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
     served = ops.instrument(backend)
     app = FastAPI(title="Qwen3.5 chat", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(ops.create_router(served))
-    app.include_router(api.create_router(served, cfg))
+    api.install(app, served, cfg)
     controller = ChatController(served, store, limits=limits, max_images_per_turn=cfg.max_images_per_turn)
     page = build_ui(controller, max_queue=cfg.max_queue, login_enabled=cfg.login_enabled)
     login = None

@@ -75,7 +75,7 @@ def api_app(backend, cfg: ServiceConfig) -> tuple[FastAPI, ops.InstrumentedBacke
     """
     instrumented = ops.instrument(backend)
     app = FastAPI()
-    app.include_router(api.create_router(instrumented, cfg))
+    api.install(app, instrumented, cfg)
     app.include_router(ops.create_router(instrumented))
     return app, instrumented
 

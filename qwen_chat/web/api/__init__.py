@@ -2,7 +2,7 @@
 
 Wiring (in the web server)::
 
-    app.include_router(api.create_router(backend, cfg))   # the router's paths already start with /v1
+    api.install(app, backend, cfg)   # the /v1 routes and the CORS headers of --allowed-origins
 
 Modules: ``routes`` (the endpoints), ``protocol`` (keys, request parsing, refusals, errors), ``streaming``
 (the sync-to-async bridge and server-sent events), ``choices`` (n choices, ``usage``, OpenAI's ``logprobs``
@@ -39,6 +39,11 @@ chunks (``delta.tool_calls`` for calls), a chunk with ``finish_reason`` ("stop"/
 ``completion_tokens_details.reasoning_tokens``), then ``data: [DONE]``.  Every completion carries the header
 ``X-Dropped-Messages`` (messages the context policy left out; non-streamed replies also ``dropped_messages``).
 
+Browsers (``browsers``): a request whose ``Origin`` is neither the service's own nor one of
+``--allowed-origins`` is refused with 403 ``origin_not_allowed``, a POST body not declared as JSON with 415
+``unsupported_media_type``; pages of an allowed origin get their CORS preflight answered and
+``Access-Control-Allow-Origin`` on every answer.
+
 Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; ``type`` is the
 ``ChatError.kind``.  Status: 400 bad input (incl. prompt too long, code ``context_length_exceeded``, with the
 token counts; ``param`` names the field, e.g. ``messages[1].content[0].image_url``), 401 missing/wrong API key
@@ -53,6 +58,15 @@ API images are normalised by ``qwen_chat.images.normalize_image`` and written, b
 """
 from __future__ import annotations
 
+from qwen_chat.web.api.browsers import CorsHeaders
 from qwen_chat.web.api.routes import create_router
 
-__all__ = ["create_router"]
+
+def install(app, backend, cfg) -> None:
+    """Put the API on ``app`` (a FastAPI app): the ``/v1`` routes over ``backend`` (``create_router``) and the
+    CORS headers for the pages of ``cfg.allowed_origins`` (``browsers.CorsHeaders``)."""
+    app.include_router(create_router(backend, cfg))
+    app.add_middleware(CorsHeaders, allowed=cfg.allowed_origins)
+
+
+__all__ = ["create_router", "install"]

@@ -24,6 +24,7 @@ from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig, request_body_limi
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import ImageLimits
 from qwen_chat.web.api.body import parse_body, read_body
+from qwen_chat.web.api.browsers import check_json_body, check_origin, preflight
 from qwen_chat.web.api.protocol import (
     APIRequestError,
     check_key,
@@ -95,6 +96,12 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
     limiter = anyio.CapacityLimiter(cfg.max_queue + (cfg.max_batch or DEFAULT_MAX_SLOTS) + API_SPARE_THREADS)
     run = functools.partial(anyio.to_thread.run_sync, limiter=limiter)
 
+    def admit(request: Request) -> None:
+        """The checks of every API request: a browser's page of another origin is refused (``browsers``), then
+        the API key."""
+        check_origin(request, cfg.allowed_origins)
+        check_key(request, cfg)
+
     def record_rejection(kind: str) -> None:
         hook = getattr(backend, "record_rejection", None)
         if callable(hook):
@@ -121,7 +128,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
     @router.get("/models")
     def list_models(request: Request) -> JSONResponse:
         try:
-            check_key(request, cfg)
+            admit(request)
         except APIRequestError as exc:
             return error_response(exc)
         return JSONResponse({"object": "list", "data": [model_card()]})
@@ -129,7 +136,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
     @router.get("/models/{model_id:path}")
     def get_model(model_id: str, request: Request) -> JSONResponse:
         try:
-            check_key(request, cfg)
+            admit(request)
         except APIRequestError as exc:
             return error_response(exc)
         card = model_card()
@@ -142,7 +149,8 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
     @router.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            check_key(request, cfg)
+            admit(request)
+            check_json_body(request)
         except APIRequestError as exc:
             return error_response(exc)
         try:
@@ -219,6 +227,9 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
 
     def wrong_method(allowed: str):
         async def refuse(request: Request) -> Response:
+            answer = preflight(request, cfg.allowed_origins, allowed) if request.method == "OPTIONS" else None
+            if answer is not None:  # a CORS preflight from an allowed origin
+                return answer
             response = error_response(APIRequestError(
                 f"{request.method} is not allowed on {request.url.path}; use {allowed}", status=405,
                 type="invalid_request_error", code="method_not_allowed"))
