@@ -23,6 +23,7 @@ from qwen_chat.config import ServiceConfig
 from qwen_chat.images import ImageLimits
 from qwen_chat.web import api, auth, ops
 from qwen_chat.web.handlers import ChatController
+from qwen_chat.web.login_guard import LoginGuard
 from qwen_chat.web.ui import CSS, build_ui
 
 
@@ -39,14 +40,14 @@ def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
     api.install(app, served, cfg)
     controller = ChatController(served, store, limits=limits, max_images_per_turn=cfg.max_images_per_turn)
     page = build_ui(controller, max_queue=cfg.max_queue, login_enabled=cfg.login_enabled)
-    login = None
-    if cfg.login_enabled:
-        users = auth.UserDB.from_file(cfg.users_file)
-        login = users.verify
-    return gr.mount_gradio_app(
-        app, page, path="/", auth=login, auth_message="Qwen3.5 chat: please log in",
+    guard = LoginGuard(auth.UserDB.from_file(cfg.users_file).verify) if cfg.login_enabled else None
+    app = gr.mount_gradio_app(
+        app, page, path="/", auth=guard.verify if guard else None, auth_message="Qwen3.5 chat: please log in",
         max_file_size=limits.max_file_bytes, footer_links=["settings"], css=CSS, ssr_mode=False,
     )
+    if guard is not None:  # password checks off the event loop, wrong guesses limited, no cross-site logins
+        app.add_middleware(LoginGuard.Middleware, guard=guard)
+    return app
 
 
 def end_streams(app: FastAPI) -> None:

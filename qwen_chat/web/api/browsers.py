@@ -13,7 +13,7 @@ Answers are OpenAI error bodies (``protocol.APIRequestError``).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 from urllib.parse import urlsplit
 
 from fastapi import Request
@@ -31,27 +31,33 @@ def _normal(origin: str) -> str:
     return origin.strip().rstrip("/").lower()
 
 
-def origin_allowed(origin: str, host: Optional[str], allowed: Sequence[str]) -> bool:
-    """True when a request with the ``Origin`` header ``origin`` sent to ``host`` (its ``Host`` header) comes
-    from the service's own origin or from one of ``allowed`` (``*``: any).  The literal origin ``null``
-    (sandboxed frames, local files) is allowed only by ``*``."""
+def same_origin(origin: str, headers: Mapping[str, str]) -> bool:
+    """True when the ``Origin`` ``origin`` names the host the request was sent to: its ``Host`` header, or the
+    ``X-Forwarded-Host`` a reverse proxy in front set (a page cannot set that header on a request the browser
+    sends without a preflight).  ``headers``: the request's headers, lower-case names."""
+    netloc = urlsplit(_normal(origin)).netloc
+    hosts = [headers.get("host"), headers.get("x-forwarded-host")]
+    return bool(netloc) and any(h and netloc == h.split(",")[0].strip().lower() for h in hosts)
+
+
+def origin_allowed(origin: str, headers: Optional[Mapping[str, str]], allowed: Sequence[str]) -> bool:
+    """True when a request with the ``Origin`` header ``origin`` comes from the service's own origin
+    (``same_origin`` over its ``headers``; None: not checked) or from one of ``allowed`` (``*``: any).  The
+    literal origin ``null`` (sandboxed frames, local files) is allowed only by ``*``."""
     allowed = [_normal(a) for a in allowed]
     if "*" in allowed:
         return True
     o = _normal(origin)
     if o == "null":
         return False
-    if o in allowed:
-        return True
-    own = urlsplit(o).netloc
-    return bool(host) and own == host.strip().lower()
+    return o in allowed or (headers is not None and same_origin(o, headers))
 
 
 def check_origin(request: Request, allowed: Sequence[str]) -> None:
     """Raise APIRequestError(403, code ``origin_not_allowed``) when the request carries an ``Origin`` that is
     neither the service's own nor in ``allowed`` (module docstring)."""
     origin = request.headers.get("origin")
-    if origin is None or origin_allowed(origin, request.headers.get("host"), allowed):
+    if origin is None or origin_allowed(origin, request.headers, allowed):
         return
     raise APIRequestError(f"requests from the web page at {origin} are refused: start the service with "
                           f"--allowed-origins {origin} to let that site's pages use the API", status=403,

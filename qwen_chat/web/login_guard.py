@@ -1,0 +1,158 @@
+"""The login form's guard: password checks off the event loop, a limit on wrong guesses, no cross-site logins.
+
+Gradio's ``POST /login`` (the page's login form) calls the service's password check.  Unguarded, each check
+(bcrypt, about 0.2 s of CPU) ran on the event loop, so 60 wrong guesses delayed another user's request by 14.5 s
+and ``/healthz`` by 7.9 s (2 CPU cores, 2026-12-01); any number of guesses were allowed; and a page of another
+site could post the form and log the user's browser into the attacker's account (login CSRF).  So:
+
+- ``LoginGuard.verify`` (given to Gradio as its async ``auth``) runs the check in a worker thread, at most
+  ``HASH_THREADS`` at once (bcrypt releases the GIL, so the loop and the other requests go on);
+- ``LoginGuard.middleware`` answers a ``POST /login`` with 429 (``Retry-After``, a message naming the wait)
+  when its client address or its user name had ``MAX_FAILURES`` wrong attempts in the last ``WINDOW_S``
+  seconds, before anything is hashed; a successful login clears the name's count;
+- the same middleware refuses with 403 a login form posted from another origin (its ``Origin`` header is not
+  the service's own ``Host``), before anything is read.
+
+The client address is the TCP peer's (a reverse proxy in front makes every user one address: its limit is then
+shared, the per-name limit still holds).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import math
+import threading
+import time
+from typing import Callable, Optional
+from urllib.parse import parse_qs
+
+import anyio
+
+from qwen_chat.web.api.browsers import same_origin
+
+#: Wrong attempts allowed per client address and per user name within ``WINDOW_S`` seconds.
+MAX_FAILURES = 5
+WINDOW_S = 60.0
+#: Password checks running at once (each takes one core for about 0.2 s at bcrypt cost 12).
+HASH_THREADS = 2
+#: Paths of Gradio's login form (the UI is mounted at "/").
+LOGIN_PATHS = ("/login", "/login/")
+#: Largest login form body read (bytes): a user name and a password of at most 72 bytes fit many times over.
+MAX_FORM_BYTES = 16 * 1024
+
+
+class _Failures:
+    """Times of wrong attempts per key within the window (thread-safe)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._times: dict[str, collections.deque] = {}
+        self._lock = threading.Lock()
+
+    def _recent(self, key: str, now: float) -> collections.deque:
+        times = self._times.get(key)
+        if times is None:
+            return collections.deque()
+        while times and now - times[0] >= WINDOW_S:
+            times.popleft()
+        if not times:
+            del self._times[key]
+        return times
+
+    def wait_s(self, key: str) -> float:
+        """Seconds until ``key`` may try again (0.0: now)."""
+        with self._lock:
+            now = self._clock()
+            times = self._recent(key, now)
+            return WINDOW_S - (now - times[0]) if len(times) >= MAX_FAILURES else 0.0
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._times.setdefault(key, collections.deque()).append(self._clock())
+
+    def clear(self, key: str) -> None:
+        with self._lock:
+            self._times.pop(key, None)
+
+
+class LoginGuard:
+    """Guard of the login form around ``check(username, password) -> bool`` (``auth.UserDB.verify``).
+
+    ``clock``: seconds, monotonic (tests pass their own).  Use ``verify`` as Gradio's ``auth`` and add
+    ``middleware`` to the app (``app.add_middleware(LoginGuard.Middleware, guard=guard)``)."""
+
+    def __init__(self, check: Callable[[str, str], bool], clock: Callable[[], float] = time.monotonic) -> None:
+        self._check = check
+        self._limiter = anyio.CapacityLimiter(HASH_THREADS)
+        self.failures = _Failures(clock)
+
+    async def verify(self, username: str, password: str) -> bool:
+        """``check`` in a worker thread (at most ``HASH_THREADS`` at once): the event loop keeps serving."""
+        return await anyio.to_thread.run_sync(self._check, username, password, limiter=self._limiter)
+
+    class Middleware:
+        """ASGI middleware of ``LoginGuard`` (module docstring) for ``POST /login``; everything else passes."""
+
+        def __init__(self, app, guard: "LoginGuard") -> None:
+            self.app, self.guard = app, guard
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LOGIN_PATHS:
+                await self.app(scope, receive, send)
+                return
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            origin = headers.get("origin")
+            if origin is not None and not same_origin(origin, headers):
+                await _answer(send, 403, "Log in from this service's own page: a login form posted from another "
+                                         "site is refused.")
+                return
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+                if len(body) > MAX_FORM_BYTES:
+                    await _answer(send, 413, "The login form is too large.")
+                    return
+            form = parse_qs(body.decode("utf-8", "replace")) if body else {}
+            name = (form.get("username") or [""])[0].strip()
+            address = (scope.get("client") or ("?", 0))[0]
+            keys = [f"address:{address}", f"user:{name}"]
+            wait = max(self.guard.failures.wait_s(k) for k in keys)
+            if wait > 0:
+                seconds = max(1, math.ceil(wait))
+                await _answer(send, 429, f"Too many wrong logins: try again in {seconds} s.",
+                              {"retry-after": str(seconds)})
+                return
+            status: list[Optional[int]] = [None]
+
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if replayed:  # after the body: what the client does next (a disconnect)
+                    return await receive()
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            async def watch(message) -> None:
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            await self.app(scope, replay, watch)
+            if status[0] == 200:
+                self.guard.failures.clear(keys[1])
+            elif status[0] is not None and 400 <= status[0] < 500:
+                for key in keys:
+                    self.guard.failures.add(key)
+
+
+async def _answer(send, status: int, message: str, headers: Optional[dict] = None) -> None:
+    """A JSON ``{"detail": message}`` answer (the shape of Gradio's own login errors)."""
+    body = json.dumps({"detail": message}).encode()
+    extra = [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                + extra})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,118 @@
+"""The login form's guard (``web/login_guard``) in front of a stand-in of Gradio's ``POST /login`` (the same
+form and answers, the guard's ``verify`` as its password check): wrong guesses are limited per client address
+and per user name (429 with ``Retry-After``, nothing hashed), the window passes, a right password clears the
+name's count, a form posted from another site is refused 403, and password checks never hold up the event
+loop (another route answers while checks are running)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from fastapi import FastAPI, Form, HTTPException
+from fastapi.responses import JSONResponse
+
+from qwen_chat.web import login_guard as G
+from tests.support.servers import RunningServer
+
+PASSWORDS = {"alice": "alice-password", "bob": "bob-password"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def site():
+    checks = []
+    hold = threading.Event()      # set: each check waits for ``release`` (a slow bcrypt)
+    release = threading.Event()
+
+    def check(user: str, password: str) -> bool:
+        checks.append(user)
+        if hold.is_set():
+            release.wait(30)
+        return PASSWORDS.get(user) == password
+
+    clock = Clock()
+    guard = G.LoginGuard(check, clock=clock)
+    app = FastAPI()
+
+    @app.post("/login")
+    async def login(username: str = Form(...), password: str = Form(...)):  # Gradio's route, reduced
+        if await guard.verify(username.strip(), password):
+            return JSONResponse({"success": True})
+        raise HTTPException(status_code=400, detail="Incorrect credentials.")
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"ok": True}
+
+    app.add_middleware(G.LoginGuard.Middleware, guard=guard)
+    with RunningServer(app) as srv:
+        yield srv.url, checks, clock, (hold, release)
+        release.set()
+
+
+def attempt(url: str, user: str, password: str, **headers) -> httpx.Response:
+    return httpx.post(url + "/login", data={"username": user, "password": password}, headers=headers, timeout=30)
+
+
+def test_wrong_guesses_are_limited_per_name_and_the_window_passes(site):
+    url, checks, clock, _ = site
+    for _ in range(G.MAX_FAILURES):
+        assert attempt(url, "alice", "guess").status_code == 400
+    hashed = len(checks)
+    refused = attempt(url, "alice", PASSWORDS["alice"])     # even the right password waits now
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) == int(G.WINDOW_S)
+    assert "try again in" in refused.json()["detail"] and len(checks) == hashed   # nothing hashed
+    clock.now += G.WINDOW_S
+    assert attempt(url, "alice", PASSWORDS["alice"]).status_code == 200
+
+
+def test_the_limit_holds_per_address_across_names_and_a_success_clears_the_name(site):
+    url, _, clock, _ = site
+    for i in range(G.MAX_FAILURES - 1):
+        assert attempt(url, f"user{i}", "guess").status_code == 400
+    assert attempt(url, "bob", "guess").status_code == 400                 # the address's 5th failure
+    assert attempt(url, "bob", PASSWORDS["bob"]).status_code == 429        # every name from this address waits
+    clock.now += G.WINDOW_S
+    for _ in range(G.MAX_FAILURES - 1):
+        assert attempt(url, "bob", "guess").status_code == 400
+    assert attempt(url, "bob", PASSWORDS["bob"]).status_code == 200        # clears bob's count
+    clock.now += G.WINDOW_S                                                # and the address's window passes
+    assert attempt(url, "bob", "guess").status_code == 400
+
+
+def test_a_login_form_posted_from_another_site_is_refused(site):
+    url, checks, _, _ = site
+    host = url.split("://", 1)[1]
+    r = attempt(url, "alice", PASSWORDS["alice"], origin="https://evil.example.com")
+    assert r.status_code == 403 and "another site" in r.json()["detail"] and not checks
+    assert attempt(url, "alice", PASSWORDS["alice"], origin=f"http://{host}").status_code == 200
+    proxied = attempt(url, "alice", PASSWORDS["alice"], origin="https://chat.example.org",
+                      **{"x-forwarded-host": "chat.example.org"})   # behind a reverse proxy
+    assert proxied.status_code == 200
+
+
+def test_password_checks_never_hold_up_other_requests(site):
+    """Two checks that do not finish until released: another route still answers meanwhile (were the checks
+    on the event loop, it could not answer before the release)."""
+    url, checks, _, (hold, release) = site
+    hold.set()
+    threads = [threading.Thread(target=attempt, args=(url, f"u{i}", "guess")) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(checks) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(checks) == 2                       # both checks are running now
+    assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+    release.set()
+    for t in threads:
+        t.join(30)
