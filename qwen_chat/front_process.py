@@ -12,8 +12,9 @@ and the same command line, and then becomes the engine process of replica 0.  He
    or a ``Router`` over them (several): the same client for replica 0 as for the others.
 
 Lifetimes: the front leaves with code 1 within about a second when its parent (the engine process of replica
-0) is gone or an engine process went silent (``wire.ENGINE_SILENT_S``), after answering 503 and ending the
-open streams with an error; SIGTERM closes the engines first (open replies end "cancelled" and their last
+0) is gone or an engine process went silent (``wire.ENGINE_SILENT_S``: stopped, or hung in every thread), after
+answering 503 and ending the open streams with an error; a silent engine process of replica 0 is killed first
+(it would not notice the front's exit, and Supervisor restarts the group only once it is gone); SIGTERM closes the engines first (open replies end "cancelled" and their last
 chunks go out), then the server.
 
     python -m qwen_chat.front_process ARGS...     # only as app.py starts it (the environment carries the rest)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -120,6 +122,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if gone:
                 hub.lose_all(gone[0])  # open streams end with an error; /healthz turns 503
                 print(f"front: {gone[0]}; exiting so that the whole group restarts", file=sys.stderr)
+                if 0 in hub.silent and not parent_gone():
+                    # replica 0's engine process is there but silent (stopped, or every thread hung): it would
+                    # not notice this exit, and Supervisor restarts only once it is gone
+                    print("front: ending the silent engine process of replica 0", file=sys.stderr)
+                    os.kill(os.getppid(), signal.SIGKILL)
                 time.sleep(1.0)
                 return 1
         print("front: the web server stopped unexpectedly", file=sys.stderr)

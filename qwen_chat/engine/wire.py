@@ -43,8 +43,10 @@ from qwen_chat.chat_types import (
 STATUS_INTERVAL_S = 0.25
 #: Seconds between the front's pings to each engine process.
 PING_INTERVAL_S = 0.5
-#: An engine process that heard nothing from the front for this long (seconds) leaves: the front is gone.
-FRONT_SILENT_S = 5.0
+#: An engine process that heard nothing from the front for this long (seconds) leaves: the front is frozen
+#: (a front that exited is noticed within 0.2 s as the engine's child process).  Generous: during start-up the
+#: front imports Gradio and loads the tokenizer while it pings, and on 2 busy cores 5 s were not enough.
+FRONT_SILENT_S = 15.0
 #: A front whose engine sent no status for this long (seconds) after its hello counts it as gone.
 ENGINE_SILENT_S = 15.0
 

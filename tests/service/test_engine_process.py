@@ -3,6 +3,8 @@
 * ``kill -9`` of the engine process: the front answers 503 and exits non-zero within 5 s; ``kill -9`` of the
   front: the engine process exits within 5 s; either way no process of the group is left (the front's prompt
   workers included), also with 2 CPU ranks and with 2 data-parallel replicas;
+* the engine process frozen (SIGSTOP, public case C52): ``/healthz`` 503 within ``wire.ENGINE_SILENT_S`` and a
+  few seconds, the open stream ends with an error, and the whole group is gone;
 * a 16 MB message while 8 streams run: the streams keep receiving tokens (the message is tokenized in a
   prompt worker, not in the engine process nor in the front's event loop) and the big request gets its
   context error; a body over ``--max-request-mb`` gets 413 naming the limit, before it is read.
@@ -88,6 +90,52 @@ def test_kill_9_of_either_process_ends_the_other(tmp_path, tiny_cache, ranks, re
             wait_until(lambda: group_pids(svc.proc.pid) == [], 30, "no process of the group left")
             assert svc.proc.wait(30) != 0 and (code is None or code != 0)
             assert "front:" in svc.log_text() or victim == "front"
+
+
+def test_a_frozen_engine_process_turns_healthz_503_and_the_group_ends(tmp_path, tiny_cache):
+    """Public case C52: the engine process stopped (SIGSTOP: every thread frozen) while a stream runs.  Within
+    ``ENGINE_SILENT_S`` + a few seconds ``/healthz`` answers 503 (or the port is closed), the stream ends with
+    an error, and the whole group is gone (the front kills the frozen process: Supervisor restarts a group only
+    once its main process has exited)."""
+    from qwen_chat.engine.wire import ENGINE_SILENT_S
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with ServiceProcess(service_argv(port, tmp_path / "h", tiny_cache), tmp_path / "frozen.log") as svc:
+        wait_healthy(url, timeout_s=240)
+        engines, front = processes(svc.proc.pid)
+        ended = threading.Event()
+        chunks: list = []
+
+        def read_stream() -> None:
+            body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 2000,
+                    "stream": True}
+            try:
+                with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+                    for line in r.iter_lines():
+                        chunks.append(line)
+            except httpx.HTTPError as exc:
+                chunks.append(f"error: {exc!r}")
+            ended.set()
+
+        threading.Thread(target=read_stream, daemon=True).start()
+        wait_until(lambda: len(chunks) > 3 or ended.is_set(), 60, "the stream to run")
+        assert not ended.is_set(), chunks
+        os.kill(engines[0], signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            wait_until(lambda: health(url, 1.0)[0] in (503, None), ENGINE_SILENT_S + 15, "/healthz 503")
+            took = time.monotonic() - start
+            print(f"\n[drill] SIGSTOP of the engine process: /healthz 503 after {took:.1f} s")
+            assert ended.wait(30)
+            assert any("error" in c for c in chunks[-4:]), chunks[-4:]   # an error event, not a silent cut
+            wait_until(lambda: group_pids(svc.proc.pid) == [], 30, "no process of the group left")
+            assert svc.proc.wait(30) != 0
+            assert "ending the silent engine process" in svc.log_text()
+        finally:
+            for pid in engines:
+                if psutil.pid_exists(pid):
+                    os.kill(pid, signal.SIGCONT)
 
 
 def stream_gaps(url: str, prompt: str, out: list, stop: threading.Event) -> None:

@@ -58,6 +58,7 @@ class EngineHub:
         self.on_engine_gone = on_engine_gone
         self.clients: dict[int, EngineClient] = {}
         self.failure: Optional[str] = None
+        self.silent: set[int] = set()  # replicas whose engine process stopped sending status (frozen, or gone)
         self.ready = threading.Event()
         self._tokens = None
         self.prompt_workers = int(prompt_workers)
@@ -100,6 +101,19 @@ class EngineHub:
                               dropped_messages=dropped, tokenizer=self._tokens, think_ids=tuple(setup["think_ids"]),
                               eos_ids=tuple(setup["eos_ids"]), tool_ids=tool_ids, request_id=rid)
 
+    def _finish_setup(self) -> None:
+        """Once every engine said hello (and the prompt workers run on replica 0's checkpoint): the token table
+        the replies are decoded with, loaded now rather than by the first request; then ready."""
+        setup = self.clients[0].setup
+        try:
+            if self._tokens is None:
+                self._tokens = TokenTable(Path(setup["checkpoint"]))
+        except Exception as exc:  # noqa: BLE001 - reported as the front's start-up failure
+            log.exception("front: loading the checkpoint's tokenizer failed")
+            self.failure = f"the web front could not load the tokenizer of {setup['checkpoint']}: {exc}"
+            return
+        self.ready.set()
+
     def wait_ready(self, timeout_s: float, stop: Optional[Callable[[], bool]] = None) -> list[EngineClient]:
         """Wait until every engine said hello; their clients in replica order.  Raises RuntimeError with the
         engine's reason when one reported a failed start, TimeoutError after ``timeout_s``."""
@@ -136,7 +150,8 @@ class EngineHub:
         now = time.monotonic()
         for client in list(self.clients.values()):
             if not client.lost and not client._closing and now - client._status_at > wire.ENGINE_SILENT_S:
-                self._lose(client, f"no status for {now - client._status_at:.0f} s")
+                self.silent.add(client.replica)
+                self._lose(client, f"no status for {now - client._status_at:.0f} s (frozen?)")
 
     def lose_all(self, reason: str) -> None:
         """Every engine counts as gone (the front saw its engine process exit)."""
@@ -178,15 +193,17 @@ class EngineHub:
                         self.on_engine_gone(f"replica {replica}: {event[1]}")
                 elif event[0] == "hello" and event[1] == self.token and 0 <= replica < self.replicas:
                     _, _, input_address, status, setup = event
-                    if replica == 0 or self.prompts is None:
-                        self._ensure_prompts(Path(setup["checkpoint"]), int(setup["image_token_budget"]))
-                    if self._tokens is None and replica == 0:  # loaded now, not by the first request
-                        self._tokens = TokenTable(Path(setup["checkpoint"]))
+                    # the client first: its pings start now (the engine waits for them), the loading below is
+                    # done beside it
                     client = self.clients[replica] = EngineClient(self, replica, input_address, status, setup)
                     log.info("replica %d: its engine process connected (%s)", replica,
                              status["health"].get("reason"))
                     if len(self.clients) == self.replicas:
-                        self.ready.set()
+                        # the prompt workers are started from this long-lived thread: their parent-death signal
+                        # (prompt_worker) fires when the thread that started them ends, not only the process
+                        setup = self.clients[0].setup
+                        self._ensure_prompts(Path(setup["checkpoint"]), int(setup["image_token_budget"]))
+                        threading.Thread(target=self._finish_setup, name="front-setup", daemon=True).start()
                 elif client is not None:
                     client.on_events([event], deliveries)
             return

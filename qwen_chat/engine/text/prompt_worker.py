@@ -38,7 +38,9 @@ PARENT_POLL_S = 0.5
 
 def _leave_with_parent() -> None:
     """End this worker as soon as the front that started it is gone (even by ``kill -9``): the kernel's
-    parent-death signal on Linux, and a poll of the parent's pid everywhere (a pool's pipes never report it)."""
+    parent-death signal on Linux, and a poll of the parent's pid everywhere (a pool's pipes never report it).
+    Linux sends the signal when the *thread* that started the worker ends: start pools from a thread that
+    lives as long as the front (``EngineHub``)."""
     parent = os.getppid()
     try:
         import ctypes
