@@ -108,3 +108,32 @@ def test_wrong_methods_get_405_with_allow_and_unknown_routes_an_openai_404(serve
         assert refused(r, 404, f"unknown API route {path}")["code"] == "unknown_route"
     assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 200
     still_serving(server)
+
+
+@pytest.mark.parametrize("case,words", [
+    ("minLength", "minLength 100000 is larger than the limit"),
+    ("properties", "5000 properties; the limit is 1000"),
+    ("enum", "2000 enum values; the limit is 1000"),
+    ("tools", "has 129 tools; the limit is 128"),
+])
+def test_schemas_too_complex_for_a_grammar_are_refused_fast(server, case, words):
+    """What took a core for seconds to compile into a grammar (a 100,000-character minimum length, 5,000
+    required properties) is a 400 naming the limit; a schema inside the limits is served."""
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    if case == "minLength":
+        schema["properties"]["a"]["minLength"] = 100000
+    elif case == "properties":
+        schema = {"type": "object", "required": [f"p{i}" for i in range(5000)],
+                  "properties": {f"p{i}": {"type": "integer"} for i in range(5000)}}
+    elif case == "enum":
+        schema["properties"]["a"]["enum"] = [f"v{i}" for i in range(2000)]
+    body = {"messages": USER, "max_tokens": 4}
+    if case == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": f"t{i}", "parameters": schema}}
+                         for i in range(129)]
+    else:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    refused(post(server, body), 400, words)
+    ok = {"messages": USER, "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 200}}}}}}
+    assert post(server, ok).status_code == 200

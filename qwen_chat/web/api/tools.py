@@ -6,7 +6,8 @@ Accepted (everything else in these fields is a 400 naming the field):
 
 * ``tools``: ``[{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}]``;
   names of 1-64 characters from ``A-Z a-z 0-9 _ - . :``; ``parameters`` a JSON schema of an object (checked
-  with ``jsonschema``'s meta-schema).  ``functions`` / ``function_call`` (the deprecated form) are refused by
+  with ``jsonschema``'s meta-schema); at most 128 tools, and the schemas of a request within the complexity
+  limits of ``schema_limits`` (properties, enum values, repetition bounds), else 400 before any grammar is built.  ``functions`` / ``function_call`` (the deprecated form) are refused by
   ``protocol`` (code ``unsupported_parameter``).
 * ``tool_choice``: ``"auto"`` (default), ``"none"`` (the tools are not shown to the model), ``"required"``,
   or ``{"type": "function", "function": {"name": NAME}}``; the last two are enforced by constrained
@@ -32,6 +33,7 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 from qwen_chat.chat_types import ChatMessage, InvalidInput, StreamUpdate, ToolCall, ToolSpec
+from qwen_chat.web.api.schema_limits import MAX_TOOLS, schemas_problem
 
 #: Function names the call format can carry (OpenAI's ``[a-zA-Z0-9_-]{1,64}``, plus ``.`` and ``:`` that MCP
 #: tool names use); never ``>`` or a newline, which would end ``<function=NAME>``.
@@ -90,6 +92,8 @@ def tool_settings(body: dict) -> dict:
     if raw_tools is not None:
         if not isinstance(raw_tools, list):
             raise _bad("tools", "must be a list of tools")
+        if len(raw_tools) > MAX_TOOLS:
+            raise _bad("tools", f"has {len(raw_tools)} tools; the limit is {MAX_TOOLS}")
         out["tools"] = tuple(_tool(t, f"tools[{i}]") for i, t in enumerate(raw_tools))
     names = {t.name for t in out.get("tools", ())}
     choice = body.get("tool_choice")
@@ -111,6 +115,17 @@ def tool_settings(body: dict) -> dict:
             raise _bad("parallel_tool_calls", "must be true or false")
         out["parallel_tool_calls"] = parallel
     fmt = body.get("response_format")
+    out.update(_format(fmt))
+    problem = schemas_problem([t.parameters for t in out.get("tools", ())] + [out.get("json_schema")])
+    if problem:  # before any grammar is compiled from them
+        raise _bad("response_format" if out.get("json_schema") and not out.get("tools") else "tools",
+                   f"the JSON schemas are too complex: {problem}")
+    return out
+
+
+def _format(fmt: Any) -> dict:
+    """The ``json_schema`` setting of ``response_format`` (empty for none or "text")."""
+    out: dict[str, Any] = {}
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind == "json_object":
