@@ -99,25 +99,6 @@ def _value_type(hint: Any) -> Any:
     return typing.get_origin(hint) or hint
 
 
-def origin_problem(origin: str) -> Optional[str]:
-    """Why ``origin`` (a value of ``--allowed-origins``) is not a web origin ``scheme://host[:port]`` (http or
-    https, nothing after the host), or None when it is one; ``*`` (any origin) is accepted too."""
-    from urllib.parse import urlsplit
-
-    if origin == "*":
-        return None
-    parts = urlsplit(origin)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "expected scheme://host[:port] with http or https"
-    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        return "an origin has no path, query or user part"
-    try:
-        parts.port
-    except ValueError:
-        return "the port is not a number 1..65535"
-    return None
-
-
 #: Sequences decoded together at most when ``--max-batch`` is not given: the largest decode batch with a CUDA
 #: graph (``qwen_chat.engine.model.graphs.BATCH_LADDER``); the memory budget may hold fewer.
 DEFAULT_MAX_SLOTS = 128
@@ -237,7 +218,7 @@ class ServiceConfig:
         ``--max-batch`` >= 1, ``--gpu-memory-utilization`` 0.05..1, ``--memory-budget-gib`` > 0,
         ``--prefill-chunk-tokens`` >= 16, ``--max-upload-mb`` at least one byte, ``--max-context`` >= 1,
         ``--collective-timeout-s`` > 0, ``--data-parallel`` >= 1), the choices, login and API-key requirements,
-        that every ``--allowed-origins`` value is an origin (``origin_problem``),
+        that every ``--allowed-origins`` value is an origin (``web.origins.origin_problem``),
         that ``--ds-config`` exists, that ``--adapter`` is a folder with ``adapter_config.json``, when login is on,
         that the users file can be read and parsed (``auth.UserDB.from_file``), and last that ``--history-dir`` is
         a writable folder (created here when missing).
@@ -285,6 +266,8 @@ class ServiceConfig:
                 "API keys are required when bound beyond loopback: pass --api-key KEY (or set QWEN_CHAT_API_KEYS), "
                 "or --no-api-key to allow unauthenticated API access"
             )
+        from qwen_chat.web.origins import origin_problem
+
         for origin in self.allowed_origins:
             problem = origin_problem(origin)
             if problem:

@@ -3,7 +3,7 @@
 * ``kill -9`` of the engine process: the front answers 503 and exits non-zero within 5 s; ``kill -9`` of the
   front: the engine process exits within 5 s; either way no process of the group is left (the front's prompt
   workers included), also with 2 CPU ranks and with 2 data-parallel replicas;
-* the engine process frozen (SIGSTOP, public case C52): ``/healthz`` 503 within ``wire.ENGINE_SILENT_S`` and a
+* the engine process frozen (SIGSTOP: a health check must not say 200 for a frozen engine): ``/healthz`` 503 within ``wire.ENGINE_SILENT_S`` and a
   few seconds, the open stream ends with an error, and the whole group is gone;
 * a 16 MB message while 8 streams run: the streams keep receiving tokens (the message is tokenized in a
   prompt worker, not in the engine process nor in the front's event loop) and the big request gets its
@@ -93,7 +93,7 @@ def test_kill_9_of_either_process_ends_the_other(tmp_path, tiny_cache, ranks, re
 
 
 def test_a_frozen_engine_process_turns_healthz_503_and_the_group_ends(tmp_path, tiny_cache):
-    """Public case C52: the engine process stopped (SIGSTOP: every thread frozen) while a stream runs.  Within
+    """The engine process stopped (SIGSTOP: every thread frozen) while a stream runs.  Within
     ``ENGINE_SILENT_S`` + a few seconds ``/healthz`` answers 503 (or the port is closed), the stream ends with
     an error, and the whole group is gone (the front kills the frozen process: Supervisor restarts a group only
     once its main process has exited)."""
