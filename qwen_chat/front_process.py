@@ -65,16 +65,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     address, token = os.environ[LINK_ENV], os.environ[TOKEN_ENV]
     replicas = int(os.environ.get(REPLICAS_ENV) or 1)
 
-    import uvicorn
-
     from qwen_chat.engine.client.engine_hub import EngineHub, parent_watch
     from qwen_chat.pending import PendingBackend, provisional_info
-    from qwen_chat.web.front import GRACEFUL_SHUTDOWN_S, Front, WebServer
+    from qwen_chat.web.front import Front, WebServer, server_config
 
     parent_gone = parent_watch()
     backend = PendingBackend(provisional_info(cfg.model))
     front = Front(backend)
-    server = WebServer(front, uvicorn.Config(front, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    server = WebServer(front, server_config(front, log_level="info"))
     web_done = threading.Event()
 
     def serve() -> None:

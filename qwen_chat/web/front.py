@@ -6,7 +6,7 @@ build the full application (``qwen_chat.web.server.build_app``, ~3 s on 2 CPU co
 the engine in its main thread::
 
     front = Front(backend)                                   # backend: the PendingBackend
-    server = WebServer(front, uvicorn.Config(front, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    server = WebServer(front, server_config(front))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}).start()
     front.attach(build_app(...), end_streams=...)            # from the main thread
 
@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 #: Seconds uvicorn waits for open requests once the shutdown began before it cancels them (a backstop: the
 #: engine is closed first, so replies end at once, and ``WebServer`` ends the heartbeat streams).
 GRACEFUL_SHUTDOWN_S = 2.0
+
+
+def server_config(app: Any, **options: Any) -> uvicorn.Config:
+    """How the service's uvicorn serves ``app`` (``options``: host, port, log level...): graceful shutdown of
+    ``GRACEFUL_SHUTDOWN_S``, and the TCP peer as the client address (``proxy_headers=False``: an
+    ``X-Forwarded-For`` sent by a local client must not change the address the login limit counts;
+    ``web.login_guard``)."""
+    return uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, proxy_headers=False, **options)
 #: Seconds ``Front.attach`` waits for the server's event loop and for the application's lifespan startup.
 ATTACH_TIMEOUT_S = 60.0
 #: Request paths whose access-log lines are dropped (polled by health checkers and Prometheus every few s).

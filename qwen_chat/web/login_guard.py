@@ -8,13 +8,14 @@ site could post the form and log the user's browser into the attacker's account 
 - ``LoginGuard.verify`` (given to Gradio as its async ``auth``) runs the check in a worker thread, at most
   ``HASH_THREADS`` at once (bcrypt releases the GIL, so the loop and the other requests go on);
 - ``LoginGuard.middleware`` answers a ``POST /login`` with 429 (``Retry-After``, a message naming the wait)
-  when its client address or its user name had ``MAX_FAILURES`` wrong attempts in the last ``WINDOW_S``
-  seconds, before anything is hashed; a successful login clears the name's count;
+  when its user name had ``MAX_FAILURES`` wrong attempts in the last ``WINDOW_S`` seconds, or its client
+  address ``MAX_ADDRESS_FAILURES``, before anything is hashed; a successful login clears the name's count;
 - the same middleware refuses with 403 a login form posted from another origin (its ``Origin`` header is not
   the service's own ``Host``), before anything is read.
 
-The client address is the TCP peer's (a reverse proxy in front makes every user one address: its limit is then
-shared, the per-name limit still holds).
+The client address is the TCP peer's (uvicorn runs with ``proxy_headers=False``: an ``X-Forwarded-For`` does not
+change it; a reverse proxy in front makes every user one address: its limit is then shared, the per-name limit
+still holds).
 """
 from __future__ import annotations
 
@@ -30,8 +31,11 @@ import anyio
 
 from qwen_chat.web.api.browsers import same_origin
 
-#: Wrong attempts allowed per client address and per user name within ``WINDOW_S`` seconds.
+#: Wrong attempts allowed per user name, and per client address, within ``WINDOW_S`` seconds.  The address's
+#: limit is higher: users behind one NAT or proxy share it, and one of them guessing must not lock out the rest
+#: for long.
 MAX_FAILURES = 5
+MAX_ADDRESS_FAILURES = 20
 WINDOW_S = 60.0
 #: Password checks running at once (each takes one core for about 0.2 s at bcrypt cost 12).
 HASH_THREADS = 2
@@ -59,12 +63,12 @@ class _Failures:
             del self._times[key]
         return times
 
-    def wait_s(self, key: str) -> float:
-        """Seconds until ``key`` may try again (0.0: now)."""
+    def wait_s(self, key: str, limit: int) -> float:
+        """Seconds until ``key`` (with ``limit`` failures allowed in the window) may try again (0.0: now)."""
         with self._lock:
             now = self._clock()
             times = self._recent(key, now)
-            return WINDOW_S - (now - times[0]) if len(times) >= MAX_FAILURES else 0.0
+            return WINDOW_S - (now - times[-limit]) if len(times) >= limit else 0.0
 
     def add(self, key: str) -> None:
         with self._lock:
@@ -118,7 +122,8 @@ class LoginGuard:
             name = (form.get("username") or [""])[0].strip()
             address = (scope.get("client") or ("?", 0))[0]
             keys = [f"address:{address}", f"user:{name}"]
-            wait = max(self.guard.failures.wait_s(k) for k in keys)
+            wait = max(self.guard.failures.wait_s(keys[0], MAX_ADDRESS_FAILURES),
+                       self.guard.failures.wait_s(keys[1], MAX_FAILURES))
             if wait > 0:
                 seconds = max(1, math.ceil(wait))
                 await _answer(send, 429, f"Too many wrong logins: try again in {seconds} s.",

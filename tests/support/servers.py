@@ -42,10 +42,11 @@ class RunningServer:
     def __init__(self, app, port: Optional[int] = None, timeout_s: float = 30.0):
         import uvicorn  # noqa: PLC0415 (only in-process servers need it)
 
+        from qwen_chat.web.front import server_config
+
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=1))
+        self._server = uvicorn.Server(server_config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._timeout_s = timeout_s
 

@@ -66,9 +66,10 @@ def test_an_allowed_origin_gets_its_preflight_and_the_cors_header(server):
         "access-control-request-headers": "authorization, content-type"})
     assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == ALLOWED
     assert "POST" in pre.headers["access-control-allow-methods"]
-    assert "Content-Type" in pre.headers["access-control-allow-headers"]
+    assert pre.headers["access-control-allow-headers"] == "authorization, content-type"   # what it asked for
     r = post(server, {"origin": ALLOWED, "content-type": "application/json"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ALLOWED
+    assert "X-Dropped-Messages" in r.headers["access-control-expose-headers"]
     stream = post(server, {"origin": ALLOWED, "content-type": "application/json"},
                   body=BODY[:-1] + b', "stream": true}')
     assert stream.status_code == 200 and stream.headers["access-control-allow-origin"] == ALLOWED

@@ -21,8 +21,11 @@ from fastapi.responses import Response
 
 from qwen_chat.web.api.protocol import APIRequestError
 
-#: Headers a page of an allowed origin may send (the preflight's answer): what the OpenAI SDKs send.
+#: Headers a page of an allowed origin may send when its preflight does not list them: what the OpenAI SDKs
+#: send.  A preflight that lists headers gets them allowed (the SDKs add ``X-Stainless-*`` headers of their own).
 ALLOWED_HEADERS = "Authorization, Content-Type, OpenAI-Organization, OpenAI-Project, X-Stainless-Lang"
+#: Response headers a page of an allowed origin may read.
+EXPOSED_HEADERS = "X-Dropped-Messages, Retry-After"
 #: Seconds a browser may cache a preflight's answer.
 PREFLIGHT_MAX_AGE_S = 600
 
@@ -83,10 +86,10 @@ def preflight(request: Request, allowed: Sequence[str], methods: str) -> Optiona
     if (origin is None or "access-control-request-method" not in request.headers
             or not origin_allowed(origin, None, allowed)):
         return None
+    asked = request.headers.get("access-control-request-headers", "").strip()
     return Response(status_code=204, headers={
         "Access-Control-Allow-Origin": origin, "Access-Control-Allow-Methods": methods,
-        "Access-Control-Allow-Headers": ALLOWED_HEADERS, "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S),
-        "Vary": "Origin"})
+        "Access-Control-Allow-Headers": asked or ALLOWED_HEADERS, "Access-Control-Max-Age": str(PREFLIGHT_MAX_AGE_S)})
 
 
 class CorsHeaders:
@@ -109,8 +112,10 @@ class CorsHeaders:
 
         async def with_cors(message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"access-control-allow-origin"]
-                headers += [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+                drop = (b"access-control-allow-origin", b"access-control-expose-headers")
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() not in drop]
+                headers += [(b"access-control-allow-origin", origin.encode("latin-1")),
+                            (b"access-control-expose-headers", EXPOSED_HEADERS.encode()), (b"vary", b"Origin")]
                 message = {**message, "headers": headers}
             await send(message)
 
