@@ -39,14 +39,6 @@ log = logging.getLogger(__name__)
 #: Seconds uvicorn waits for open requests once the shutdown began before it cancels them (a backstop: the
 #: engine is closed first, so replies end at once, and ``WebServer`` ends the heartbeat streams).
 GRACEFUL_SHUTDOWN_S = 2.0
-
-
-def server_config(app: Any, **options: Any) -> uvicorn.Config:
-    """How the service's uvicorn serves ``app`` (``options``: host, port, log level...): graceful shutdown of
-    ``GRACEFUL_SHUTDOWN_S``, and the TCP peer as the client address (``proxy_headers=False``: an
-    ``X-Forwarded-For`` sent by a local client must not change the address the login limit counts;
-    ``web.login_guard``)."""
-    return uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, proxy_headers=False, **options)
 #: Seconds ``Front.attach`` waits for the server's event loop and for the application's lifespan startup.
 ATTACH_TIMEOUT_S = 60.0
 #: Request paths whose access-log lines are dropped (polled by health checkers and Prometheus every few s).
@@ -55,6 +47,14 @@ QUIET_PATHS = frozenset({"/healthz", "/metrics"})
 _STARTING_PAGE = (b"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='2'>"
                   b"<title>Qwen3.5 chat: starting</title></head><body style='font-family:sans-serif'>"
                   b"<p>The chat service is starting; this page reloads by itself.</p></body></html>")
+
+
+def server_config(app: Any, **options: Any) -> uvicorn.Config:
+    """How the service's uvicorn serves ``app`` (``options``: host, port, log level...): graceful shutdown of
+    ``GRACEFUL_SHUTDOWN_S``, and the TCP peer as the client address (``proxy_headers=False``: an
+    ``X-Forwarded-For`` sent by a local client must not change the address the login limit counts;
+    ``web.login_guard``)."""
+    return uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, proxy_headers=False, **options)
 
 
 def health_report(backend: Any) -> tuple[int, dict]:

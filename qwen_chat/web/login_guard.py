@@ -29,7 +29,7 @@ from urllib.parse import parse_qs
 
 import anyio
 
-from qwen_chat.web.api.browsers import same_origin
+from qwen_chat.web.origins import same_origin
 
 #: Wrong attempts allowed per user name, and per client address, within ``WINDOW_S`` seconds.  The address's
 #: limit is higher: users behind one NAT or proxy share it, and one of them guessing must not lock out the rest

@@ -40,7 +40,7 @@ def test_the_hello_keeps_workers_started_on_the_folder_it_loaded(hub, tmp_path):
     (tmp_path / "link").symlink_to(ckpt)
     hub.start_prompts(tmp_path / "link", 1024)
     assert len(FakePool.made) == 1 and FakePool.made[0].workers == 3
-    hub._ensure_prompts(ckpt, 1024)                 # the hello names the resolved folder: kept
+    hub.start_prompts(ckpt, 1024)                 # the hello names the resolved folder: kept
     assert len(FakePool.made) == 1 and not FakePool.made[0].closed and hub.prompts is FakePool.made[0]
 
 
@@ -49,11 +49,11 @@ def test_another_folder_or_budget_restarts_them_and_close_stops_them(hub, tmp_pa
     a.mkdir()
     b.mkdir()
     hub.start_prompts(a, 1024)
-    hub._ensure_prompts(b, 1024)
+    hub.start_prompts(b, 1024)
     assert [p.closed for p in FakePool.made] == [True, False] and hub.prompts.checkpoint == b.resolve()
-    hub._ensure_prompts(b, 256)
+    hub.start_prompts(b, 256)
     assert len(FakePool.made) == 3 and hub.prompts.budget == 256
     hub.close()
     assert hub.prompts.closed
-    hub._ensure_prompts(a, 1024)                    # nothing is started after close
+    hub.start_prompts(a, 1024)                    # nothing is started after close
     assert len(FakePool.made) == 3

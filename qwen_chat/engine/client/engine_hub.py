@@ -71,15 +71,13 @@ class EngineHub:
         threading.Thread(target=self._ping, name="engine-ping", daemon=True).start()
 
     def start_prompts(self, checkpoint: Path, image_token_budget: int) -> None:
-        """Start the prompt workers on ``checkpoint``'s processor now, while the engine still loads (they take
-        seconds to import and load: started at the hello, /healthz would wait for them after the engine is
-        ready).  The hello keeps them when the engine loaded that folder, else starts them again on its own."""
-        self._ensure_prompts(Path(checkpoint), int(image_token_budget))
-
-    def _ensure_prompts(self, checkpoint: Path, image_token_budget: int) -> None:
+        """Run the prompt workers on ``checkpoint``'s processor (kept when they run on it already).  The front
+        calls it with ``--model`` a local folder, while the engine still loads (they take seconds to import and
+        load: started at the hello, /healthz would wait for them after the engine is ready); the hello calls
+        it with the folder the engine loaded.  Nothing is started after ``close``."""
         from qwen_chat.engine.text.prompt_worker import PromptPool
 
-        key = (str(checkpoint.expanduser().resolve()), image_token_budget)
+        key = (str(Path(checkpoint).expanduser().resolve()), int(image_token_budget))
         with self._prompts_lock:
             if self._prompts_key == key or self._stop.is_set():
                 return
@@ -90,12 +88,11 @@ class EngineHub:
             self._prompts_key = key
 
     def assembler(self, settings: GenerationSettings, prompt_tokens: int, notice: str, dropped: int, rid: int):
-        """A ``ReplyAssembler`` for an accepted request (the tokenizer of replica 0's checkpoint)."""
+        """A ``ReplyAssembler`` for an accepted request (the token table of replica 0's checkpoint, loaded before
+        ready: ``_finish_setup``)."""
         from qwen_chat.engine.output.replies import ReplyAssembler
 
         setup = self.clients[min(self.clients)].setup
-        if self._tokens is None:
-            self._tokens = TokenTable(Path(setup["checkpoint"]))
         tool_ids = tuple(setup["tool_ids"]) if setup.get("tool_ids") else None
         return ReplyAssembler(settings.n, settings, prompt_tokens=prompt_tokens, notice=notice,
                               dropped_messages=dropped, tokenizer=self._tokens, think_ids=tuple(setup["think_ids"]),
@@ -202,7 +199,7 @@ class EngineHub:
                         # the prompt workers are started from this long-lived thread: their parent-death signal
                         # (prompt_worker) fires when the thread that started them ends, not only the process
                         setup = self.clients[0].setup
-                        self._ensure_prompts(Path(setup["checkpoint"]), int(setup["image_token_budget"]))
+                        self.start_prompts(Path(setup["checkpoint"]), int(setup["image_token_budget"]))
                         threading.Thread(target=self._finish_setup, name="front-setup", daemon=True).start()
                 elif client is not None:
                     client.on_events([event], deliveries)

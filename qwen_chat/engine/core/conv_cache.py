@@ -56,6 +56,10 @@ class PromptKey:
     keeps: tuple[int, ...]
     system_at: int = 0
 
+    def images_before(self, n: int) -> tuple[tuple[int, bytes], ...]:
+        """The images among the first ``n`` tokens (what a kept prefix of ``n`` tokens holds)."""
+        return tuple(im for im in self.images if im[0] < n)
+
     def extended(self, ids: torch.Tensor) -> "PromptKey":
         """The key of a longer sequence with the same images (a preempted sequence's prompt and fed tokens)."""
         return PromptKey(ids, self.images, self.keeps, self.system_at)
@@ -141,7 +145,7 @@ class ConversationCache:
                 continue
             if not torch.equal(key.ids[:e.n], e.ids):
                 continue
-            if tuple(im for im in key.images if im[0] < e.n) != e.images:
+            if key.images_before(e.n) != e.images:
                 continue
             best = e
         if best is not None:
@@ -158,13 +162,13 @@ class ConversationCache:
 
     def holds_prefix(self, key: PromptKey, n: int) -> bool:
         """True when a kept prefix holds exactly the first ``n`` tokens of ``key``'s prompt (and its images)."""
-        images = tuple(im for im in key.images if im[0] < n)
+        images = key.images_before(n)
         return any(e.n == n and e.images == images and torch.equal(key.ids[:n], e.ids)
                    for e in self._entries.values())
 
     def add(self, row: int, key: PromptKey, n: int) -> Entry:
         """Register the prefix of ``n`` tokens of ``key``'s prompt as kept in ``row``."""
-        e = Entry(row, n, key.ids[:n].clone(), tuple(im for im in key.images if im[0] < n), next(self._clock),
+        e = Entry(row, n, key.ids[:n].clone(), key.images_before(n), next(self._clock),
                   system=n == key.system_at)
         self._entries[row] = e
         return e

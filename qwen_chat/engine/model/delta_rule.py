@@ -13,6 +13,7 @@ keep points (a system prompt's end and a conversation turn's end): it is cut at 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -89,6 +90,14 @@ class Segments:
         """Indexes of the segments of round ``r``."""
         return [s for s, d in enumerate(self.depth) if d == r]
 
+    @functools.cached_property
+    def longest(self) -> list[int]:
+        """Per round, the tokens of its longest segment (computed once per step, read by every layer)."""
+        out = [0] * self.rounds
+        for (lo, hi), d in zip(self.bounds, self.depth):
+            out[d] = max(out[d], hi - lo)
+        return out
+
 
 def segments(chunks: Sequence[tuple[int, int, Sequence[int]]]) -> Segments:
     """The segments of packed chunks ``(offset, n, keeps)``: ``keeps`` the tokens of the chunk before each of
@@ -145,8 +154,7 @@ def packed_delta_rule(rule: Callable, varlen: bool, seg: Segments, q, k, v, g, b
                        use_qk_l2norm_in_kernel=False, cu_seqlens=index["cu"], cu_seqlens_cpu=index["cu_cpu"])
     for r in range(1, seg.rounds):
         rows = index[f"t{r}_rows"]
-        longest = max(seg.bounds[s][1] - seg.bounds[s][0] for s in seg.round_segments(r))
-        fn = tail_rule if tail_rule is not None and longest <= TAIL_RECURRENT_MAX else rule
+        fn = tail_rule if tail_rule is not None and seg.longest[r] <= TAIL_RECURRENT_MAX else rule
         extra = {"cu_seqlens_cpu": index[f"t{r}_cu_cpu"]} if fn is rule else {}
         o2, st2 = fn(q[:, rows], k[:, rows], v[:, rows], g=g[:, rows], beta=beta[:, rows],
                      initial_state=states.index_select(0, index[f"t{r}_seg"] - 1), output_final_state=True,

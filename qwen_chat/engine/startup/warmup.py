@@ -15,12 +15,11 @@ compiled on first use: nothing runs.
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
+from qwen_chat.engine.text.prompt import photo_prompt
 from qwen_chat.engine.types import PrefillItem, PreparedPrompt
 
 log = logging.getLogger(__name__)
@@ -35,23 +34,6 @@ PHOTO_PIXELS = 448
 def _ids(gen: torch.Generator, n: int, vocab: int) -> PreparedPrompt:
     return PreparedPrompt(input_ids=torch.randint(0, vocab, (n,), generator=gen, dtype=torch.int64),
                           max_new_tokens=1)
-
-
-def _photo_prompt(loaded, image_token_budget: int, max_context: int) -> PreparedPrompt:
-    """A chat prompt with one noise photo of ``PHOTO_PIXELS`` square, built as a request's would be."""
-    from PIL import Image
-
-    from qwen_chat.chat_types import ChatMessage
-    from qwen_chat.engine.text.prompt import build_prompt
-
-    gen = torch.Generator().manual_seed(0)
-    pixels = torch.randint(0, 256, (PHOTO_PIXELS, PHOTO_PIXELS, 3), generator=gen, dtype=torch.uint8).numpy()
-    with tempfile.TemporaryDirectory(prefix="qwen-chat-warmup-") as folder:
-        path = Path(folder) / "warmup.png"
-        Image.fromarray(pixels, "RGB").save(path)
-        return build_prompt(loaded, [ChatMessage(role="user", text="What is in this photo?", images=(str(path),))],
-                            enable_thinking=False, image_token_budget=image_token_budget,
-                            context_length=max_context, max_new_tokens=1)
 
 
 @torch.no_grad()
@@ -86,7 +68,9 @@ def warm_up_prefill(runner, loaded, chunk_tokens: int, image_token_budget: int,
         each = max(1, min(BURST_TOKENS, chunk_tokens // k, top))
         runner.prefill_batch([PrefillItem(s, _ids(gen, each, vocab)) for s in range(k)])
         if loaded is not None and getattr(loaded, "processor", None) is not None:
-            runner.prefill_batch([PrefillItem(0, _photo_prompt(loaded, image_token_budget, runner.max_context))])
+            photo = photo_prompt(loaded, side=PHOTO_PIXELS, image_token_budget=image_token_budget,
+                                 context_length=runner.max_context)
+            runner.prefill_batch([PrefillItem(0, photo)])
     finally:
         for s in range(slots):
             runner.free(s)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -355,3 +356,21 @@ def build_prompt(loaded_or_processor: Any, messages: Sequence[ChatMessage], *, e
         prepared.image_grid_thw = vision["image_grid_thw"]
         prepared.mm_token_type_ids = (input_ids == image_pad_id).to(torch.int64)
     return prepared
+
+
+def photo_prompt(loaded_or_processor: Any, *, side: int, image_token_budget: int, context_length: int,
+                 system: Optional[str] = None, control_tokens: Sequence[str] = ()) -> PreparedPrompt:
+    """The prompt a request with one photo builds (optional ``system`` message, then the photo and a question,
+    thinking off, one new token): the photo is ``side`` x ``side`` px of seeded noise, the same on every call.
+    For warm-ups, which run each code path a request meets before the first request does.  Raises as
+    ``build_prompt``."""
+    gen = torch.Generator().manual_seed(0)
+    pixels = torch.randint(0, 256, (side, side, 3), generator=gen, dtype=torch.uint8).numpy()
+    messages = [ChatMessage(role="system", text=system)] if system else []
+    with tempfile.TemporaryDirectory(prefix="qwen-chat-photo-") as folder:
+        path = Path(folder) / "photo.png"
+        Image.fromarray(pixels, "RGB").save(path)
+        messages.append(ChatMessage(role="user", text="What is in this photo?", images=(str(path),)))
+        return build_prompt(loaded_or_processor, messages, enable_thinking=False,
+                            image_token_budget=image_token_budget, context_length=context_length, max_new_tokens=1,
+                            control_tokens=control_tokens)

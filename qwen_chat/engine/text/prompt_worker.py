@@ -108,24 +108,14 @@ def _give_memory_back() -> None:
 
 
 def _warm() -> bool:
-    """In a worker, once at start: build a prompt with a system message, a photo and a question, so that the
-    chat template is compiled and the image processor's code paths are loaded before the first request (the
-    first request through the front waited about half a second more than the next ones: docs/performance.md,
-    "First use after ready").  True when the processor is loaded."""
-    import tempfile
+    """In a worker, once at start: build a prompt with a system message and a photo, so that the chat template
+    is compiled and the image processor's code paths are loaded before the first request (the first request
+    through the front waited about half a second more than the next ones: docs/performance.md, "First use
+    after ready").  True when the processor is loaded."""
+    from qwen_chat.engine.text.prompt import photo_prompt
 
-    from PIL import Image
-
-    from qwen_chat.chat_types import ChatMessage
-    from qwen_chat.engine.text.prompt import build_prompt
-
-    with tempfile.TemporaryDirectory(prefix="qwen-chat-prompt-warm-") as folder:
-        path = Path(folder) / "warm.png"
-        Image.new("RGB", (64, 48), (120, 160, 200)).save(path)
-        messages = [ChatMessage(role="system", text="Warm-up."),
-                    ChatMessage(role="user", text="What is in this photo?", images=(str(path),))]
-        build_prompt(_PROCESSOR, messages, enable_thinking=True, image_token_budget=64, context_length=4096,
-                     max_new_tokens=16, control_tokens=_CONTROL)
+    photo_prompt(_PROCESSOR, side=64, image_token_budget=64, context_length=4096, system="Warm-up.",
+                 control_tokens=_CONTROL)
     return _PROCESSOR is not None
 
 

@@ -36,8 +36,30 @@ def text_ids(tokenizer: Any, text: str, special_ids: set) -> Sequence[int]:
     return content_ids
 
 
-#: The template text that opens the reply's turn (docs/facts.md, "Chat template behaviour").
+#: The template texts the keep points are found by (docs/facts.md, "Chat template behaviour"): the header that
+#: opens the reply's turn, the one that opens a system block, and the text that ends every message.
 ASSISTANT_HEADER = "<|im_start|>assistant\n"
+SYSTEM_HEADER = "<|im_start|>system\n"
+MESSAGE_END = "<|im_end|>\n"
+_TEMPLATE_IDS: dict[tuple[int, str], list[int]] = {}  # (id of the tokenizer, text) -> ids
+
+
+def _template_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids of a template text (all special tokens and one newline: encoded once per tokenizer)."""
+    key = (id(tokenizer), text)
+    if key not in _TEMPLATE_IDS:
+        _TEMPLATE_IDS[key] = tokenizer.encode(text, add_special_tokens=False)
+    return _TEMPLATE_IDS[key]
+
+
+def _end_of_run(ids: Sequence[int], run: list[int], positions: range) -> int:
+    """The position right after the first occurrence of ``run`` in ``ids`` that starts at one of
+    ``positions`` (in their order), or 0 when none does."""
+    n = len(run)
+    for i in positions:
+        if list(ids[i:i + n]) == run:
+            return i + n
+    return 0
 
 
 def shared_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
@@ -45,31 +67,17 @@ def shared_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
     ``<|im_start|>assistant\\n`` header.  The template renders an earlier reply as its text only (no reasoning,
     no empty think block), so what follows the header (the generation prompt) is not shared.  0 when the
     prompt has no such header."""
-    header = tokenizer.encode(ASSISTANT_HEADER, add_special_tokens=False)
-    h = len(header)
-    for i in range(len(ids) - h, -1, -1):
-        if list(ids[i:i + h]) == header:
-            return i + h
-    return 0
-
-
-#: The template text that opens a system block, and the text that ends every message (docs/facts.md, "Chat
-#: template behaviour").
-SYSTEM_HEADER = "<|im_start|>system\n"
-MESSAGE_END = "<|im_end|>\n"
+    header = _template_ids(tokenizer, ASSISTANT_HEADER)
+    return _end_of_run(ids, header, range(len(ids) - len(header), -1, -1))
 
 
 def system_prefix(tokenizer: Any, ids: Sequence[int]) -> int:
-    """Tokens of ``ids`` up to the end of the system block it starts with (``<|im_start|>system\n``, the tools
-    block and system message as the template renders them, then ``<|im_end|>\n``), or 0 when the prompt does
+    """Tokens of ``ids`` up to the end of the system block it starts with (``<|im_start|>system\\n``, the tools
+    block and system message as the template renders them, then ``<|im_end|>\\n``), or 0 when the prompt does
     not start with one.  Message texts cannot contain ``<|im_end|>`` (a control id never comes from a message:
     ``text_ids``), so the first one closes the system block."""
-    header = tokenizer.encode(SYSTEM_HEADER, add_special_tokens=False)
-    end = tokenizer.encode(MESSAGE_END, add_special_tokens=False)
-    if list(ids[:len(header)]) != header:
+    header = _template_ids(tokenizer, SYSTEM_HEADER)
+    if not _end_of_run(ids, header, range(0, 1)):
         return 0
-    e = len(end)
-    for i in range(len(header), len(ids) - e + 1):
-        if list(ids[i:i + e]) == end:
-            return i + e
-    return 0
+    end = _template_ids(tokenizer, MESSAGE_END)
+    return _end_of_run(ids, end, range(len(header), len(ids) - len(end) + 1))

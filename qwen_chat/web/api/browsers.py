@@ -13,13 +13,13 @@ Answers are OpenAI error bodies (``protocol.APIRequestError``).
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
-from urllib.parse import urlsplit
+from typing import Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from qwen_chat.web.api.protocol import APIRequestError
+from qwen_chat.web.origins import origin_allowed
 
 #: Headers a page of an allowed origin may send when its preflight does not list them: what the OpenAI SDKs
 #: send.  A preflight that lists headers gets them allowed (the SDKs add ``X-Stainless-*`` headers of their own).
@@ -28,32 +28,6 @@ ALLOWED_HEADERS = "Authorization, Content-Type, OpenAI-Organization, OpenAI-Proj
 EXPOSED_HEADERS = "X-Dropped-Messages, Retry-After"
 #: Seconds a browser may cache a preflight's answer.
 PREFLIGHT_MAX_AGE_S = 600
-
-
-def _normal(origin: str) -> str:
-    return origin.strip().rstrip("/").lower()
-
-
-def same_origin(origin: str, headers: Mapping[str, str]) -> bool:
-    """True when the ``Origin`` ``origin`` names the host the request was sent to: its ``Host`` header, or the
-    ``X-Forwarded-Host`` a reverse proxy in front set (a page cannot set that header on a request the browser
-    sends without a preflight).  ``headers``: the request's headers, lower-case names."""
-    netloc = urlsplit(_normal(origin)).netloc
-    hosts = [headers.get("host"), headers.get("x-forwarded-host")]
-    return bool(netloc) and any(h and netloc == h.split(",")[0].strip().lower() for h in hosts)
-
-
-def origin_allowed(origin: str, headers: Optional[Mapping[str, str]], allowed: Sequence[str]) -> bool:
-    """True when a request with the ``Origin`` header ``origin`` comes from the service's own origin
-    (``same_origin`` over its ``headers``; None: not checked) or from one of ``allowed`` (``*``: any).  The
-    literal origin ``null`` (sandboxed frames, local files) is allowed only by ``*``."""
-    allowed = [_normal(a) for a in allowed]
-    if "*" in allowed:
-        return True
-    o = _normal(origin)
-    if o == "null":
-        return False
-    return o in allowed or (headers is not None and same_origin(o, headers))
 
 
 def check_origin(request: Request, allowed: Sequence[str]) -> None:
