@@ -23,11 +23,15 @@ folder) and for a crash while serving
 Supervisor (``$QWEN_CHAT_STARTSECS``, set by deploy/qwen3.5-9b.conf to its ``startsecs``) that exit waits until
 the process has run ``startsecs`` + 1 s: Supervisor then counts the start as done and, 78 being listed in
 ``exitcodes``, leaves the program EXITED instead of retrying a start-up that cannot succeed (an exit inside
-``startsecs`` is retried whatever its code).  Meanwhile ``/healthz`` reports the failure.  Nothing heavy happens
-at import time; worker ranks never return from ``start_engine``.
+``startsecs`` is retried whatever its code).  Meanwhile ``/healthz`` reports the failure.  Likewise a start-up
+that succeeds turns ready (``/healthz`` 200) only once the process has run ``startsecs`` + 1 s: Supervisor has then
+counted the start as done, so a crash after the service was healthy is restarted however often (with
+``autorestart=unexpected`` there is no limit), never mistaken for a failing start (which ends in FATAL after
+``startretries``).  Nothing heavy happens at import time; worker ranks never return from ``start_engine``.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -41,17 +45,42 @@ from qwen_chat import lifecycle
 log = logging.getLogger("qwen_chat")
 
 EXIT_STARTUP_FAILED = 78  # sysexits.h EX_CONFIG; listed in deploy/qwen3.5-9b.conf `exitcodes`
+#: Under Supervisor, seconds a failed start-up keeps answering ``/healthz`` 503 "start-up failed: ..." before its
+#: exit 78, also when the failure came after ``startsecs`` (a monitor polling every few seconds sees the reason).
+FAILED_HEALTH_S = 5.0
 #: Environment variable carrying Supervisor's ``startsecs`` (deploy/qwen3.5-9b.conf); unset: exit at once.
 STARTSECS_ENV = "QWEN_CHAT_STARTSECS"
 _STARTED_AT = time.monotonic()  # this process's start (imports come first)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """Bind and listen on ``host:port`` now, so a busy port fails the start-up at once (OSError)."""
+#: Seconds a busy port is tried again before the start-up fails.  After a crash of the launcher, Supervisor
+#: starts the next group at once while the old web front is still leaving (it frees the port 1.5-3 s after the
+#: crash on an idle machine, later on a loaded one); a port held by another program still fails well within
+#: ``startsecs`` (deploy/qwen3.5-9b.conf), so Supervisor gives up instead of restarting forever.
+PORT_BUSY_WAIT_S = 4.0
+
+
+def _listen(host: str, port: int, busy_wait_s: float = PORT_BUSY_WAIT_S) -> socket.socket:
+    """Bind and listen on ``host:port`` now, before anything heavy, so a busy port fails the start-up early.
+    A port in use is tried again every 0.2 s for ``busy_wait_s`` seconds.  Raises OSError (the last one)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    deadline = time.monotonic() + busy_wait_s
+    waited = False
+    while True:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            break
+        except OSError as e:
+            sock.close()
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            if not waited:
+                print(f"app.py: port {port} is busy; trying again for {busy_wait_s:.0f} s (a previous instance "
+                      "may still be leaving)", file=sys.stderr, flush=True)
+                waited = True
+            time.sleep(0.2)
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -125,6 +154,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"app.py: cannot start the engine: {e}", file=sys.stderr)
             _hold_until_started_for_supervisor(front_exited)
             return EXIT_STARTUP_FAILED
+        # Ready (the front's /healthz 200) only once Supervisor counts the start as done: a crash after the
+        # service was healthy is then always restarted, however often (module docstring).
+        _hold_until_started_for_supervisor(front_exited, exit_code=None)
         if front_exited():
             print(f"app.py: the web front exited with code {front.returncode}", file=sys.stderr)
             return 1
@@ -207,18 +239,26 @@ def _start_engine_or_exit(cfg, backend) -> int:
     return 0
 
 
-def _hold_until_started_for_supervisor(stop=None) -> None:
-    """Sleep until this process has run ``$QWEN_CHAT_STARTSECS`` + 1 s (nothing when unset or not a number), so
-    that Supervisor sees exit code 78 after its start window and treats it as final (module docstring)."""
+def _hold_until_started_for_supervisor(stop=None, exit_code: Optional[int] = EXIT_STARTUP_FAILED) -> None:
+    """Sleep until this process has run ``$QWEN_CHAT_STARTSECS`` + 1 s (nothing when unset or not a number) or
+    ``stop()`` turns True.  Before exit code 78 (``exit_code``): Supervisor sees it after its start window and
+    treats it as final.  Before serving (``exit_code=None``): the service turns ready only once Supervisor
+    counts it as started, so a crash after it was healthy is restarted however often (module docstring)."""
     try:
         startsecs = float(os.environ.get(STARTSECS_ENV) or 0)
     except ValueError:
-        log.warning("%s=%r is not a number of seconds; exiting at once", STARTSECS_ENV, os.environ[STARTSECS_ENV])
+        log.warning("%s=%r is not a number of seconds; not waiting for it", STARTSECS_ENV,
+                    os.environ[STARTSECS_ENV])
         return
     left = startsecs + 1.0 - (time.monotonic() - _STARTED_AT)
+    if exit_code is not None:  # /healthz says why for a while, also when the failure came after startsecs
+        left = max(left, FAILED_HEALTH_S)
     if startsecs > 0 and left > 0:
-        log.info("exiting with code %d in %.0f s, after Supervisor's startsecs (%.0f s): a start-up that cannot "
-                 "succeed is not retried", EXIT_STARTUP_FAILED, left, startsecs)
+        if exit_code is None:
+            log.info("ready in %.1f s, after Supervisor's startsecs (%.0f s)", left, startsecs)
+        else:
+            log.info("exiting with code %d in %.0f s, after Supervisor's startsecs (%.0f s): a start-up that "
+                     "cannot succeed is not retried", exit_code, left, startsecs)
         sys.stdout.flush()
         deadline = time.monotonic() + left
         while time.monotonic() < deadline and not (stop is not None and stop()):

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start the chat service on every local GPU through the DeepSpeed launcher (what Supervisor runs).
+# Start the chat service on every local GPU (what Supervisor runs): one GPU as one process, several through the
+# DeepSpeed launcher.
 #
 #   bash start.sh --model Qwen/Qwen3.5-9B --host 0.0.0.0 ...     # all visible GPUs, ds_config.json (TP)
 #   NUM_GPUS=2 bash start.sh ...                                  # the first 2 visible GPUs
@@ -55,6 +56,11 @@ count_gpus() {
 gpus="$(count_gpus)"
 if [[ "$gpus" -gt 0 ]]; then
     n="${NUM_GPUS:-$gpus}"
+    if [[ "$n" -eq 1 ]]; then
+        # One GPU needs no launcher (one process, the first visible GPU): starting DeepSpeed's runner and
+        # launch.py costs several seconds of imports on every start (docs/deployment.md, "Start-up time").
+        exec "$py" app.py "$@"
+    fi
     exec deepspeed --num_gpus "$n" --master_port "$port" app.py "$@"
 fi
 

@@ -5,10 +5,12 @@ Usage (one GPU host, from the repository root):
     python bench/decode_bench.py                 # writes bench/results/<date>-<gpu>-single.json and .png
     python bench/decode_bench.py --smoke         # tiny config on CPU: checks the script, numbers meaningless
     python bench/decode_bench.py --quantize fp8 --skip-eager-glue   # FP8 weights (--quantize fp8): ...-single-fp8.json
+    python bench/decode_bench.py --quantize int4 --skip-eager-glue  # 4-bit weights: ...-single-int4.json
 
 Weights are random bf16 built directly on the GPU (the speed of a forward does not depend on weight values);
-with ``--quantize fp8`` the text decoder's linear layers are then quantised as the service's ``--quantize fp8``
-does (``fp8_loading.quantize_model``), so every section runs on FP8 weights (the roofline counts their bytes).
+with ``--quantize fp8`` / ``int4`` the text decoder's linear layers are then quantised as the service's
+``--quantize`` does (``fp8_loading`` / ``int4_loading.quantize_model``), so every section runs on FP8 or 4-bit
+weights (the roofline counts their bytes).
 In one run it measures: device-to-device copy bandwidth and the batch-1 roofline (bytes of weights read per
 decode step / bandwidth); plain transformers ``generate`` (the baseline); the engine's batch-1 decode tok/s,
 TTFT for 1k- and 8k-token text prompts and for a ~1-megapixel image prompt, TTFT of 1 and 8 ~600-token prompts
@@ -86,10 +88,12 @@ def measure_bandwidth(dev, nbytes: int) -> float:
 
 def weight_bytes_per_step(model) -> int:
     """Bytes of weights a batch-1 decode step reads: every text weight except the input embedding (which is
-    only gathered), plus the LM head (read in full)."""
+    only gathered), with the buffers (FP8 block scales, 4-bit scales and zero points), plus the LM head (read in
+    full)."""
     lm = model.model.language_model
     emb = lm.embed_tokens.weight
     total = sum(p.numel() * p.element_size() for p in lm.parameters() if p is not emb)
+    total += sum(b.numel() * b.element_size() for b in lm.buffers())
     return total + sum(p.numel() * p.element_size() for p in model.lm_head.parameters())
 
 
@@ -563,7 +567,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="single", help="label in the result file name (single GPU: 'single')")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--skip-eager-glue", action="store_true", help="skip the not-compiled comparison")
-    ap.add_argument("--quantize", choices=("fp8",), help="FP8 weights, as the service's --quantize fp8")
+    ap.add_argument("--quantize", choices=("fp8", "int4"),
+                    help="FP8 or 4-bit weights, as the service's --quantize fp8 / int4")
     args = ap.parse_args(argv)
     if args.quantize and args.mode == "single":
         args.mode = f"single-{args.quantize}"
@@ -616,9 +621,11 @@ def main(argv=None) -> int:
     t, model = timed(build, dev)
     n_params = sum(p.numel() for p in model.parameters())
     run.doc["model"] = {"parameters": n_params, "dtype": str(next(model.parameters()).dtype), "build_s": t}
-    if args.quantize == "fp8":
-        from qwen_chat.engine.checkpoints.fp8_loading import quantize_model
+    if args.quantize:
+        from qwen_chat.engine.checkpoints import fp8_loading, int4_loading
         from qwen_chat.engine.model.fp8 import weights_report
+
+        quantize_model = (fp8_loading if args.quantize == "fp8" else int4_loading).quantize_model
 
         tq, _ = timed(lambda: quantize_model(model, device=dev), dev)
         if dev.type == "cuda":

@@ -4,6 +4,8 @@ Usage (one GPU host with >= 60 GB, repository root; about 3-5 minutes on an H200
 
     python bench/fp8_accuracy.py                  # writes bench/results/<date>-<gpu>-fp8-accuracy.json (and $OUT/)
     python bench/fp8_accuracy.py --smoke          # a small config on CPU: checks the script, numbers meaningless
+    python bench/fp8_accuracy.py --quantize int4  # the same with 4-bit weights (--quantize int4) in FP8's place:
+                                                  # ...-int4-accuracy.json, runs named "engine int4"
 
 Two prompts, a text one (96 random tokens) and an image one (a 448 x 448 random-pixel image between short texts,
 196 visual tokens).  The fp32 reference is transformers' model in fp32 with its PyTorch reference kernels and no
@@ -20,7 +22,9 @@ values, FP8 layers dequantised), which separates the error of the computation fr
 transformers in bf16 (its default kernels, as a user runs it) and in fp32 with its default kernels (fla's
 Triton kernels round fp32 to TF32 in ``tl.dot``: what an fp32 comparison used to measure).  Targets: engine fp32
 <= 1e-4 (median and max); FP8's median error <= 1.5 x the engine bf16's and its top-1 agreement >= bf16's - 5
-points.  JSON after each run; the table is printed last.
+points (with ``--quantize int4`` only the top-1 and the own-weights comparison are targets: 4-bit rounding of
+random weights moves the logits far more than bf16's, which is reported).  JSON after each run; the table is
+printed last.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from decode_bench import build_config, image_prompt, random_ids  # noqa: E402
 
-from qwen_chat.engine.checkpoints.fp8_loading import quantize_model  # noqa: E402
+from qwen_chat.engine.checkpoints import fp8_loading, int4_loading  # noqa: E402
 from qwen_chat.engine.checkpoints.loading import torch_reference_kernels  # noqa: E402
 from qwen_chat.engine.model.fp8 import weights_report  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
@@ -91,14 +95,17 @@ def engine_logits(runner: ModelRunner, prompt: PreparedPrompt, tokens: list[int]
 
 
 def dequantize_to_linear(model) -> None:
-    """Replace every ``Fp8Linear`` of ``model`` by a bias-free ``nn.Linear`` holding its dequantised weight (fp32)."""
+    """Replace every ``Fp8Linear`` / ``Int4Linear`` of ``model`` by a bias-free ``nn.Linear`` holding its
+    dequantised weight (fp32)."""
     from qwen_chat.engine.model.fp8 import Fp8Linear
+    from qwen_chat.engine.model.int4 import Int4Linear
 
     for name, m in list(model.named_modules()):
-        if isinstance(m, Fp8Linear):
-            lin = torch.nn.Linear(m.in_features, m.out_features, bias=False, device=m.weight.device)
+        if isinstance(m, (Fp8Linear, Int4Linear)):
+            w = m.fp8_weight() if isinstance(m, Fp8Linear) else m.int4_weight()
+            lin = torch.nn.Linear(m.in_features, m.out_features, bias=False, device=w.device)
             with torch.no_grad():
-                lin.weight.copy_(m.fp8_weight().dequantize(torch.float32))
+                lin.weight.copy_(w.dequantize(torch.float32))
             model.set_submodule(name, lin)
 
 
@@ -128,16 +135,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="small config on CPU (checks the script only)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--quantize", choices=("fp8", "int4"), default="fp8", help="the quantised weights compared")
     args = ap.parse_args(argv)
+    q = args.quantize
     dev = torch.device("cpu" if args.smoke else "cuda")
     gpu = "cpu" if args.smoke else torch.cuda.get_device_name(dev).replace(" ", "-")
-    stem = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}-{gpu}-fp8-accuracy" + ("-smoke" if args.smoke else "")
+    stem = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d}-{gpu}-{q}-accuracy" + ("-smoke" if args.smoke else "")
     paths = [args.out / f"{stem}.json"] + ([Path(os.environ["OUT"]) / f"{stem}.json"] if os.environ.get("OUT") else [])
     import transformers
 
     doc = {"env": {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": gpu,
                    "torch": torch.__version__, "transformers": transformers.__version__,
-                   "command": " ".join(["python", "bench/fp8_accuracy.py"] + (argv or sys.argv[1:]))},
+                   "command": " ".join(["python", "bench/fp8_accuracy.py"] + (argv or sys.argv[1:])), "quantize": q},
            "runs": {}, "errors": {}}
 
     def save():
@@ -214,27 +223,29 @@ def main(argv=None) -> int:
         model.to(torch.bfloat16)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    quantize_model(model, device=dev)
-    doc["fp8_weights"] = weights_report(model)
-    run("engine fp8", lambda: engine("engine fp8"))
-    if "engine fp8" in kept:  # fp32 compute on the dequantised FP8 layers and the bf16 rest; last (fp32 model)
+    (fp8_loading if q == "fp8" else int4_loading).quantize_model(model, device=dev)
+    doc[f"{q}_weights"] = weights_report(model)
+    run(f"engine {q}", lambda: engine(f"engine {q}"))
+    if f"engine {q}" in kept:  # fp32 compute on the dequantised layers and the bf16 rest; last (fp32 model)
         dequantize_to_linear(model)
         model.float()
-        run("engine fp8 vs fp32 on its own weights", lambda: rounded_reference("engine fp8"))
+        run(f"engine {q} vs fp32 on its own weights", lambda: rounded_reference(f"engine {q}"))
     runs = doc["runs"]
-    if all(k in runs for k in ("engine fp32", "engine bf16", "engine fp8")):
+    if all(k in runs for k in ("engine fp32", "engine bf16", f"engine {q}")):
         doc["targets"] = {
             "engine fp32 within 1e-4 of the fp32 reference (max over positions)":
                 all(runs["engine fp32"][p]["rel_err_max"] <= 1e-4 for p in prompts),
-            "fp8 median rel err <= 1.5 x engine bf16's":
-                all(runs["engine fp8"][p]["rel_err_median"] <= 1.5 * runs["engine bf16"][p]["rel_err_median"]
+            f"{q} median rel err <= 1.5 x engine bf16's":
+                all(runs[f"engine {q}"][p]["rel_err_median"] <= 1.5 * runs["engine bf16"][p]["rel_err_median"]
                     for p in prompts),
-            "fp8 top-1 agreement >= engine bf16's - 5 points":
-                all(runs["engine fp8"][p]["top1_agreement"] >= runs["engine bf16"][p]["top1_agreement"] - 0.05
+            f"{q} top-1 agreement >= engine bf16's - 5 points":
+                all(runs[f"engine {q}"][p]["top1_agreement"] >= runs["engine bf16"][p]["top1_agreement"] - 0.05
                     for p in prompts)}
-        own = ("engine fp8 vs fp32 on its own weights", "engine bf16 vs fp32 on its own weights")
+        if q == "int4":  # 4-bit rounding of random weights moves the logits far more than bf16's: reported only
+            del doc["targets"][f"{q} median rel err <= 1.5 x engine bf16's"]
+        own = (f"engine {q} vs fp32 on its own weights", "engine bf16 vs fp32 on its own weights")
         if all(k in runs for k in own):
-            doc["targets"]["(on each run's own weights) fp8 median rel err <= 1.5 x bf16's"] = all(
+            doc["targets"][f"(on each run's own weights) {q} median rel err <= 1.5 x bf16's"] = all(
                 runs[own[0]][p]["rel_err_median"] <= 1.5 * runs[own[1]][p]["rel_err_median"] for p in prompts)
     save()
     print(table(doc))

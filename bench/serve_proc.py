@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -163,6 +164,16 @@ class Service:
                     pass
                 time.sleep(0.25)
         self.error = f"/healthz not 200 after {timeout_s:.0f} s: {startup_error_line(self.log_text()) or 'no output'}"
+        return False
+
+    def start_retrying(self, timeout_s: float = 600, attempts: int = 2, who: str = "bench") -> bool:
+        """``start``, once more if the first start fails (2 busy cores can make a start-up miss its deadlines);
+        False, with the reason printed to stderr as ``who: ...``, when it never starts."""
+        for i in range(attempts):
+            if self.start(timeout_s):
+                return True
+            self.stop()
+            print(f"{who}: the service did not start (attempt {i + 1}): {self.error}", file=sys.stderr)
         return False
 
     def alive(self) -> bool:

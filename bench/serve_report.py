@@ -51,14 +51,15 @@ def _f(x, fmt="{:.1f}") -> str:
 
 
 def _weights(doc: dict) -> str:
-    """What the service said of its weights (``/v1/models`` engine.weights): FP8 layers and the dtype."""
+    """What the service said of its weights (``/v1/models`` engine.weights): FP8 and 4-bit layers and the dtype."""
     try:
         w = doc["models"]["data"][0]["engine"]["weights"]
     except (KeyError, IndexError, TypeError):
         return "-"
-    fp8 = w.get("fp8_modules") or 0
-    return (f"FP8 for {fp8} layers ({(w.get('fp8_bytes') or 0) / 2 ** 30:.2f} GiB), {w.get('dtype')} for the rest"
-            if fp8 else str(w.get("dtype")))
+    fp8, int4 = w.get("fp8_modules") or 0, w.get("int4_modules") or 0
+    parts = ([f"FP8 for {fp8} layers ({(w.get('fp8_bytes') or 0) / 2 ** 30:.2f} GiB)"] if fp8 else []) + \
+        ([f"4-bit for {int4} layers ({(w.get('int4_bytes') or 0) / 2 ** 30:.2f} GiB)"] if int4 else [])
+    return f"{', '.join(parts)}, {w.get('dtype')} for the rest" if parts else str(w.get("dtype"))
 
 
 def table(doc: dict) -> str:

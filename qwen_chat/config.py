@@ -128,11 +128,13 @@ class ServiceConfig:
         None, help="PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors), merged into the "
                    "weights at start-up")
     quantize: Optional[str] = _opt(
-        None, choices=("none", "fp8"), env="QWEN_CHAT_QUANTIZE",
+        None, choices=("none", "fp8", "int4"), env="QWEN_CHAT_QUANTIZE",
         help="fp8: store the text decoder's linear weights as FP8 (e4m3, 128 x 128 block scales, the published "
-             "FP8 checkpoint's format) at load time: about half the weight memory and bytes read per decode step; "
-             "an FP8 checkpoint needs no flag.  none: the checkpoint's weights as they are (overrides "
-             "$QWEN_CHAT_QUANTIZE).  Default: $QWEN_CHAT_QUANTIZE or none")
+             "FP8 checkpoint's format) at load time: about half the weight memory and bytes read per decode step. "
+             "int4: store them as 4-bit integers in groups of 128 input columns (asymmetric round-to-nearest, "
+             "W4A16): about a quarter.  An FP8 or 4-bit (GPTQ, AWQ, compressed-tensors) checkpoint needs no flag.  "
+             "none: the checkpoint's weights as they are (overrides $QWEN_CHAT_QUANTIZE).  Default: "
+             "$QWEN_CHAT_QUANTIZE or none")
     ds_config: Optional[Path] = _opt(
         None, env="QWEN_CHAT_DS_CONFIG",
         help="DeepSpeed config (tensor parallel or ZeRO-3); default: $QWEN_CHAT_DS_CONFIG or none")
@@ -171,6 +173,10 @@ class ServiceConfig:
         help="keep each conversation's state where its next turn continues, so that a follow-up prefills only "
              "what is new (the default; kept states use the memory no running sequence needs); "
              "--no-conversation-cache turns it off")
+    speculative_tokens: int = _opt(
+        0, help="draft tokens per step of speculative decoding with the checkpoint's MTP head (1-3; 0: off, the "
+                "default); a step keeps the drafts the model agrees with, so the output is unchanged")
+    speculative_max_batch: int = _opt(8, help="decode batches larger than this never speculate")
     device: Optional[str] = _opt(None, choices=("cpu", "cuda"))  # None: cuda if available
     users_file: Optional[Path] = None
     login: Optional[bool] = _opt(None, off="--no-login")  # None: on when bound beyond loopback
@@ -239,6 +245,9 @@ class ServiceConfig:
             raise ConfigError(f"--gpu-memory-utilization must be 0.05..1.0, got {self.gpu_memory_utilization:g}")
         if self.memory_budget_gib is not None and not (0 < self.memory_budget_gib < math.inf):
             raise ConfigError(f"--memory-budget-gib must be > 0, got {self.memory_budget_gib:g}")
+        if not 0 <= self.speculative_tokens <= 3 or self.speculative_max_batch < 1:
+            raise ConfigError(f"--speculative-tokens must be 0-3 and --speculative-max-batch >= 1, got "
+                              f"{self.speculative_tokens} and {self.speculative_max_batch}")
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 16:
             raise ConfigError(f"--prefill-chunk-tokens must be >= 16, got {self.prefill_chunk_tokens}")
         if not (math.isfinite(self.max_upload_mb) and self.max_upload_mb * 1024 * 1024 >= 1):

@@ -102,6 +102,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         app = web_app.build_app(cfg, backend, HistoryStore(cfg.history_dir))
         front.attach(app, end_streams=lambda: web_app.end_streams(app))
+        from qwen_chat.web import file_access
+
+        file_access.start_sweeper()  # the temporary copies an earlier run left, then old ones hourly
         try:
             clients = hub.wait_ready(ENGINE_READY_TIMEOUT_S, stop=parent_gone)
         except (RuntimeError, TimeoutError) as exc:
@@ -118,6 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if parent_gone():
                 gone.append("the engine process of replica 0 exited")
             if gone:
+                server.stop_accepting()  # the port is free for the next group at once
                 hub.lose_all(gone[0])  # open streams end with an error; /healthz turns 503
                 print(f"front: {gone[0]}; exiting so that the whole group restarts", file=sys.stderr)
                 if 0 in hub.silent and not parent_gone():

@@ -82,7 +82,7 @@ class PrefillItem:
     same logits.  ``resume``: a preempted sequence recomputing its cache (``prompt`` = its prompt and the
     tokens it was fed); its sampler state is kept and nothing is sampled.  ``restore``: the state row of a kept
     prefix this sequence starts from (its first chunk then starts at that prefix's length; ``prefix_cache``),
-    or None.  ``keeps``: (position p, row) pairs, p increasing: also keep the state at each position p
+    or None; it equals ``slot`` when the sequence takes the kept row over in place.  ``keeps``: (position p, row) pairs, p increasing: also keep the state at each position p
     (start < p <= end) in the empty state row ``row``, for later prompts that share the first p tokens
     (``prefix_cache``): a system prompt's end, a conversation turn's end.
 
@@ -122,6 +122,15 @@ class PrefillItem:
         return not self.resume
 
 
+#: The token id an executor reports (host side only) for a row whose logits were not all finite (NaN or
+#: infinity: corrupt weights or a numerical fault); the scheduler ends that request with an error
+#: (``core.batch.Batch.deliver``).  Never a real id, and never fed to the model: the device keeps its draw.
+NONFINITE_TOKEN = -1
+#: What the user reads when a reply is ended that way (the details are in the engine's log).
+NONFINITE_MESSAGE = ("the model produced invalid numbers (NaN or infinity) for this reply, so it was ended; "
+                     "this points at damaged weights or a numerical fault on the server")
+
+
 @dataclass(frozen=True)
 class SampledLogprob:
     """The log-probabilities (natural log, fp32, under the model's raw logits) of one sampled token:
@@ -134,8 +143,9 @@ class SampledLogprob:
 
 
 class SampledTokens(dict):
-    """What an executor's ``collect`` returns: ``{slot: sampled token id}``, plus ``logprobs``
-    ({slot: ``SampledLogprob``}) for the slots whose ``SamplingParams.logprobs`` is set."""
+    """What an executor's ``collect`` returns: ``{slot: sampled token id}`` (for a slot of a speculative step:
+    the list of the 1 .. k + 1 ids it emitted, in order), plus ``logprobs`` ({slot: ``SampledLogprob``}) for the
+    slots whose ``SamplingParams.logprobs`` is set."""
 
     def __init__(self, tokens=(), logprobs: Optional[dict] = None) -> None:
         super().__init__(tokens)
@@ -159,6 +169,11 @@ class StepPlan:
     (``Sampler.token_sync``; ``DistributedExecutor.tokens_on_device``), so that all ranks read equal tables.
     ``capture``: (padded batch, context bucket) decode graphs to capture first (``ModelRunner.capture_all``), sent
     while the engine is idle so that later steps find them ready.
+    ``spec_k``: > 0 makes the decode a speculative step (``model.spec_step``): each decoded slot feeds its
+    ``decode_tokens`` entry and k = ``spec_k`` draft tokens in one verify forward and may emit 1 .. k + 1
+    tokens (then never ``tokens_on_device``).  ``drafts``: the k drafts of each decoded slot given by the
+    scheduler (int lists; oracle drafts of the benchmark and tests), or empty: the MTP head drafts.
+    ``spec_plain``: decoded slots that take no drafts in that step (sampled as in a plain step).
     """
 
     op: str = "step"
@@ -168,3 +183,6 @@ class StepPlan:
     decode_tokens: list[int] = field(default_factory=list)
     tokens_on_device: bool = False
     capture: list[tuple[int, int]] = field(default_factory=list)
+    spec_k: int = 0
+    drafts: list[list[int]] = field(default_factory=list)
+    spec_plain: list[int] = field(default_factory=list)

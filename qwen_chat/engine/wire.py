@@ -45,8 +45,9 @@ STATUS_INTERVAL_S = 0.25
 PING_INTERVAL_S = 0.5
 #: An engine process that heard nothing from the front for this long (seconds) leaves: the front is frozen
 #: (a front that exited is noticed within 0.2 s as the engine's child process).  Generous: during start-up the
-#: front imports Gradio and loads the tokenizer while it pings, and on 2 busy cores 5 s were not enough.
-FRONT_SILENT_S = 15.0
+#: front imports Gradio and loads the tokenizer while it pings; on 2 busy cores 5 s were not enough, and at load
+#: average 10-13 (2 cores, 2026-12-02) 15 s twice ended a starting service.  Only a frozen front waits this long.
+FRONT_SILENT_S = 30.0
 #: A front whose engine sent no status for this long (seconds) after its hello counts it as gone.
 ENGINE_SILENT_S = 15.0
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 
+from qwen_chat.history.errors import unavailable
 from qwen_chat.history.files import TEMP_SUFFIX, write_atomic
 from qwen_chat.images import ImageLimits, normalize_image
+
+log = logging.getLogger(__name__)
 
 IMAGE_MAX_AGE_S = 24 * 3600.0  # API image files unused this long are deleted
 IMAGE_PRUNE_EVERY_S = 600.0  # seconds between two prunes of the folder
@@ -42,7 +46,7 @@ class ApiImageStore:
 
         Raises:
             InvalidImage: from ``normalize_image`` (not an image, unsupported format, too big...).
-            OSError: the file could not be written.
+            HistoryUnavailable: the file could not be written ("Could not store the image: ...", no path).
         """
         name = f"{hashlib.sha256(data).hexdigest()}-{self._suffix}.png"
         path = self.directory / name
@@ -53,8 +57,12 @@ class ApiImageStore:
             except FileNotFoundError:  # pruned in between: normalise again
                 pass
         png = normalize_image(data, self.limits).png
-        self.directory.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, png)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, png)
+        except OSError as e:
+            log.warning("API image %s: cannot store it: %s", path, e)
+            raise unavailable("store the image", e) from None
         self._maybe_prune()
         return str(path)
 

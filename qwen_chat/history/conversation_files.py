@@ -9,16 +9,17 @@ e.g. after ``kill -9`` or a restart) reads back as ``interrupted``; the next wri
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from qwen_chat.chat_types import InvalidInput
-from qwen_chat.history.errors import ConversationNotFound, HistoryUnavailable
+from qwen_chat.history.errors import ConversationNotFound, unavailable
 from qwen_chat.history.files import TEMP_SUFFIX, LockTable, exclusive_lock, set_aside, write_atomic
 from qwen_chat.history.records import CONVERSATION_ID, INTERRUPTED, SCHEMA_VERSION, STREAMING, Conversation, now_iso
 
@@ -56,21 +57,28 @@ def parse(raw: bytes) -> Conversation:
         version = data.get("schema_version")
         if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
             raise NewerSchema(f"schema_version {version} is newer than {SCHEMA_VERSION}")
-        messages = data.get("messages")
-        if isinstance(messages, list):
-            me = writer_id()
-            for message in messages:
-                if isinstance(message, dict) and message.get("status") == STREAMING \
-                        and message.get("writer") != me:
-                    message["status"] = INTERRUPTED
+        me = writer_id()
+        for message in _message_dicts(data):
+            if message.get("status") == STREAMING and message.get("writer") != me:
+                message["status"] = INTERRUPTED
     return Conversation.from_dict(data)
+
+
+def _message_dicts(data: dict) -> list[dict]:
+    """The message objects of a conversation's JSON: the visible path's and the kept versions' (``branches``)."""
+    messages = data.get("messages")
+    found = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    kept = data.get("branches")
+    if isinstance(kept, list):
+        found += [h["message"] for h in kept if isinstance(h, dict) and isinstance(h.get("message"), dict)]
+    return found
 
 
 def encode(conv: Conversation) -> bytes:
     """The file's bytes: ``conv.to_dict()`` as UTF-8 JSON, each ``streaming`` message tagged with ``writer_id``."""
     data = conv.to_dict()
     writer = writer_id()
-    for message in data["messages"]:
+    for message in _message_dicts(data):
         if message["status"] == STREAMING:
             message["writer"] = writer
     return encode_json(data)
@@ -123,9 +131,17 @@ class ConversationFolder:
             raise ConversationNotFound()
         return self.folder / f"{conv_id}.json"
 
-    def locked(self, conv_id: str) -> ContextManager[None]:
-        """The conversation's exclusive lock (thread lock + ``flock`` on ``lock_dir/<id>.lock``)."""
-        return exclusive_lock(self._lock_dir / f"{conv_id}.lock", self._locks)
+    @contextlib.contextmanager
+    def locked(self, conv_id: str, action: str = "save the conversation") -> Iterator[None]:
+        """The conversation's exclusive lock (thread lock + ``flock`` on ``lock_dir/<id>.lock``).  Raises
+        ``HistoryUnavailable`` ("Could not <action>: ...", no path) when the lock file cannot be opened."""
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(exclusive_lock(self._lock_dir / f"{conv_id}.lock", self._locks))
+            except OSError as e:
+                log.warning("conversation %s: cannot take its lock: %s", conv_id, e)
+                raise unavailable(action, e) from None
+            yield
 
     def ids(self) -> list[str]:
         """Ids of the conversation files present now (any order; files with other names are ignored)."""
@@ -153,23 +169,26 @@ class ConversationFolder:
             # Re-check under the lock: a writer may have replaced the file since we read it.
             return self.read(conv_id, locked=True)
 
-    def mutate(self, conv_id: str, change: Callable[[Conversation], Any]) -> tuple[Conversation, Any]:
+    def mutate(self, conv_id: str, change: Callable[[Conversation], Any],
+               touch: bool = True) -> tuple[Conversation, Any]:
         """Read-modify-write under the conversation's lock; ``change`` edits the conversation in place.
 
         Returns ``(saved conversation, what change returned)``; a change returning ``Unchanged`` writes
-        nothing.  Each write increments ``revision`` and sets ``updated``.
+        nothing.  Each write increments ``revision`` and, with ``touch`` (not for a pin or tags), sets
+        ``updated``.
         """
         self.path(conv_id)
         with self.locked(conv_id):
             try:
                 conv = self.read(conv_id, locked=True)
             except OSError as e:
-                raise HistoryUnavailable(f"cannot read the conversation: {e.strerror or e}") from None
+                raise unavailable("read the conversation", e, writing=False) from None
             result = change(conv)
             if isinstance(result, Unchanged):
                 return conv, result.value  # nothing changed (e.g. a retried append): nothing to write
             conv.revision += 1
-            conv.updated = max(now_iso(), conv.updated)
+            if touch:
+                conv.updated = max(now_iso(), conv.updated)
             self.write(conv)
         return conv, result
 
@@ -178,7 +197,8 @@ class ConversationFolder:
         try:
             write_atomic(self.folder / f"{conv.id}.json", encode(conv))
         except OSError as e:
-            raise HistoryUnavailable(f"cannot save the conversation: {e.strerror or e}") from None
+            log.warning("conversation %s: cannot save it: %s", conv.id, e)
+            raise unavailable("save the conversation", e) from None
 
     def used_image_names(self) -> Optional[set[str]]:
         """Image names referenced by any conversation file; None when some file cannot be read (it might
@@ -189,7 +209,7 @@ class ConversationFolder:
                 conv = parse(path.read_bytes())
             except Exception:  # noqa: BLE001 - an unreadable file might reference images: keep them all
                 return None
-            used.update(n for m in conv.messages for n in m.images)
+            used.update(n for m in conv.every_message() for n in m.images)
         return used
 
     def remove_stale_temp_files(self) -> None:

@@ -36,11 +36,11 @@ import logging
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 from qwen_chat.chat_types import InvalidInput
 from qwen_chat.history.conversation_files import ConversationFolder, Unchanged, encode_json, json_settings
-from qwen_chat.history.errors import ConversationNotFound, HistoryUnavailable, MessageNotFound
+from qwen_chat.history.errors import ConversationNotFound, HistoryUnavailable, MessageNotFound, unavailable
 from qwen_chat.history.files import LockTable
 from qwen_chat.history.image_folder import ImageFolder
 from qwen_chat.history.records import (
@@ -121,7 +121,7 @@ class UserHistory:
             for d in (self._files.folder, self._images.folder, lock_dir):
                 d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise HistoryUnavailable(f"cannot create the history folder: {e.strerror or e}") from None
+            raise unavailable("create the history folder", e) from None
 
     # ------------------------------------------------------------------ reading
     def list(self, query: str = "") -> list[ConversationSummary]:
@@ -143,7 +143,7 @@ class UserHistory:
             if not conv.matches(query):
                 continue
             summaries.append(ConversationSummary(conv.id, conv.title, conv.created, conv.updated,
-                                                 len(conv.messages)))
+                                                 len(conv.messages), conv.pinned, tuple(conv.tags)))
         summaries.sort(key=lambda s: (s.updated, s.id), reverse=True)
         return summaries
 
@@ -157,7 +157,7 @@ class UserHistory:
         try:
             return self._files.read(path.stem)
         except OSError as e:
-            raise HistoryUnavailable(f"cannot read the conversation: {e.strerror or e}") from None
+            raise unavailable("read the conversation", e, writing=False) from None
 
     # ------------------------------------------------------------------ writing
     def create(self, title: str = DEFAULT_TITLE, settings: Optional[dict] = None) -> Conversation:
@@ -195,7 +195,7 @@ class UserHistory:
                                         notice=notice)
         elif role is not None:
             raise InvalidInput("pass either a StoredMessage or message fields, not both")
-        self._check_images(message)
+        self.check_images(message)
 
         def change(conv: Conversation) -> Any:
             existing = conv.index_of(message.id)
@@ -213,10 +213,12 @@ class UserHistory:
 
     def update_message(self, conv_id: str, message: MessageKey, *, text: Optional[str] = None,
                        reasoning: Optional[str] = None, status: Optional[str] = None,
-                       notice: Optional[str] = None) -> Conversation:
-        """Change fields of one saved message (None: leave as is); returns the saved conversation.
+                       notice: Optional[str] = None, stats: Optional[dict] = None) -> Conversation:
+        """Change fields of one saved message (None: leave as is; ``stats``: ``reply_stats`` record); returns
+        the saved conversation.
 
-        ``message`` is a ``MessageRef`` (found by id), a message id (str) or an index (int).
+        ``message`` is a ``MessageRef`` (found by id, also among the kept earlier versions), a message id (str)
+        or an index (int).
 
         Raises:
             ConversationNotFound, MessageNotFound, InvalidInput (bad status or non-text value).
@@ -225,13 +227,23 @@ class UserHistory:
             raise InvalidInput(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
 
         def change(conv: Conversation) -> None:
-            index = _resolve(conv, message)
-            fields = conv.messages[index].to_dict()
+            try:
+                index, holder = _resolve(conv, message), None
+                fields = conv.messages[index].to_dict()
+            except MessageNotFound:  # a reply whose version was switched away while it streamed
+                holder = next((h for h in conv.branches if isinstance(message, (MessageRef, str))
+                               and h.message.id == getattr(message, "message_id", message)), None)
+                if holder is None:
+                    raise
+                fields = holder.message.to_dict()
             for key, value in (("text", text), ("reasoning", reasoning), ("status", status),
-                               ("notice", notice)):
+                               ("notice", notice), ("stats", stats)):
                 if value is not None:
                     fields[key] = value
-            conv.messages[index] = StoredMessage(**fields)
+            if holder is None:
+                conv.messages[index] = StoredMessage(**fields)
+            else:
+                holder.message = StoredMessage(**fields)
 
         return self._files.mutate(conv_id, change)[0]
 
@@ -247,7 +259,7 @@ class UserHistory:
             ``StoredMessage`` or names an image not stored for this user.
         """
         if replacement is not None:
-            self._check_images(replacement)
+            self.check_images(replacement)
 
         def change(conv: Conversation) -> None:
             index = _resolve(conv, message)
@@ -261,6 +273,16 @@ class UserHistory:
                 conv.messages.append(replacement)
 
         return self._files.mutate(conv_id, change)[0]
+
+    def mutate(self, conv_id: str, change: Callable[[Conversation], Any], touch: bool = True) -> tuple:
+        """Read-modify-write of the saved conversation under its lock (``ConversationFolder.mutate``): ``change``
+        edits it in place; returns (saved conversation, what ``change`` returned).  For the kept versions
+        (``branches.py``) and the sidebar's pin and tags (``touch`` False: ``updated`` stays).
+
+        Raises:
+            ConversationNotFound; what ``change`` raises (then nothing is written).
+        """
+        return self._files.mutate(conv_id, change, touch)
 
     def set_settings(self, conv_id: str, settings: dict) -> Conversation:
         """Replace the stored generation settings (a JSON-serialisable dict).
@@ -296,17 +318,18 @@ class UserHistory:
             ConversationNotFound.
         """
         path = self._files.path(conv_id)
-        with self._files.locked(conv_id):
+        with self._files.locked(conv_id, "delete the conversation"):
             try:
                 path.unlink()
             except FileNotFoundError:
                 raise ConversationNotFound() from None
             except OSError as e:
-                raise HistoryUnavailable(f"cannot delete the conversation: {e.strerror or e}") from None
+                raise unavailable("delete the conversation", e) from None
         self._images.remove_unused(self._files.used_image_names)
 
     def export_zip(self, conv_id: str) -> bytes:
-        """A zip (bytes) with ``conversation.json`` (the saved JSON) and ``images/<name>.png`` for its images.
+        """A zip (bytes) with ``conversation.json`` (the saved JSON, kept versions included) and
+        ``images/<name>.png`` for its images (those of the kept versions too).
 
         Raises:
             ConversationNotFound.
@@ -315,7 +338,7 @@ class UserHistory:
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as zf:
             zf.writestr("conversation.json", encode_json(conv.to_dict()))
-            names = sorted({n for m in conv.messages for n in m.images})
+            names = sorted({n for m in conv.every_message() for n in m.images})
             for name in names:
                 try:
                     data = (self._images.folder / name).read_bytes()
@@ -336,7 +359,7 @@ class UserHistory:
         try:
             return self._images.put(png_bytes)
         except OSError as e:
-            raise HistoryUnavailable(f"cannot store the image: {e.strerror or e}") from None
+            raise unavailable("store the image", e) from None
 
     def image_path(self, name: str) -> Path:
         """Path of a stored image of this user.
@@ -346,7 +369,7 @@ class UserHistory:
         """
         return self._images.path(name)
 
-    def _check_images(self, message: Any) -> None:
+    def check_images(self, message: Any) -> None:
         """Raise ``InvalidInput`` unless ``message`` is a ``StoredMessage`` whose images are all stored here."""
         if not isinstance(message, StoredMessage):
             raise InvalidInput("message must be a StoredMessage")

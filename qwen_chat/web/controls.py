@@ -5,6 +5,7 @@
   on a CPU instead of a minute of gibberish reasoning ended by the token limit; a real checkpoint starts in
   thinking mode with the model card's preset and ``GenerationSettings``' default max new tokens;
 * ``preset_values(thinking)``: the Qwen3.5 preset loaded into the sliders when Thinking is switched;
+* ``with_session_choices``: the tab's thinking token budget (a control kept in the tab's ``Session``) added;
 * ``build_settings`` / ``parse_seed``: the controls' values -> ``GenerationSettings`` (the UI's one check; the
   engine checks again as part of its contract).
 
@@ -65,3 +66,17 @@ def build_settings(thinking: bool, max_new_tokens: Any, temperature: Any, top_p:
     except (TypeError, ValueError, OverflowError):
         raise InvalidInput("every sampling control needs a number") from None
     return settings.validate()
+
+
+def with_session_choices(settings: GenerationSettings, session: Any) -> GenerationSettings:
+    """``settings`` with the tab's thinking token budget (``session.thinking_budget``: tokens of reasoning
+    before the engine closes the thinking block; None = no budget), validated.  A budget only applies with
+    thinking on (the engine ignores it otherwise).
+
+    Raises:
+        InvalidInput: a budget outside ``chat_types.THINKING_TOKEN_BUDGET_RANGE``.
+    """
+    budget = getattr(session, "thinking_budget", None)
+    if budget is None or settings.thinking_token_budget is not None:
+        return settings
+    return replace(settings, thinking_token_budget=int(budget)).validate()

@@ -219,6 +219,28 @@ class WebServer(uvicorn.Server):
         if not any(isinstance(f, QuietHealthChecks) for f in access.filters):
             access.addFilter(QuietHealthChecks())
 
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def stop_accepting(self) -> None:
+        """Close the listening sockets now, from any thread, while the open connections go on (the shutdown
+        that follows waits for them).  For a front whose engine is gone: the port is free for the group that
+        Supervisor starts next without waiting out the last replies.  No-op before start-up or after the loop
+        closed."""
+        loop = getattr(self, "_loop", None)
+        if loop is None or loop.is_closed():
+            return
+
+        def close() -> None:
+            for server in self.servers:
+                server.close()
+
+        try:
+            loop.call_soon_threadsafe(close)
+        except RuntimeError:  # the loop closed meanwhile: its sockets are closed with it
+            pass
+
     async def shutdown(self, sockets=None) -> None:
         self.front.end_streams()
         await super().shutdown(sockets=sockets)

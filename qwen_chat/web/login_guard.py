@@ -6,10 +6,12 @@ and ``/healthz`` by 7.9 s (2 CPU cores, 2026-12-01); any number of guesses were 
 site could post the form and log the user's browser into the attacker's account (login CSRF).  So:
 
 - ``LoginGuard.verify`` (given to Gradio as its async ``auth``) runs the check in a worker thread, at most
-  ``HASH_THREADS`` at once (bcrypt releases the GIL, so the loop and the other requests go on);
+  ``HASH_THREADS`` at once (half the cores; bcrypt releases the GIL, so the loop and the other requests go on);
 - ``LoginGuard.middleware`` answers a ``POST /login`` with 429 (``Retry-After``, a message naming the wait)
   when its user name had ``MAX_FAILURES`` wrong attempts in the last ``WINDOW_S`` seconds, or its client
-  address ``MAX_ADDRESS_FAILURES``, before anything is hashed; a successful login clears the name's count;
+  address ``MAX_ADDRESS_FAILURES``, before anything is hashed; an attempt counts as wrong from the moment it
+  is let through until its answer says otherwise (so guesses sent all at once get no more checks than
+  guesses sent one by one); a successful login clears the name's count;
 - the same middleware refuses with 403 a login form posted from another origin (its ``Origin`` header is not
   the service's own ``Host``), before anything is read.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import os
 import threading
 import time
 from typing import Callable, Optional
@@ -37,8 +40,12 @@ from qwen_chat.web.origins import same_origin
 MAX_FAILURES = 5
 MAX_ADDRESS_FAILURES = 20
 WINDOW_S = 60.0
-#: Password checks running at once (each takes one core for about 0.2 s at bcrypt cost 12).
-HASH_THREADS = 2
+#: Password checks running at once: half the cores this process may use, at least one (each check takes one core
+#: for about 0.2 s at bcrypt cost 12).  With both cores of a 2-core machine hashing, 60 guesses at once (each for
+#: another name from another address, so no limit applies) delayed another user's 4-token request by 1.1-1.7 s
+#: in three runs (bench/auth_sweep.py, 2026-12-02); half the cores leaves the rest to the users' requests.
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+HASH_THREADS = max(1, _CORES // 2)
 #: Paths of Gradio's login form (the UI is mounted at "/").
 LOGIN_PATHS = ("/login", "/login/")
 #: Largest login form body read (bytes): a user name and a password of at most 72 bytes fit many times over.
@@ -70,9 +77,21 @@ class _Failures:
             times = self._recent(key, now)
             return WINDOW_S - (now - times[-limit]) if len(times) >= limit else 0.0
 
-    def add(self, key: str) -> None:
+    def add(self, key: str) -> float:
+        """Count a wrong attempt of ``key`` now; returns its time (for ``discard``)."""
         with self._lock:
-            self._times.setdefault(key, collections.deque()).append(self._clock())
+            now = self._clock()
+            self._times.setdefault(key, collections.deque()).append(now)
+            return now
+
+    def discard(self, key: str, when: float) -> None:
+        """Take back the attempt of ``key`` counted at ``when`` (``add``'s answer), if still counted."""
+        with self._lock:
+            times = self._times.get(key)
+            if times is not None and when in times:
+                times.remove(when)
+                if not times:
+                    del self._times[key]
 
     def clear(self, key: str) -> None:
         with self._lock:
@@ -129,6 +148,9 @@ class LoginGuard:
                 await _answer(send, 429, f"Too many wrong logins: try again in {seconds} s.",
                               {"retry-after": str(seconds)})
                 return
+            # Counted as wrong before the check, so that guesses sent at once see each other (counted after it,
+            # n guesses in parallel got n - 1 checks over the limit); taken back unless the answer is a 4xx.
+            counted = [(key, self.guard.failures.add(key)) for key in keys]
             status: list[Optional[int]] = [None]
 
             replayed = False
@@ -145,12 +167,14 @@ class LoginGuard:
                     status[0] = message["status"]
                 await send(message)
 
-            await self.app(scope, replay, watch)
-            if status[0] == 200:
-                self.guard.failures.clear(keys[1])
-            elif status[0] is not None and 400 <= status[0] < 500:
-                for key in keys:
-                    self.guard.failures.add(key)
+            try:
+                await self.app(scope, replay, watch)
+            finally:
+                if status[0] is None or not 400 <= status[0] < 500:
+                    for key, when in counted:
+                        self.guard.failures.discard(key, when)
+                if status[0] == 200:
+                    self.guard.failures.clear(keys[1])
 
 
 async def _answer(send, status: int, message: str, headers: Optional[dict] = None) -> None:

@@ -14,8 +14,11 @@ What a user sees follows from these rules:
 * the open conversation's id is kept in the tab's ``sessionStorage``; a reload (Gradio reloads the page after
   a lost connection, e.g. a service restart) reopens it, so the next message joins it;
 * the Chatbot's own trash icon starts a new chat (the conversation stays saved), its edit icon resends an
-  edited user message, replacing the turns after it;
-* on a window narrower than ``NARROW_PX`` the sidebar starts closed and closes after a conversation is chosen.
+  edited user message, keeping the earlier version (``< 1/2 >`` under the message switches back);
+* on a window narrower than ``NARROW_PX`` the sidebar starts closed and closes after a conversation is chosen;
+* replies running in the background, the demo banner, the Download button and the user's name:
+  ``page_live``; keyboard shortcuts, the edit box and the "service unavailable" banner: ``page_js``; kept
+  versions, the list's menu and tag filter, presets: ``page_extras`` (wired by ``ui.py`` after ``wire``).
 """
 from __future__ import annotations
 
@@ -28,13 +31,13 @@ import gradio as gr
 
 from qwen_chat.chat_types import ChatError, InvalidImage
 from qwen_chat.web.controls import build_settings, preset_values
-from qwen_chat.web.handlers import LOCAL_USER, ChatController, Session
-from qwen_chat.web.render import plain_text, safe_markdown
+from qwen_chat.web.handlers import ChatController, Session
+from qwen_chat.web.page_live import PLACEHOLDER, WAIT_PLACEHOLDER, list_update, lock_updates, user_of, wire_live
+from qwen_chat.web.render import safe_markdown
+
+__all__ = ["NARROW_PX", "PLACEHOLDER", "WAIT_PLACEHOLDER", "Page", "user_of", "warn", "wire"]
 
 log = logging.getLogger(__name__)
-
-PLACEHOLDER = "Ask something, or attach images (JPEG, PNG, GIF, WEBP)"
-WAIT_PLACEHOLDER = "Wait for the reply or press Stop"
 #: Below this window width (pixels) the sidebar starts closed: open, it covers the whole chat.
 NARROW_PX = 768
 STORAGE_KEY = "qwen-chat-open-conversation"
@@ -67,8 +70,11 @@ class Page:
     confirm_text: Any = None
     confirm_btn: Any = None
     cancel_btn: Any = None
-    export_btn: Any = None
+    export_btn: Any = None  # hidden: the "export" API event (the page downloads with download_btn)
     export_file: Any = None
+    download_btn: Any = None  # one click downloads the open conversation as <title>.zip (page_live)
+    timer: Any = None  # gr.Timer watching replies left running in the background (page_live)
+    user_name: Any = None  # "Logged in as ..." (login on only)
     badge: Any = None
     chatbot: Any = None
     notice: Any = None
@@ -86,12 +92,6 @@ class Page:
     seed: Any = None
 
 
-def user_of(request: Optional[gr.Request]) -> str:
-    """The history owner of a request: the logged-in user name, or ``"local"`` when login is off."""
-    name = getattr(request, "username", None) if request is not None else None
-    return name or LOCAL_USER
-
-
 def warn(message: str) -> str:
     """Show ``message`` as a warning toast (as literal text: toasts render HTML) and return it as safe Markdown
     for the notice line (messages can quote user input, e.g. an uploaded file's name)."""
@@ -99,26 +99,18 @@ def warn(message: str) -> str:
     return safe_markdown(message)
 
 
-def wire(c: Page, ctl: ChatController) -> None:
-    """Connect the events of page ``c`` to ``ctl`` (the rules are in the module docstring)."""
+def wire(c: Page, ctl: ChatController) -> list:
+    """Connect the events of page ``c`` to ``ctl`` (the rules are in the module docstring).  Returns the events
+    after which the open conversation's messages may have changed (the streaming turns and Stop)."""
     sampling = [c.thinking, c.max_new_tokens, c.temperature, c.top_p, c.top_k, c.presence_penalty, c.seed]
     stream_outputs = [c.chatbot, c.conv_id, c.notice, c.msg, c.session, c.conv_list]
     lock_outputs = [c.send_btn, c.regen_btn, c.stop_btn, c.msg]
 
     def controls(streaming: bool) -> dict:
-        """The input controls while a turn streams (``streaming``) or not."""
-        return {c.send_btn: gr.update(interactive=not streaming), c.regen_btn: gr.update(interactive=not streaming),
-                c.stop_btn: gr.update(interactive=streaming),
-                c.msg: gr.update(interactive=not streaming, placeholder=WAIT_PLACEHOLDER if streaming else PLACEHOLDER)}
+        return lock_updates(c, streaming)
 
     def choices(user: str, selected: Optional[str], session: Optional[Session]) -> Any:
-        query = session.query if session is not None else ""
-        items = ctl.conversation_choices(user, query)
-        shown = query.strip()
-        label = ("Saved conversations" if not shown else
-                 f"Conversations with \u201c{shown}\u201d" if items else f"No conversation has \u201c{shown}\u201d")
-        value = selected if selected in {cid for _, cid in items} else None
-        return gr.update(choices=items, value=value, label=label)
+        return list_update(ctl, user, selected, session)
 
     def on_disk(user: str, conv_id: str, notice: str, session: Session, box: Any = None) -> dict:
         """The conversation as saved (after a refused turn); an unknown/foreign id leaves the page empty."""
@@ -139,7 +131,8 @@ def wire(c: Page, ctl: ChatController) -> None:
         ``message`` (a sent message) leaves the input box with the first update and goes back into it when
         refused, without a refused image (so the next Send does not trip over the same file); ``first``: more
         updates for the first one.  The list is refreshed whenever the conversation id changes (a new
-        conversation is listed once saved) and at the end."""
+        conversation is listed once saved), once the turn is saved (a follow-up moves its conversation to the
+        top, marked as writing) and at the end."""
         shown_id: Optional[str] = None
         try:
             for view in turns:
@@ -149,9 +142,10 @@ def wire(c: Page, ctl: ChatController) -> None:
                     if message is not None:
                         update[c.msg] = gr.update(value=None)
                     update.update(first or {})
-                if view.conv_id != shown_id or view.done:
+                if view.conv_id != shown_id or view.done or view.saved:  # a follow-up moves to the top at once
                     update[c.conv_list] = choices(user, view.conv_id, session)
                 shown_id = view.conv_id
+                session.drew(view.conv_id)
                 yield update
         except ChatError as e:
             box = None
@@ -166,6 +160,7 @@ def wire(c: Page, ctl: ChatController) -> None:
     def send(message, conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
              presence_penalty, seed, request: gr.Request):
         session = session or Session()
+        session.tab = getattr(request, "session_hash", "") or session.tab
         user = user_of(request)
         message = message or {}
         try:
@@ -180,6 +175,7 @@ def wire(c: Page, ctl: ChatController) -> None:
     def regenerate(conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
                    presence_penalty, seed, request: gr.Request):
         session = session or Session()
+        session.tab = getattr(request, "session_hash", "") or session.tab
         user = user_of(request)
         try:
             settings = build_settings(thinking, max_new_tokens, temperature, top_p, top_k, presence_penalty, seed)
@@ -191,9 +187,10 @@ def wire(c: Page, ctl: ChatController) -> None:
 
     def edit(conv_id, session, system_prompt, thinking, max_new_tokens, temperature, top_p, top_k,
              presence_penalty, seed, evt: gr.EditData, request: gr.Request):
-        """The Chatbot's edit: ``evt.index`` is the shown position, ``evt.value`` the edit box's text (the
-        message as shown, i.e. ``safe_markdown``'d; ``render.plain_text`` gives back what is to be sent)."""
+        """The Chatbot's edit: ``evt.index`` is the shown position, ``evt.value`` the edit box's text, as typed
+        (the page's script turned the shown ``safe_markdown`` form back, ``page_js``)."""
         session = session or Session()
+        session.tab = getattr(request, "session_hash", "") or session.tab
         user = user_of(request)
         index = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         text = evt.value if isinstance(evt.value, str) else ""
@@ -202,7 +199,7 @@ def wire(c: Page, ctl: ChatController) -> None:
         except ChatError as e:
             yield on_disk(user, conv_id, warn(str(e)), session)
             return
-        turns = ctl.edit(user, conv_id or None, int(index), plain_text(text), system_prompt or "", settings,
+        turns = ctl.edit(user, conv_id or None, int(index), text, system_prompt or "", settings,
                          session)
         yield from run(turns, user, conv_id, session, first=controls(True))
 
@@ -221,6 +218,10 @@ def wire(c: Page, ctl: ChatController) -> None:
             return gr.skip()
 
     def fresh(session, request: gr.Request, notice: str = "") -> dict:
+        # a reply this tab's own event shows stops drawing here, even if Gradio's cancel comes late
+        ctl.live.leave(getattr(request, "session_hash", "") or getattr(session, "tab", ""))
+        if session is not None:
+            session.move_to("")
         return {c.chatbot: [], c.conv_id: "", c.notice: notice,
                 c.conv_list: choices(user_of(request), None, session), c.title_box: ""}
 
@@ -230,13 +231,15 @@ def wire(c: Page, ctl: ChatController) -> None:
     def cleared(session, request: gr.Request):
         return fresh(session, request, "New chat started; the previous conversation is kept in the sidebar.")
 
-    def open_conv(conv_id, request: gr.Request):
+    def open_conv(conv_id, session, request: gr.Request):
         if not isinstance(conv_id, str) or not conv_id:
             return gr.skip()  # one skip() leaves every output as it is
         try:
             messages, cid, system_prompt, title = ctl.open(user_of(request), conv_id)
         except ChatError as e:  # unknown or another user's id: an error toast, the page stays as it is
             raise gr.Error(html.escape(str(e))) from None
+        if session is not None:
+            session.move_to(cid)
         return {c.chatbot: messages, c.conv_id: cid, c.notice: "", c.system_prompt: system_prompt,
                 c.title_box: title}
 
@@ -292,6 +295,8 @@ def wire(c: Page, ctl: ChatController) -> None:
             ctl.delete(user, conv_id)
         except ChatError as e:
             return {c.notice: warn(str(e))}
+        if session is not None:
+            session.move_to("")
         return {c.chatbot: [], c.conv_id: "", c.conv_list: choices(user, None, session), c.title_box: "",
                 c.notice: "Conversation deleted."}
 
@@ -306,9 +311,14 @@ def wire(c: Page, ctl: ChatController) -> None:
 
     private = dict(api_visibility="private", show_progress="hidden")
 
+    def lock(session):
+        if session is not None:
+            session.stop_asked = False  # a Stop from here on is for the turn this lock starts
+        return controls(True)
+
     def turn(trigger, fn, inputs, api_name: Optional[str]):
         """``trigger`` locks the input controls, runs the streaming ``fn`` and unlocks them at its end."""
-        locked = trigger(lambda: controls(True), None, lock_outputs, queue=False, **private)
+        locked = trigger(lock, [c.session], lock_outputs, queue=False, **private)
         named = dict(api_name=api_name) if api_name else dict(api_visibility="private")
         event = locked.then(fn, inputs, stream_outputs, concurrency_limit=None, show_progress="hidden", **named)
         unlock(event)
@@ -317,8 +327,8 @@ def wire(c: Page, ctl: ChatController) -> None:
     def unlock(event) -> None:
         # .then runs after the end and after a cancel (Stop, New chat, opening another conversation);
         # .failure after an exception.
-        event.then(lambda: controls(False), None, lock_outputs, queue=False, **private)
-        event.failure(lambda: controls(False), None, lock_outputs, queue=False, **private)
+        for then in (event.then, event.failure):
+            then(lambda cid: lock_updates(c, False, bool(cid)), [c.conv_id], lock_outputs, queue=False, **private)
 
     send_inputs = [c.msg, c.conv_id, c.session, c.system_prompt, *sampling]
     ev_submit = turn(c.msg.submit, send, send_inputs, "send")
@@ -331,9 +341,11 @@ def wire(c: Page, ctl: ChatController) -> None:
     unlock(ev_edit)
     ev_edit.then(follow, [c.conv_id], [c.title_box, c.export_file, c.confirm_row], **private)  # a new title
     streams = [ev_submit, ev_click, ev_regen, ev_edit]
-    # Stop: flip the session's cancel token at once (unqueued) and cancel the Gradio event, which closes the
-    # streaming generator; either way the engine stops within one decode step and the turn is saved "stopped".
-    c.stop_btn.click(stop, [c.session], None, api_name="stop", queue=False, cancels=streams).then(
+    # Stop: flip the session's cancel token at once (unqueued; or as soon as a starting turn has one,
+    # ``Session.ask_stop``); the engine stops within one decode step, the turn is saved "stopped" and its event
+    # ends by itself with the saved reply.  No Gradio cancel: one that comes before the event has started
+    # leaves the chat under a red "Error" badge (Gradio's client fails the submission).
+    stopped = c.stop_btn.click(stop, [c.session], None, api_name="stop", queue=False).then(
         show_saved, [c.conv_id, c.session], [c.chatbot, c.conv_list], **private)
     c.new_btn.click(new_chat, [c.session], [c.chatbot, c.conv_id, c.notice, c.msg, c.conv_list, c.title_box],
                     api_name="new_chat", cancels=streams)
@@ -341,9 +353,9 @@ def wire(c: Page, ctl: ChatController) -> None:
                     cancels=streams, **private)
     # preprocess=False: a page that outlived a server restart lists conversations the new process never sent
     # to this session, so Gradio's choice check would refuse them; the store checks ownership on every access.
-    # Opening or deleting a conversation ends a reply still streaming in this tab (saved as stopped); otherwise
-    # its updates would keep drawing over the conversation just opened.
-    c.conv_list.input(open_conv, [c.conv_list], [c.chatbot, c.conv_id, c.notice, c.system_prompt, c.title_box],
+    # Opening or deleting a conversation closes the event showing a reply of this tab (the reply itself keeps
+    # running, ``live_turns``); otherwise its updates would keep drawing over the conversation just opened.
+    c.conv_list.input(open_conv, [c.conv_list, c.session], [c.chatbot, c.conv_id, c.notice, c.system_prompt, c.title_box],
                       api_name="open", cancels=streams, preprocess=False, js=CHOSEN_JS)
     c.conv_id.change(follow, [c.conv_id], [c.title_box, c.export_file, c.confirm_row], js=REMEMBER_JS,
                      **private)
@@ -358,8 +370,11 @@ def wire(c: Page, ctl: ChatController) -> None:
     c.export_btn.click(export, [c.conv_id], [c.export_file, c.notice], api_name="export").then(
         lambda f: gr.update(visible=bool(f)), [c.export_file], c.export_file, api_visibility="private")
     preset_controls = [c.temperature, c.top_p, c.top_k, c.presence_penalty]
-    c.thinking.change(lambda t: dict(zip(preset_controls, preset_values(t))), [c.thinking], preset_controls,
-                      api_visibility="private")
+    # .input: only the user's own switch (a chat's or a preset's saved settings set the sliders themselves)
+    c.thinking.input(lambda t: dict(zip(preset_controls, preset_values(t))), [c.thinking], preset_controls,
+                     api_visibility="private")
     c.page.load(refresh, [c.conv_id], [c.conv_list], api_name="conversations").then(
         reattach, [c.conv_id], [c.chatbot, c.conv_id, c.system_prompt, c.title_box, c.conv_list], js=REATTACH_JS,
         **private)
+    wire_live(c, ctl, streams, login_enabled=c.user_name is not None)
+    return [*streams, stopped]

@@ -15,7 +15,6 @@ No Gradio objects here (plain dicts), no torch.
 from __future__ import annotations
 
 import re
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -25,6 +24,8 @@ from qwen_chat.chat_types import ChatError
 from qwen_chat.history.files import write_atomic
 from qwen_chat.history.records import DEFAULT_TITLE, STATUS_LABELS, STREAMING
 from qwen_chat.history.turns import shown_status
+from qwen_chat.web.math_render import DisplayDollars, display_dollar_positions, dollar_math
+from qwen_chat.web.stats_view import is_stats_message, stats_message
 
 # Markdown/HTML constructs that must stay literal text (see ``safe_markdown``).
 _FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
@@ -87,16 +88,29 @@ def _outside_code(text: str, plain: Callable[[str], str]) -> str:
     return "\n".join(out)
 
 
-def safe_markdown(text: str) -> str:
+def safe_markdown(text: str, math: bool = False) -> str:
     """Return Markdown that displays ``text`` literally where it is HTML, and never runs or loads anything.
 
     Outside code spans and fenced code blocks, ``&`` and ``<`` become entities (so ``<img onerror=...>`` and
     ``<script>`` show as typed), Markdown images are disabled (no network request) and links to
     ``javascript:``/``vbscript:``/``data:``/``file:`` are shown as text.  Code keeps its content, because the
-    Markdown renderer escapes code itself.  ``$`` needs no escaping: the Chatbot is built with LaTeX off.
-    The Chatbot's own ``sanitize_html`` stays on as a second layer.  Known cosmetic limit: inside an
-    *indented* (not fenced) code block the entities show as ``&lt;``.
+    Markdown renderer escapes code itself.  ``math``: also write the ``$...$`` spans that are math
+    (``math_render.dollar_math``) as inline-math delimiters and ``$$...$$`` as display ones
+    (``math_render.DisplayDollars``), outside code only; a single ``$`` is never a
+    delimiter in the browser, so dollar amounts stay text either way.  The Chatbot's own ``sanitize_html``
+    stays on as a second layer.  Known cosmetic limit: inside an *indented* (not fenced) code block the
+    entities show as ``&lt;``.
     """
+    if math:
+        total = [0]
+
+        def count(part: str) -> str:
+            total[0] += len(display_dollar_positions(part))
+            return part
+
+        _outside_code(text, count)
+        display = DisplayDollars(total[0])
+        return _outside_code(text, lambda part: _escape_plain(dollar_math(display(part))))
     return _outside_code(text, _escape_plain)
 
 
@@ -110,14 +124,17 @@ def plain_text(shown: str) -> str:
 
 
 def view_path(path: Path) -> str:
-    """A copy of a stored image under the system temp folder, which Gradio may serve; returns its path.
+    """A copy of a stored image in this user's temporary folder (``file_access.temp_root``), which Gradio may
+    serve; returns its path.
 
     History folders are never exposed to Gradio's file route (no ``allowed_paths``): Gradio copies files from
     the temp folder into its own cache under unguessable content-hash names.  Raises ``OSError`` when the
     stored image cannot be read.
     """
-    target_dir = Path(tempfile.gettempdir()) / "qwen_chat_view"
-    target_dir.mkdir(parents=True, exist_ok=True)
+    from qwen_chat.web.file_access import VIEW_DIR, temp_root
+
+    target_dir = temp_root() / VIEW_DIR
+    target_dir.mkdir(exist_ok=True)
     target = target_dir / Path(path).name
     if not target.exists():
         write_atomic(target, Path(path).read_bytes())
@@ -134,6 +151,7 @@ class LiveReply:
     images: tuple = ()
     status: str = STREAMING
     notice: str = ""
+    stats: Optional[dict] = None
 
 
 def chatbot_messages(messages: Sequence[Any], image_path, live_index: Optional[int] = None) -> list[dict]:
@@ -142,7 +160,7 @@ def chatbot_messages(messages: Sequence[Any], image_path, live_index: Optional[i
     ``image_path(ref) -> Path`` resolves a stored image reference.  A message whose status is still
     ``streaming`` is shown as interrupted unless it is ``live_index`` (the reply streaming right now).
     Reasoning goes into a collapsible thought message (``metadata.title``), marked unfinished when the reply
-    ended inside it.
+    ended inside it; a reply's statistics follow it as their own message (``stats_view.stats_message``).
     """
     return [shown for _, shown in _shown_messages(messages, image_path, live_index)]
 
@@ -150,8 +168,19 @@ def chatbot_messages(messages: Sequence[Any], image_path, live_index: Optional[i
 def stored_index(messages: Sequence[Any], shown_index: int) -> Optional[int]:
     """The index in ``messages`` of the message the Chatbot shows at position ``shown_index`` (as laid out by
     ``chatbot_messages``), or None when there is no such position."""
-    sources = [index for index, _ in _shown_messages(messages, None, None)]
+    sources = shown_sources(messages)
     return sources[shown_index] if 0 <= shown_index < len(sources) else None
+
+
+def shown_sources(messages: Sequence[Any]) -> list[int]:
+    """For every position the Chatbot shows (as laid out by ``chatbot_messages``), the index in ``messages`` of
+    the message it comes from (a reply with reasoning has two positions)."""
+    return [index for index, _ in _shown_messages(messages, None, None)]
+
+
+def stats_rows(messages: Sequence[Any]) -> set[int]:
+    """The Chatbot positions (as laid out by ``chatbot_messages``) that hold a reply's statistics line."""
+    return {row for row, (_, shown) in enumerate(_shown_messages(messages, None, None)) if is_stats_message(shown)}
 
 
 def _shown_messages(messages: Sequence[Any], image_path, live_index: Optional[int]):
@@ -173,16 +202,19 @@ def _shown_messages(messages: Sequence[Any], image_path, live_index: Optional[in
             title = "Thinking (unfinished)" if unfinished and not live else "Thinking"
             yield index, {
                 "role": "assistant",
-                "content": [{"type": "text", "text": safe_markdown(msg.reasoning)}],
+                "content": [{"type": "text", "text": safe_markdown(msg.reasoning, math=True)}],
                 "metadata": {"title": title, "status": "pending" if live and not msg.text else "done"},
             }
-        text = safe_markdown(msg.text) if msg.text else ""
+        text = safe_markdown(msg.text, math=True) if msg.text else ""
         if status in STATUS_LABELS:
             note = getattr(msg, "notice", "") or ""
             label = STATUS_LABELS[status] + (f" ({safe_markdown(note)})" if note and status == "error" else "")
             text = (text + "\n\n" if text else "") + f"*[{label}]*"
         if text:
             yield index, {"role": "assistant", "content": [{"type": "text", "text": text}]}
+        shown_stats = stats_message(getattr(msg, "stats", None))
+        if shown_stats is not None:
+            yield index, shown_stats
 
 
 def _image_part(image_path, ref: str) -> dict:

@@ -21,9 +21,11 @@ from gradio.routes import App as GradioApp
 from qwen_chat.chat_types import ChatBackend
 from qwen_chat.config import ServiceConfig
 from qwen_chat.images import ImageLimits
-from qwen_chat.web import api, auth, ops
+from qwen_chat.web import api, auth, file_access, ops
 from qwen_chat.web.handlers import ChatController
 from qwen_chat.web.login_guard import LoginGuard
+from qwen_chat.web.page_extras import PAGE_HEAD
+from qwen_chat.web.page_js import PAGE_HEAD as LIVE_HEAD
 from qwen_chat.web.ui import CSS, build_ui
 
 
@@ -44,9 +46,13 @@ def build_app(cfg: ServiceConfig, backend: ChatBackend, store: Any) -> FastAPI:
     app = gr.mount_gradio_app(
         app, page, path="/", auth=guard.verify if guard else None, auth_message="Qwen3.5 chat: please log in",
         max_file_size=limits.max_file_bytes, footer_links=["settings"], css=CSS, ssr_mode=False,
+        head=PAGE_HEAD + LIVE_HEAD,  # kept versions and list menu (page.js); statistics, keys, banner
     )
     if guard is not None:  # password checks off the event loop, wrong guesses limited, no cross-site logins
         app.add_middleware(LoginGuard.Middleware, guard=guard)
+    # stored images and prepared downloads through Gradio's file route: their owner only
+    app.add_middleware(file_access.FileGuard, user_of=file_access.gradio_user_of(app, cfg.login_enabled),
+                       images_root=store.root / "users")
     return app
 
 

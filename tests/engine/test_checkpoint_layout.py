@@ -207,10 +207,10 @@ def _foreign_model_type(folder: Path) -> str:
     return "config.json: model_type 'qwen3_5_moe' is not a Qwen3.5 checkpoint"
 
 
-def _awq_config(folder: Path) -> str:
+def _bitsandbytes_config(folder: Path) -> str:
     config = json.loads((folder / "config.json").read_text())
-    rewrite(folder / "config.json", {**config, "quantization_config": {"quant_method": "awq", "bits": 4}})
-    return "config.json: quantization_config quant_method 'awq' is not supported (only 'fp8'"
+    rewrite(folder / "config.json", {**config, "quantization_config": {"quant_method": "bitsandbytes", "bits": 4}})
+    return "config.json: quantization_config quant_method 'bitsandbytes' is not supported (only 'fp8'"
 
 
 def _index_names_absent_tensor(folder: Path) -> str:
@@ -252,7 +252,7 @@ def _swapped_special_ids(folder: Path) -> str:
     return "tokenizer.json: special token '<|im_start|>' has id 248046, expected 248045"
 
 
-BROKEN = [_missing_shard, _foreign_model_type, _awq_config, _index_names_absent_tensor, _not_safetensors,
+BROKEN = [_missing_shard, _foreign_model_type, _bitsandbytes_config, _index_names_absent_tensor, _not_safetensors,
           _truncated_shard,
           _weight_left_out, _swapped_special_ids]
 

@@ -7,6 +7,7 @@ end with the weights reported for ``/v1/models``.  The FP8 GEMV kernels: tests/e
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from transformers import Qwen3_5ForCausalLM
 
 from qwen_chat.config import ConfigError, ServiceConfig
 from qwen_chat.engine.checkpoints.fp8_format import default_not_convert, excluded
@@ -31,6 +32,7 @@ from qwen_chat.engine.model.fusion import fuse_group
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.types import PreparedPrompt
 from tests.support.small_model import TOL, rel_err, tiny_prompts
+from tests.support.quantized_tp import quantized_tp_body
 from tests.support.two_ranks import run_two_ranks
 
 UP = "model.language_model.layers.0.mlp.up_proj"
@@ -243,8 +245,8 @@ BROKEN = {
                       f"{UP}.weight is F8_E4M3 but its block scales {UP}.weight_scale_inv are missing"),
     "block size": (lambda f: rewrite_config(f, lambda c: c["quantization_config"].update(weight_block_size=[64, 64])),
                    "config.json: quantization_config weight_block_size [64, 64] is not supported (only [128, 128])"),
-    "quant method": (lambda f: rewrite_config(f, lambda c: c["quantization_config"].update(quant_method="awq")),
-                     "config.json: quantization_config quant_method 'awq' is not supported"),
+    "quant method": (lambda f: rewrite_config(f, lambda c: c["quantization_config"].update(quant_method="bitsandbytes")),
+                     "config.json: quantization_config quant_method 'bitsandbytes' is not supported"),
     "fmt": (lambda f: rewrite_config(f, lambda c: c["quantization_config"].update(fmt="e5m2")),
             "quantization_config fmt 'e5m2' is not supported (only 'e4m3')"),
     "scale shape": (lambda f: rewrite_tensor(f, UP + ".weight_scale_inv", torch.ones(1, 1)),
@@ -313,48 +315,9 @@ def _tp_config(intermediate: int):
     return config
 
 
-def _greedy(model, steps: int = 6) -> tuple[list[list[int]], torch.Tensor]:
-    runner = ModelRunner(model, num_slots=2, max_context=128, device="cpu")
-    prompts = [torch.arange(5, 17), torch.arange(100, 103)]
-    logits = torch.stack([runner.prefill(s, PreparedPrompt(input_ids=p)) for s, p in enumerate(prompts)])
-    tokens, rows = [[int(x)] for x in logits.argmax(-1)], [logits]
-    for _ in range(steps):
-        logits = runner.decode([0, 1], torch.tensor([t[-1] for t in tokens]))
-        rows.append(logits)
-        for t, nxt in zip(tokens, logits.argmax(-1).tolist()):
-            t.append(nxt)
-    return tokens, torch.cat(rows)
-
-
-def _tp_body(rank: int, report: dict) -> None:
-    from qwen_chat.engine.parallel import sharding
-    from qwen_chat.engine.parallel.ranks import unlink_deepspeed_shm
-    from qwen_chat.engine.parallel.tp_layers import RowParallelLinear
-
-    # what a launcher sets (DeepSpeed needs LOCAL_RANK; its CPU all-reduce names its buffers by the port)
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getppid() % 20000))
-    plan = sharding.read_plan(None, 2, "cpu")
-    torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(_tp_config(256)).eval()
-    quantize_model(model)
-    report["tp1"], ref = _greedy(copy.deepcopy(model))
-    sharded = sharding.shard_model(model, plan, torch.device("cpu"))
-    torch.distributed.barrier()  # every rank has mapped the others' buffers
-    unlink_deepspeed_shm(rank)
-    rows = [m for m in sharded.modules() if isinstance(m, RowParallelLinear)]
-    report["row_parallel_fp8"] = sum(m.fp8_weight() is not None for m in rows)
-    report["fp8_layers"] = fp8.weights_report(sharded)["fp8_modules"]
-    report["tp2"], out = _greedy(sharded)
-    report["rel_err"] = rel_err(out, ref)
-    torch.manual_seed(0)
-    tiny = Qwen3_5ForConditionalGeneration(_tp_config(192)).eval()
-    quantize_model(tiny)
-    try:
-        sharding.shard_model(tiny, plan, torch.device("cpu"))
-        report["refusal"] = None
-    except sharding.ShardingError as exc:
-        report["refusal"] = str(exc)
+#: One rank's part: MLP width 256 keeps the blocks whole on each rank, 192 cuts them.
+_tp_body = functools.partial(quantized_tp_body, config_of=_tp_config, quantize=quantize_model, kind="fp8",
+                             fits=256, cuts=192)
 
 
 @pytest.mark.slow  # two processes import deepspeed and build the model (~30 s on 2 CPU cores)
@@ -364,7 +327,7 @@ def test_tensor_parallel_fp8_gives_the_tokens_of_one_rank(tmp_path):
         assert rep["tp2"] == rep["tp1"], rep
         assert rep["rel_err"] <= TOL, rep
         # o_proj, down_proj x4 and the Gated DeltaNet out_proj x3: FP8 shards summed by an all-reduce
-        assert rep["row_parallel_fp8"] == 1 + 4 + 3 and rep["fp8_layers"] == 25
+        assert rep["row_parallel"] == 1 + 4 + 3 and rep["quantized_layers"] == 25
         first, last = 96 * rep["rank"], 96 * (rep["rank"] + 1)  # this rank's share of the 192 MLP rows
         assert rep["refusal"] == ("tensor parallel over 2 ranks would cut the 128 x 128 FP8 blocks of "
                                   f"model.language_model.layers.0.mlp.gate_proj: rows {first}..{last} of 192 cut a "
@@ -380,14 +343,15 @@ def test_zero3_with_fp8_weights_is_refused(quantized):
 
 
 # ---------------------------------------------------------------------------------------------- the service
-def test_quantize_flag_takes_fp8_or_none(monkeypatch, tmp_path):
+def test_quantize_flag_takes_fp8_int4_or_none(monkeypatch, tmp_path):
     assert ServiceConfig.from_argv(["--quantize", "fp8", "--history-dir", str(tmp_path)]).validate().quantize == "fp8"
     monkeypatch.setenv("QWEN_CHAT_QUANTIZE", "fp8")  # e.g. set in a Supervisor program; the flag switches it off
     assert ServiceConfig.from_argv(["--history-dir", str(tmp_path)]).validate().quantize == "fp8"
     off = ServiceConfig.from_argv(["--quantize", "none", "--history-dir", str(tmp_path)]).validate()
     assert off.quantize == "none"
-    monkeypatch.setenv("QWEN_CHAT_QUANTIZE", "int4")
-    with pytest.raises(ConfigError, match="--quantize .* must be one of none, fp8, got 'int4'"):
+    assert ServiceConfig.from_argv(["--quantize", "int4", "--history-dir", str(tmp_path)]).validate().quantize == "int4"
+    monkeypatch.setenv("QWEN_CHAT_QUANTIZE", "int8")
+    with pytest.raises(ConfigError, match="--quantize .* must be one of none, fp8, int4, got 'int8'"):
         ServiceConfig.from_argv(["--history-dir", str(tmp_path)]).validate()
 
 

@@ -139,3 +139,36 @@ def test_two_keep_points_in_one_chunk_both_serve_their_follow_ups(model):
     assert max(errs) <= TOL, errs
     with pytest.raises(ValueError, match="increasing"):
         runner.prefill_batch([PrefillItem(1, first.prompt(), keeps=((30, 2), (10, 3)))])
+
+
+@pytest.mark.parametrize("owner", ["running", "finished"])
+def test_a_kept_row_taken_over_in_place_continues_its_state(model, owner):
+    """``restore(row, row)`` (the scheduler's take-over when no other row is free): the prompt continued in the
+    kept prefix's own row equals the reference while the prompt that kept it decodes on (or after it finished
+    and freed its slot); the row shares the prefix's full blocks, writes into a copy of the partly filled one,
+    and every block comes back."""
+    gen = torch.Generator().manual_seed(25)
+    first = Seq(text_ids(gen, 37))
+    p = 34  # two full blocks of 16 and a partly filled third
+    runner = ModelRunner(model, num_slots=2, max_context=96, num_blocks=12, device="cpu", block_tokens=16)
+    logits = runner.prefill_batch([PrefillItem(0, first.prompt(), keeps=((p, 1),))])
+    errs = [rel_err(logits[0], first.reference(model))]
+    kept = runner.tables.blocks(1)
+    seqs = {}
+    if owner == "running":
+        errs += step(runner, model, {0: first}, gen)  # the owner writes into the partly filled block they share
+        seqs[0] = first
+    else:
+        runner.free(0)
+    seq = Seq(first.ids[:p] + text_ids(gen, 9))
+    assert runner.restore(1, 1) == p
+    blocks = runner.tables.blocks(1)
+    assert blocks[:2] == kept[:2] and blocks[2] != kept[2]
+    logits = runner.prefill_batch([PrefillItem(1, seq.prompt(), start=p)])
+    errs.append(rel_err(logits[0], seq.reference(model)))
+    for _ in range(3):
+        errs += step(runner, model, {**seqs, 1: seq}, gen)
+    assert max(errs) <= TOL, errs
+    runner.free(0)
+    runner.free(1)
+    assert runner.tables.free_blocks == 12

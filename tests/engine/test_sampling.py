@@ -309,3 +309,17 @@ def test_logprobs_are_the_raw_log_softmax_sorted_and_only_where_asked():
     s.start(0, params(temperature=0.0))
     s.start(1, params(temperature=0.0))
     assert s.logprobs_async([0, 1], lg[:2], s.sample_async([0, 1], lg[:2])) is None
+
+
+def test_rows_with_nan_or_infinite_logits_are_marked_for_the_host_only():
+    from qwen_chat.engine.model.sampling_rules import mark_nonfinite
+    from qwen_chat.engine.types import NONFINITE_TOKEN
+
+    logits = torch.randn(5, 1000) * 30
+    logits[0, 17] = 1e30  # large but finite: a valid (if odd) distribution
+    logits[1, 3] = float("nan")
+    logits[2, 999] = float("inf")
+    logits[3, 0] = float("-inf")
+    tokens = torch.tensor([7, 8, 9, 10, 11])
+    assert mark_nonfinite(logits, tokens).tolist() == [7, NONFINITE_TOKEN, NONFINITE_TOKEN, NONFINITE_TOKEN, 11]
+    assert tokens.tolist() == [7, 8, 9, 10, 11]  # what the device keeps (and feeds the next step) is untouched

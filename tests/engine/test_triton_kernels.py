@@ -1,5 +1,6 @@
 """The Triton decode kernels on CPU under Triton's interpreter: the Gated DeltaNet decode kernel
-(qwen_chat.engine.model.gdn) and the FP8 GEMV and dequantisation kernels (qwen_chat.engine.model.fp8_gemv).
+(qwen_chat.engine.model.gdn), the FP8 GEMV and dequantisation kernels (qwen_chat.engine.model.fp8_gemv) and the
+W4A16 ones (qwen_chat.engine.model.int4_gemv).
 
 The checks run in one subprocess with ``TRITON_INTERPRET=1`` (tests/support/triton_checks.py), since the
 variable must be set before the kernels are defined.  fp32 results must equal the reference ``glue.gdn_step``
@@ -64,5 +65,17 @@ def test_fp8_gemv_equals_the_dequantised_matmul(results):
     r = dict(results["fp8_gemv"])
     assert r.pop("dequant_equal") is True
     assert len(r) == 20
+    for case, err in r.items():
+        assert err <= (1e-6 if case.startswith("float32") else 1e-3), (case, err)
+
+
+def test_int4_gemv_equals_the_dequantised_matmul(results):
+    """The W4A16 kernels (qwen_chat.engine.model.int4_gemv) on 1 (one and four groups per iteration), 3, 20 and 64
+    rows and through ``fp8.linear`` on a strided input: fp32 activations agree with x @ dequantised(w)^T to fp32
+    rounding; fp16 ones to the fp16 rounding of the dequantised tile and the output (2^-11 relative); the
+    dequantisation kernel equals PyTorch's bit for bit."""
+    r = dict(results["int4_gemv"])
+    assert r.pop("dequant_equal") is True
+    assert len(r) == 12
     for case, err in r.items():
         assert err <= (1e-6 if case.startswith("float32") else 1e-3), (case, err)

@@ -99,7 +99,8 @@ def test_packed_and_chunked_prefill_on_cuda_match_the_reference(model):
 
 def test_kept_prefixes_with_the_packed_kernel_match_the_reference(model):
     """Keep points inside packed chunks (fla's varlen kernel in two calls) next to a chunk without one; the
-    follow-ups restored from the kept states match the reference in fp32."""
+    follow-ups restored from the kept states (one in the kept row itself, taken over in place) match the
+    reference in fp32."""
     from qwen_chat.engine.types import PrefillItem
 
     gen = torch.Generator().manual_seed(19)
@@ -116,6 +117,9 @@ def test_kept_prefixes_with_the_packed_kernel_match_the_reference(model):
         follow = CudaSeq(seq.ids[:p] + text_ids(gen, 11), seq.image)
         runner.restore(src, slot)
         errs.append(rel_err(runner.prefill_batch([PrefillItem(slot, follow.prompt(), start=p)])[0], follow.reference(model)))
+    follow = CudaSeq(a.ids[:pa] + text_ids(gen, 5))
+    runner.restore(3, 3)  # the kept row taken over in place (the scheduler does so when no other row is free)
+    errs.append(rel_err(runner.prefill_batch([PrefillItem(3, follow.prompt(), start=pa)])[0], follow.reference(model)))
     assert max(errs) <= GPU_TOL, errs
 
 

@@ -8,6 +8,7 @@ One supervisord runs the service for the module (start-up ~25-50 s on 2 CPU core
   no process of the old process group left, every history JSON valid, the partial reply kept and marked
   ``interrupted`` (in the store and in the restarted UI), the same conversation can be continued;
 * ``supervisorctl restart qwen3.5-9b`` while a reply streams: the same checks;
+* the whole service killed as soon as it is healthy, five times in a row: restarted every time (never FATAL);
 * a start-up that fails (model path that does not exist; an unknown flag) ends in FATAL after
   ``startretries`` attempts, with a readable reason in ``service.log``;
 * a broken checkpoint (found after loading began, exit 78) ends EXITED after one attempt, as the README says;
@@ -184,7 +185,8 @@ def crash_drill(sup: Supervisor, url: str, history: Path, crash, min_chars: int 
     listed = fresh.predict("", api_name="/conversations")["choices"]  # what the page does when it loads
     assert conv_id in [c[1] for c in listed]
     chat = fresh.predict(conv_id, api_name="/open")[0]
-    shown = [p["text"] for m in chat if m["role"] == "assistant" for p in m["content"] if p["type"] == "text"]
+    shown = [p["text"] for m in chat if m["role"] == "assistant" for p in m["content"] if p["type"] == "text"
+             and "reply-stats" not in p["text"]]  # the statistics line under a reply is a message of its own
     assert shown and "interrupted" in shown[-1]
     ui_submit(fresh, "Thanks, that is enough.", conv_id=conv_id, max_new_tokens=64).result(timeout=120)
     conv = HistoryStore(history).user("local").load(conv_id)
@@ -246,6 +248,32 @@ def test_supervisorctl_restart_mid_stream(supervised):
 
     result = crash_drill(sup, url, history, crash)
     print(f"[drill] supervisorctl restart mid-stream: {result}")
+
+
+#: Crashes right after each healthy start in the drill below: more than startretries + 1 (= 4), the number of
+#: failed starts after which Supervisor gives up (FATAL) when it counts a crash as a failed start.
+CRASHES_AFTER_HEALTHY = 5
+
+
+@drill
+def test_crash_right_after_each_healthy_start_is_always_restarted(supervised):
+    """The whole service killed (``kill -9`` of its process group) as soon as ``/healthz`` says 200, five times
+    in a row: each time Supervisor has already counted the start as done (the service turns ready only after
+    ``startsecs``), so it restarts it instead of ending in FATAL after ``startretries`` "failed starts"."""
+    sup, url, _ = supervised
+    startsecs = float(sup.program_setting("startsecs"))
+    for attempt in range(CRASHES_AFTER_HEALTHY):
+        wait_healthy(url, timeout_s=WAIT_LIMIT_S)
+        assert sup.state() == "RUNNING", (
+            f"crash {attempt}: /healthz 200 while Supervisor still says {sup.state()} (startsecs {startsecs:.0f} "
+            f"s): a crash now would count as a failed start; log tail:\n{sup.log_tail()}")
+        pid = sup.pid()
+        os.killpg(pid, signal.SIGKILL)
+        wait_until(lambda: sup.pid() not in (0, pid), WAIT_LIMIT_S, "Supervisor to start the service again")
+    wait_healthy(url, timeout_s=WAIT_LIMIT_S)
+    assert sup.state() == "RUNNING"
+    assert "gave up" not in (sup.workdir / "supervisord.log").read_text()
+    print(f"\n[drill] {CRASHES_AFTER_HEALTHY} crashes right after healthy: restarted every time")
 
 
 @drill

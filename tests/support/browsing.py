@@ -5,6 +5,10 @@ Fixtures (import them into a test module): ``browser`` (one chromium per module;
 /usr/bin/chromium is missing: ``bash deploy/install.sh --test`` installs Debian's package) and ``page`` (a
 fresh 1280x900 tab per test; dialogs are recorded in ``page.dialogs`` and dismissed).
 
+``shared_ui_server`` makes a module's one real server over ``FakeBackend.for_ui()`` (a module-scoped fixture
+yields from it), ``open_fresh`` opens a test's page on it with the backend's script reset; ``users_file`` writes
+a login users file.
+
 Helpers: ``open_app``, ``send`` (type and press Enter, optionally with an image), ``bot_text`` / ``user_texts``
 (what the chat shows), ``notice_text``, ``sidebar_labels``, ``field`` (the input of a labelled box by
 ``elem_id``).
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import pytest
 
@@ -45,6 +49,47 @@ def page(browser):
     context.close()
 
 
+#: The fields of the shared server's ``FakeBackend`` that a test may change; ``open_fresh`` resets them.
+SCRIPT_FIELDS = ("answer", "step_delay_s", "fail_with", "ready", "max_steps", "cached_tokens")
+
+
+def shared_ui_server(tmp_path_factory) -> Iterator[tuple]:
+    """For a module-scoped fixture (``yield from``): one real server over ``FakeBackend.for_ui()`` and a
+    history folder of its own; yields (``RunningServer``, backend, ``HistoryStore``)."""
+    from qwen_chat.config import ServiceConfig
+    from qwen_chat.history.store import HistoryStore
+    from qwen_chat.web.server import build_app
+    from tests.support.fake_backend import FakeBackend
+    from tests.support.servers import RunningServer
+
+    root = tmp_path_factory.mktemp("history")
+    backend = FakeBackend.for_ui()
+    store = HistoryStore(root)
+    with RunningServer(build_app(ServiceConfig(history_dir=root), backend, store)) as running:
+        yield running, backend, store
+
+
+def open_fresh(pg, running, backend) -> None:
+    """Reset the shared backend's script (``SCRIPT_FIELDS``) to ``FakeBackend.for_ui()``'s and open the page."""
+    from tests.support.fake_backend import FakeBackend
+
+    defaults = FakeBackend.for_ui()
+    for name in SCRIPT_FIELDS:
+        setattr(backend, name, getattr(defaults, name))
+    open_app(pg, running.url)
+
+
+def users_file(path: Path, passwords: dict) -> Path:
+    """Write a login users file at ``path`` with ``passwords`` ({name: password}; fast hashes); returns it."""
+    from qwen_chat.web import auth
+
+    db = auth.UserDB()
+    for name, password in passwords.items():
+        db.set_password(name, password, rounds=4)
+    db.save(path)
+    return path
+
+
 def open_app(pg, url: str) -> None:
     """Load the chat page and wait until its message box is there."""
     pg.goto(url)
@@ -70,9 +115,9 @@ def user_texts(pg) -> list[str]:
     return [t.strip() for t in pg.locator("#chatbot [data-testid=user]").all_inner_texts()]
 
 
-def notice_text(pg) -> str:
-    """The notice line under the chat."""
-    return pg.locator("#notice").inner_text().strip()
+def notice_text(pg, where: str = "notice") -> str:
+    """The notice line under the chat (``where="preset-notice"``: the one under the preset buttons)."""
+    return pg.locator(f"#{where}").inner_text().strip()
 
 
 def sidebar_labels(pg) -> list[str]:

@@ -96,7 +96,8 @@ class FakeBackend:
     appended to each.  ``step_delay_s``: seconds slept before every token.  ``max_steps``: a token limit below
     ``settings.max_new_tokens``.  ``capacity``: streams accepted at once.  ``ready``: False -> ``NotReady``.
     ``fail_with``: a ``ChatError`` raised by ``stream_chat``.  ``notice``: put on the last update.
-    ``gpu_memory_bytes``: what ``stats()`` reports per rank.
+    ``gpu_memory_bytes``: what ``stats()`` reports per rank.  ``cached_tokens``: the prompt tokens every update
+    says the conversation cache held.
     """
 
     answer: str = API_ANSWER
@@ -112,6 +113,7 @@ class FakeBackend:
     info: ModelInfo = field(default_factory=lambda: ModelInfo(name="fake-qwen", demo=True, context_length=256))
     calls: list[FakeCall] = field(default_factory=list)
     gpu_memory_bytes: tuple[int, ...] = (1000, 2000)
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -195,6 +197,7 @@ class FakeBackend:
                 call.steps += 1
                 piece = token if index == 0 or plan[index - 1][0] != part else " " + token
                 counts = dict(prompt_tokens=call.prompt_tokens, completion_tokens=call.steps,
+                              cached_tokens=min(self.cached_tokens, call.prompt_tokens),
                               ttft_s=time.monotonic() - start if call.steps == 1 else None)
                 if part == "r":
                     reasoning += piece
@@ -215,7 +218,8 @@ class FakeBackend:
                 self.notice or (THINKING_CUT_NOTICE if still_thinking else ""))
             call.finish_reason = finish
             yield StreamUpdate(reasoning=reasoning, answer=answer, finish_reason=finish, thinking=still_thinking,
-                               notice=notice, prompt_tokens=call.prompt_tokens, completion_tokens=call.steps)
+                               notice=notice, prompt_tokens=call.prompt_tokens, completion_tokens=call.steps,
+                               cached_tokens=min(self.cached_tokens, call.prompt_tokens))
         except GeneratorExit:
             call.closed = True
             call.finish_reason = call.finish_reason or "cancelled"

@@ -1,6 +1,7 @@
 """Checks of the Triton decode kernels on CPU under Triton's interpreter, run by tests/engine/test_triton_kernels.py in a
 subprocess with ``TRITON_INTERPRET=1`` (the variable must be set before the kernels are defined): the Gated
-DeltaNet decode kernel (``gdn``) and the FP8 GEMV and dequantisation kernels (``fp8_gemv``).
+DeltaNet decode kernel (``gdn``), the FP8 GEMV and dequantisation kernels (``fp8_gemv``) and the 4-bit ones
+(``int4_gemv``).
 
 ``python -m tests.support.triton_checks`` prints one JSON object: for each check, the measured errors that the test
 asserts on.
@@ -13,7 +14,7 @@ import os
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
 
-from qwen_chat.engine.model import fp8, fp8_gemv, gdn, glue
+from qwen_chat.engine.model import fp8, fp8_gemv, gdn, glue, int4, int4_gemv
 from tests.support.small_model import rel_err
 
 
@@ -157,6 +158,34 @@ def check_fp8_gemv(seed=11) -> dict:
     return out
 
 
+def check_int4_gemv(seed=12) -> dict:
+    """The W4A16 kernels (one row: ``_int4_row_kernel`` with 1 and 4 groups per iteration; 3 and 20 rows:
+    ``_int4_split_kernel``; 64 rows: ``_int4_dot_kernel``) against x @ dequantised(w)^T in fp64 for fp32 and fp16 activations, N = 200 (a partial
+    tile) and K = 384 (three groups), with groups of very different ranges and asymmetric zero points; through
+    ``fp8.linear`` too (the dispatch the model uses), on a strided input; and the dequantisation kernel against
+    PyTorch's, bit for bit.  Returns {case: relative error} plus ``dequant_equal``."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(200, 384, generator=gen) * torch.logspace(-2, 1, 3).repeat_interleave(128)[None, :]
+    q = int4.quantize_groups(w)
+    q4 = int4.quantize_groups(torch.randn(40, 512, generator=gen))  # four groups in one row-kernel iteration
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        ref_w = q.dequantize(dtype).double()
+        for B in (1, 3, 20, 64):
+            x = torch.randn(B, 384, generator=gen).to(dtype)
+            assert int4_gemv.supports(x, q.packed, q.scale, q.zero)
+            out[f"{str(dtype)[6:]}_rows{B}"] = rel_err(int4_gemv.gemv_int4(x, q.packed, q.scale, q.zero),
+                                                       x.double() @ ref_w.t())
+        x = torch.randn(1, 512, generator=gen).to(dtype)
+        y = int4_gemv.gemv_int4(x, q4.packed, q4.scale, q4.zero, config=dict(BLOCK_N=32, R=4))
+        out[f"{str(dtype)[6:]}_rows1_four_groups"] = rel_err(y, x.double() @ q4.dequantize(dtype).double().t())
+        wide = torch.randn(4, 2 * 384, generator=gen).to(dtype)[:, ::2]  # a strided view, as a split output is
+        out[f"{str(dtype)[6:]}_linear"] = rel_err(fp8.linear(wide, q, fast=True), wide.double() @ ref_w.t())
+    out["dequant_equal"] = torch.equal(int4_gemv.dequantize(q.packed, q.scale, q.zero, torch.float32),
+                                       q.dequantize(torch.float32))
+    return out
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     print(json.dumps(dict(
@@ -165,7 +194,7 @@ def main() -> None:
         bf16=check_against_reference(torch.bfloat16, B=4, dk=16, dv=32, seed=2),
         padding=check_padding_rows(),
         runner=check_runner_parity(),
-        fp8_gemv=check_fp8_gemv())))
+        fp8_gemv=check_fp8_gemv(), int4_gemv=check_int4_gemv())))
 
 
 if __name__ == "__main__":

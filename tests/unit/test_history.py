@@ -79,6 +79,12 @@ def test_list_is_newest_first_and_titles(store):
     history.append_message(image_only.id, role="user", text="",
                            images=[history.put_image((IMAGES / "coffee.png").read_bytes())])
     assert history.load(image_only.id).title == "Image"
+    code_first = history.create()  # a message that starts with a code block: named after its first words
+    history.append_message(code_first.id, role="user", text="```python\nprint('hi')\n```\nWhy does this fail?")
+    assert history.load(code_first.id).title == "print('hi')"
+    marks = history.create()
+    history.append_message(marks.id, role="user", text="???")
+    assert history.load(marks.id).title == "???"
 
 
 def test_list_search_matches_titles_and_message_text(store):
@@ -154,7 +160,7 @@ def test_failed_replace_leaves_old_file_and_no_temp_files(store, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(HistoryUnavailable, match="No space left"):
+    with pytest.raises(HistoryUnavailable, match="the disk holding the history folder is full"):
         history.append_message(conv.id, role="assistant", text="lost")
     monkeypatch.undo()
 
@@ -217,7 +223,7 @@ def test_file_of_a_newer_schema_is_left_alone(store):
     history = store.user("local")
     conv_id = "b" * 32
     path = history.folder / "conversations" / f"{conv_id}.json"
-    path.write_text(json.dumps({"schema_version": 2, "id": conv_id}))
+    path.write_text(json.dumps({"schema_version": 3, "id": conv_id}))
     assert history.list() == []
     with pytest.raises(InvalidInput, match="newer version"):
         history.load(conv_id)

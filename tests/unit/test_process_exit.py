@@ -71,3 +71,28 @@ def test_a_rank_whose_launcher_was_killed_exits_within_about_a_second(tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_port_freed_by_a_leaving_instance_is_bound_and_one_held_elsewhere_fails_after_the_wait():
+    """app.py's ``_listen``: the port a previous instance frees within the wait is bound (Supervisor's respawn
+    after a crash starts at once); a port kept busy fails with the bind error once the wait is over."""
+    done = run_python("""
+        import socket, threading, time
+        import app
+        held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen(1)
+        port = held.getsockname()[1]
+        threading.Timer(0.6, held.close).start()
+        t0 = time.monotonic()
+        sock = app._listen("127.0.0.1", port, busy_wait_s=4.0)
+        print("bound", sock.getsockname()[1] == port, round(time.monotonic() - t0, 1) >= 0.6)
+        sock.close()
+        busy = socket.socket(); busy.bind(("127.0.0.1", 0)); busy.listen(1)
+        t0 = time.monotonic()
+        try:
+            app._listen("127.0.0.1", busy.getsockname()[1], busy_wait_s=1.0)
+        except OSError as e:
+            print("failed", e.strerror, 1.0 <= time.monotonic() - t0 < 3.0)
+        """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["bound True True", "failed Address already in use True"]
+    assert "is busy; trying again" in done.stderr

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from qwen_chat.engine.startup.selfcheck import SELF_CHECK_TOKENS, SelfCheckError, run_self_check
+from qwen_chat.engine.types import NONFINITE_TOKEN
 
 
 class _Tokenizer:
@@ -55,3 +56,24 @@ def test_non_finite_logits_are_refused_naming_corrupt_weights():
 def test_a_degenerate_distribution_with_one_repeated_token_is_refused():
     with pytest.raises(SelfCheckError, match="logits are all equal .* every greedy token is id 0"):
         run_self_check(_Executor(torch.zeros(16)), _Tokenizer())
+
+
+def test_non_finite_logits_of_a_decode_step_are_refused_and_never_fed_back():
+    class FaultyDecode(_Executor):
+        """Finite prefill logits, but the executor reports the third greedy token's logits as non-finite
+        (``NONFINITE_TOKEN``, as ``LocalExecutor.collect`` does)."""
+
+        fed: list = []
+
+        def execute(self, plan):
+            if plan.free_slots:
+                self.fed.append("free")
+                return {}
+            self.fed.extend(plan.decode_tokens)
+            return {0: NONFINITE_TOKEN if len(self.fed) == 2 else 15}
+
+    executor = FaultyDecode(torch.linspace(-5, 5, 16))
+    with pytest.raises(SelfCheckError, match=r"non-finite logits \(NaN or infinity\) for its greedy token 3: "
+                                             "the weights are likely corrupt"):
+        run_self_check(executor, _Tokenizer())
+    assert executor.fed == [15, 15, "free"]  # slot 0 freed, the marker never decoded

@@ -4,7 +4,6 @@ replies, limits)."""
 from __future__ import annotations
 
 import threading
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 from qwen_chat.chat_types import GenerationSettings, InvalidImage, InvalidInput, StreamUpdate, is_blank
 from qwen_chat.history.store import HistoryStore
 from qwen_chat.web.controls import DEMO_MAX_NEW_TOKENS, build_settings, page_defaults, parse_seed, preset_values
-from qwen_chat.web.handlers import ChatController, Session
+from qwen_chat.web.handlers import RUNNING_MARK, ChatController, Session
 from qwen_chat.web.render import chatbot_messages, conversation_label, plain_text, safe_markdown, stored_index
 from tests.support.fake_backend import FakeBackend
 
@@ -134,16 +133,44 @@ def test_reply_is_saved_while_it_streams(ctl):
     assert history.load(view.conv_id).messages[1].status == "complete"
 
 
-def test_closing_the_stream_stops_the_backend_and_saves_stopped(ctl):
+def test_closing_the_stream_leaves_the_reply_running_to_its_end(ctl):
+    """New chat or another conversation closes the event showing a reply: the reply goes on and is saved
+    complete, the sidebar marks its conversation meanwhile, and reopening it shows it live."""
     ctl.backend.step_delay_s = 0.01
-    ctl.backend.answer = " ".join(f"w{i}" for i in range(500))
+    ctl.backend.answer = " ".join(f"w{i}" for i in range(150))
     session = Session()
     gen = ctl.send("local", None, "long story", [], "", GenerationSettings.preset(False), session)
     view = None
     for view in gen:
         if view.conv_id and "w5" in str(view.messages):
             break
-    gen.close()  # what Gradio does when the event is cancelled (Stop / closed tab)
+    gen.close()  # what Gradio does when New chat / opening another conversation cancels the event
+    labels = dict((cid, label) for label, cid in ctl.conversation_choices("local"))
+    assert labels[view.conv_id].endswith(RUNNING_MARK)
+    shown = ctl.open("local", view.conv_id)[0]  # reopened while it runs: live, not "interrupted"
+    assert "interrupted" not in str(shown) and shown[-1]["metadata"] == {"status": "done"}
+    assert ctl.live.wait_idle(30)
+    call = ctl.backend.calls[-1]
+    assert call.finish_reason == "stop" and call.steps == 150
+    reply = ctl.store.user("local").load(view.conv_id).messages[-1]
+    assert reply.status == "complete" and reply.text.endswith("w149")
+    assert reply.stats["completion_tokens"] == 150 and reply.stats["prompt_tokens"] == call.prompt_tokens
+    assert not ctl.conversation_choices("local")[0][0].endswith(RUNNING_MARK)
+    assert session.cancel is None and ctl.backend.active == 0
+
+
+def test_a_closed_tab_stops_its_replies_and_saves_them_stopped(ctl):
+    ctl.backend.step_delay_s = 0.01
+    ctl.backend.answer = " ".join(f"w{i}" for i in range(500))
+    session = Session(tab="tab-1")
+    gen = ctl.send("local", None, "long story", [], "", GenerationSettings.preset(False), session)
+    view = None
+    for view in gen:
+        if view.conv_id and "w5" in str(view.messages):
+            break
+    gen.close()
+    assert ctl.close_tab("other-tab") == 0 and ctl.close_tab("tab-1") == 1
+    assert ctl.live.wait_idle(30)
     call = ctl.backend.calls[-1]
     assert call.finish_reason in ("cancelled", "closed") and call.steps < 100
     reply = ctl.store.user("local").load(view.conv_id).messages[-1]
@@ -163,7 +190,8 @@ def test_stop_token_ends_the_stream_with_stopped_status(ctl):
     assert views[-1].done
     reply = ctl.store.user("local").load(views[-1].conv_id).messages[-1]
     assert reply.status == "stopped"
-    assert views[-1].messages[-1]["content"][0]["text"].endswith("*[stopped by the user]*")
+    assert views[-1].messages[-2]["content"][0]["text"].endswith("*[stopped by the user]*")
+    assert views[-1].messages[-1]["metadata"] == {"status": "done"}  # the statistics line under it
 
 
 def test_stream_ended_by_a_shutdown_is_saved_as_interrupted_not_stopped(ctl):
@@ -194,7 +222,7 @@ def test_engine_fault_mid_stream_is_saved_as_error_and_shown(ctl):
     reply = ctl.store.user("local").load(views[-1].conv_id).messages[-1]
     assert reply.status == "error"
     assert "device-side assert" in reply.notice and "device-side assert" in views[-1].notice
-    assert views[-1].messages[-1]["content"][0]["text"].startswith("*[generation failed")
+    assert views[-1].messages[-2]["content"][0]["text"].startswith("*[generation failed")
     assert run_turn(ctl, "again", conv_id=views[-1].conv_id)[-1].done  # next turn works
 
 
@@ -264,9 +292,23 @@ def test_concurrent_sessions_do_not_mix(ctl):
     for t in threads:
         t.join(timeout=60)
     for name, view in results.items():
-        answer = view.messages[-1]["content"][0]["text"]
+        answer = view.messages[-2]["content"][0]["text"]
         assert answer == f"You said: I am {name} (0 image(s))"
     assert len({v.conv_id for v in results.values()}) == 3
+
+
+def test_stop_before_the_turn_has_its_token_stops_it_when_it_does(ctl):
+    """Stop right after Send, before the turn registered its cancel token: the turn ends stopped at once."""
+    ctl.backend.step_delay_s = 0.01
+    ctl.backend.answer = " ".join(f"w{i}" for i in range(300))
+    session = Session()
+    ctl.stop(session)  # the turn has not started yet
+    views = list(ctl.send("local", None, "long", [], "", GenerationSettings.preset(False), session))
+    reply = ctl.store.user("local").load(views[-1].conv_id).messages[-1]
+    assert reply.status == "stopped" and len(reply.text.split()) < 300
+    assert not session.stop_asked  # used up: the next turn runs
+    views = list(ctl.send("local", views[-1].conv_id, "again", [], "", GenerationSettings.preset(False), session))
+    assert ctl.store.user("local").load(views[-1].conv_id).messages[-1].status == "complete"
 
 
 def test_second_send_while_streaming_is_refused_until_stopped(ctl):
@@ -298,7 +340,7 @@ def test_stored_index_maps_shown_positions_past_thoughts_and_system_messages():
     assert stored_index(msgs, 5) is None and stored_index(msgs, -1) is None
 
 
-def test_edit_resends_the_message_and_replaces_the_later_turns(ctl):
+def test_edit_resends_the_message_and_keeps_the_earlier_version(ctl):
     first = run_turn(ctl, "what is in this photo?", files=[CHELSEA])[-1]
     conv_id = first.conv_id
     run_turn(ctl, "and the second question", conv_id=conv_id)
@@ -311,7 +353,10 @@ def test_edit_resends_the_message_and_replaces_the_later_turns(ctl):
         ("user", "what colour is the cat?"), ("assistant", "You said: what colour is the cat? (1 image(s))")]
     assert saved.messages[0].images == image  # the image stays with the edited message
     assert saved.title == "what colour is the cat?"
-    assert "the turns after it were replaced" in views[-1].notice
+    assert "the earlier version is kept" in views[-1].notice
+    kept = [h.message.text for h in saved.branches]  # the first version and the turns after it are kept
+    assert kept == ["what is in this photo?", "You said: what is in this photo? (1 image(s))",
+                    "and the second question", "You said: and the second question (0 image(s))"]
     sent = ctl.backend.calls[-1].messages
     assert [m.text for m in sent] == ["what colour is the cat?"] and len(sent[0].images) == 1
 

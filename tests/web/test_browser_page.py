@@ -3,11 +3,12 @@
 1. A refused message (too long for the context, model still loading) stays in the message box.
 2. A new conversation is listed as soon as its first message is sent, also when its first reply is stopped;
    Enter is visibly disabled while a reply streams.
-3. The conversation list scrolls inside its own area with Rename / Delete / Export always visible, entries
-   carry their date, the search box filters, the Title box follows the open conversation, Delete asks first,
-   the export card goes away when another conversation is opened.
+3. The conversation list scrolls inside its own area with Download always visible (the old Title box and
+   Rename / Delete buttons are gone: the entry menu has them), entries carry their date, the search box
+   filters, Download downloads the open conversation in one click, named after it, the menu's Export
+   downloads its entry the same way, the menu's Delete asks first.
 4. The chat's trash icon starts a new chat: the next message does not continue the old conversation.
-5. Editing a sent message resends it and replaces the turns after it.
+5. Editing a sent message resends it; the earlier version and the turns after it are kept (``< 1/2 >``).
 6. After a crash and restart the tab reattaches to the interrupted conversation; the next message joins it.
 7. The demo model's defaults, the footer (no Gradio API page, a note on the OpenAI-compatible API) and a
    phone-sized window (the sidebar starts closed).
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from playwright.sync_api import Error as PlaywrightError
@@ -22,6 +24,7 @@ from playwright.sync_api import Error as PlaywrightError
 from qwen_chat.chat_types import ContextTooLong
 from qwen_chat.config import ServiceConfig
 from qwen_chat.history.store import HistoryStore
+from qwen_chat.web.page_js import DRAFT_SAVE_MS
 from qwen_chat.web.server import build_app
 from tests.support.fake_backend import FakeBackend
 from tests.support.servers import RunningServer
@@ -32,8 +35,10 @@ from tests.support.browsing import (  # noqa: F401 (fixtures)
     field,
     notice_text,
     open_app,
+    open_fresh,
     page,
     send,
+    shared_ui_server,
     sidebar_labels,
     user_texts,
 )
@@ -46,21 +51,14 @@ STATUS_LABEL = re.compile(r"\[(interrupted: the service stopped before this repl
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    root = tmp_path_factory.mktemp("history")
-    backend = FakeBackend.for_ui()
-    store = HistoryStore(root)
-    with RunningServer(build_app(ServiceConfig(history_dir=root), backend, store)) as running:
-        yield running, backend, store
+    yield from shared_ui_server(tmp_path_factory)
 
 
 @pytest.fixture
 def ui(service, page):
     """(page, backend, store): the page opened on the shared server, the backend reset to its defaults."""
     running, backend, store = service
-    defaults = FakeBackend.for_ui()
-    for name in ("answer", "step_delay_s", "fail_with", "ready", "max_steps"):
-        setattr(backend, name, getattr(defaults, name))
-    open_app(page, running.url)
+    open_fresh(page, running, backend)
     return page, backend, store
 
 
@@ -94,13 +92,33 @@ def test_refused_message_stays_in_the_box(ui):
     assert box.input_value() == ""
 
 
+def test_a_message_typed_but_not_sent_survives_a_reload_and_a_sent_one_does_not_come_back(ui):
+    """Gradio reloads a tab after the service restarted: what the user was typing is put back in the box."""
+    page, backend, store = ui
+    box = page.locator("#msg textarea")
+    box.fill("half-written question")
+    time.sleep(DRAFT_SAVE_MS / 1000 * 2.5)
+    page.reload()
+    box = page.locator("#msg textarea")
+    wait_until(lambda: box.input_value() == "half-written question", what="the draft back in the box")
+    box.press("Enter")
+    wait_until(lambda: "You said: half-written question" in bot_text(page) and box.is_enabled())
+    assert box.input_value() == ""
+    time.sleep(DRAFT_SAVE_MS / 1000 * 2.5)
+    page.reload()
+    page.locator("#msg textarea").wait_for()
+    time.sleep(DRAFT_SAVE_MS / 1000 * 2.5)
+    assert page.locator("#msg textarea").input_value() == ""  # sent: not typed again
+
+
 def test_new_conversation_is_listed_at_once_and_after_an_early_stop(ui):
     page, backend, store = ui
     backend.answer, backend.step_delay_s = LONG_ANSWER, 0.1
     send(page, "A question listed at once")
     wait_until(lambda: "word2" in bot_text(page))
     assert any(label.startswith("A question listed at once") for label in sidebar_labels(page))
-    assert field(page, "title-box").input_value() == "A question listed at once"
+    chosen = page.locator("#conv-list label", has=page.locator("input:checked"))  # and it is the open one
+    assert chosen.inner_text().startswith("A question listed at once")
     box = page.locator("#msg textarea")  # Enter is visibly disabled while the reply streams
     assert box.is_disabled() and box.get_attribute("placeholder") == "Wait for the reply or press Stop"
     assert not page.locator("#send").is_enabled() and not page.locator("#regenerate").is_enabled()
@@ -119,7 +137,27 @@ def test_new_conversation_is_listed_at_once_and_after_an_early_stop(ui):
     assert history_texts(store, "Stopped right away")[0] == "Stopped right away"
 
 
-def test_sidebar_scrolls_dates_search_title_delete_and_export(ui):
+def test_a_follow_up_moves_its_conversation_to_the_top_while_the_reply_streams(ui):
+    page, backend, store = ui
+    history = store.user("local")
+    for title in ("Older chat", "Newer chat"):
+        conv = history.create()
+        history.append_message(conv.id, role="user", text=title)
+        time.sleep(0.01)
+    page.reload()
+    wait_until(lambda: [label.split(" · ")[0] for label in sidebar_labels(page)][:2] == ["Newer chat", "Older chat"])
+    page.locator("#conv-list label", has_text="Older chat").click()
+    wait_until(lambda: user_texts(page) == ["Older chat"])
+    backend.answer, backend.step_delay_s = LONG_ANSWER, 0.05
+    send(page, "a follow-up")
+    wait_until(lambda: sidebar_labels(page)[0].startswith("Older chat") and "writing" in sidebar_labels(page)[0],
+               what="the followed-up conversation first in the list, marked as writing")
+    assert page.locator("#stop").is_enabled()  # while its reply still streams
+    page.locator("#stop").click()
+    wait_until(lambda: "[stopped by the user]" in bot_text(page))
+
+
+def test_sidebar_scrolls_dates_search_menu_delete_and_download(ui):
     page, backend, store = ui
     history = store.user("local")
     for i in range(30):
@@ -129,9 +167,10 @@ def test_sidebar_scrolls_dates_search_title_delete_and_export(ui):
     wait_until(lambda: len(sidebar_labels(page)) >= 30)
     listed = page.locator("#conv-list")
     assert listed.evaluate("e => e.scrollHeight > e.clientHeight")  # the list scrolls in its own area
-    for button in ("#rename", "#delete", "#export"):
-        box = page.locator(button).bounding_box()
-        assert box and box["y"] + box["height"] <= 900, button  # still on screen
+    box = page.locator("#export").bounding_box()
+    assert box and box["y"] + box["height"] <= 900  # Download still on screen
+    for hidden in ("#title-box", "#rename", "#delete"):  # the entry menu renames and deletes
+        assert not page.locator(hidden).is_visible(), hidden
     same = [label for label in sidebar_labels(page) if label.startswith("Same title")]
     assert len(same) == 15 and all(re.fullmatch(r"Same title · today \d\d:\d\d", s) for s in same)
 
@@ -144,29 +183,48 @@ def test_sidebar_scrolls_dates_search_title_delete_and_export(ui):
     field(page, "search").fill("")
     wait_until(lambda: len(sidebar_labels(page)) >= 30)
 
-    page.locator("#conv-list label", has_text="Topic number 28").click()
-    wait_until(lambda: field(page, "title-box").input_value() == "Topic number 28")
-    page.locator("#export").click()
-    export_card = page.locator("#export-file")
-    wait_until(lambda: export_card.is_visible())
-    page.locator("#conv-list label", has_text="Topic number 26").click()
-    wait_until(lambda: field(page, "title-box").input_value() == "Topic number 26")
-    wait_until(lambda: not export_card.is_visible(), what="the export card to go away")
+    def downloaded(click) -> str:
+        with page.expect_download() as download:
+            click()
+        return download.value.suggested_filename
 
-    question = page.locator("#delete-question").first
-    page.locator("#delete").click()
+    page.locator("#conv-list label", has_text="Topic number 28").click()
+    wait_until(lambda: user_texts(page) == ["Topic number 28"] and page.locator("#export").is_enabled())
+    # one click downloads the open conversation, named after it
+    wait_until(lambda: downloaded(page.locator("#export").click) == "Topic number 28.zip",
+               what="the Download button holding the open conversation")
+    page.locator("#conv-list label", has_text="Topic number 26").click()
+    wait_until(lambda: user_texts(page) == ["Topic number 26"])
+    wait_until(lambda: downloaded(page.locator("#export").click) == "Topic number 26.zip",
+               what="the button following the open conversation")
+    # the open conversation stands out in the list (bold, a bar on its left); the others do not
+    looks = page.evaluate("() => [...document.querySelectorAll('#conv-list label')].map(l => [l.innerText, "
+                          "getComputedStyle(l).fontWeight, getComputedStyle(l).borderLeftWidth])")
+    marked = [text for text, weight, bar in looks if int(weight) >= 600 and bar != "0px"]
+    assert len(marked) == 1 and marked[0].startswith("Topic number 26"), looks[:3]
+
+    def menu(title: str):
+        page.locator("#conv-list label", has_text=title).first.locator(".qc-menu-btn").click()
+        return page.locator(".qc-menu")
+
+    # the menu's Export of another entry downloads that one at once, as Download does
+    assert downloaded(menu("Topic number 24 ·").get_by_role("menuitem", name="Export").click) == \
+        "Topic number 24.zip"
+    assert user_texts(page) == ["Topic number 26"]  # the open conversation stays open
+
+    menu("Topic number 26 ·").get_by_role("menuitem", name="Delete\u2026").click()
+    question = page.locator(".qc-menu .qc-question")
     wait_until(lambda: question.is_visible())
     assert "Delete \u201cTopic number 26\u201d" in question.inner_text()
-    page.locator("#delete-no").click()
-    wait_until(lambda: not question.is_visible())
+    page.locator(".qc-menu").get_by_role("menuitem", name="Cancel").click()
+    wait_until(lambda: page.locator(".qc-menu").count() == 0)
     assert any(s.title == "Topic number 26" for s in history.list())  # Cancel kept it
-    page.locator("#delete").click()
-    page.locator("#delete-yes").click()
+    menu("Topic number 26 ·").get_by_role("menuitem", name="Delete\u2026").click()
+    page.locator(".qc-menu").get_by_role("menuitem", name="Delete", exact=True).click()
     wait_until(lambda: notice_text(page) == "Conversation deleted.")
     assert not any(s.title == "Topic number 26" for s in history.list())
-    assert not any(label.startswith("Topic number 26") for label in sidebar_labels(page))
-    wait_until(lambda: not question.is_visible())
-    assert user_texts(page) == []
+    wait_until(lambda: not any(label.startswith("Topic number 26") for label in sidebar_labels(page)))
+    wait_until(lambda: user_texts(page) == [])  # the open conversation is gone: a new chat
 
 
 def test_trash_icon_starts_a_new_chat(ui):
@@ -185,7 +243,7 @@ def test_trash_icon_starts_a_new_chat(ui):
                                                             "You said: After the trash icon (0 image(s))"]
 
 
-def test_edited_message_is_resent_and_replaces_the_later_turns(ui):
+def test_edited_message_is_resent_and_the_earlier_version_kept(ui):
     page, backend, store = ui
     send(page, "What is 2+2? <b>quick</b>")
     wait_until(lambda: "You said: What is 2+2?" in bot_text(page))
@@ -197,9 +255,9 @@ def test_edited_message_is_resent_and_replaces_the_later_turns(ui):
     editor.fill("What is 5+5? <b>quick</b>")
     page.locator("#chatbot button[aria-label=Submit]").click()
     wait_until(lambda: "You said: What is 5+5? <b>quick</b>" in bot_text(page))
-    assert user_texts(page) == ["What is 5+5? <b>quick</b>"]  # the later turn is gone
+    assert user_texts(page) == ["What is 5+5? <b>quick</b>"]  # the later turn is not shown
     assert "And 3+3" not in bot_text(page)
-    assert "the turns after it were replaced" in notice_text(page)
+    assert "the earlier version is kept" in notice_text(page)
     assert history_texts(store, "What is 5+5? <b>quick</b>") == [
         "What is 5+5? <b>quick</b>", "You said: What is 5+5? <b>quick</b> (0 image(s))"]
 

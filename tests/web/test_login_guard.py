@@ -103,18 +103,47 @@ def test_a_login_form_posted_from_another_site_is_refused(site):
 
 
 def test_password_checks_never_hold_up_other_requests(site):
-    """Two checks that do not finish until released: another route still answers meanwhile (were the checks
-    on the event loop, it could not answer before the release)."""
+    """Checks that do not finish until released (one more than ``HASH_THREADS``, which waits for a thread):
+    another route still answers meanwhile (were the checks on the event loop, it could not answer before the
+    release)."""
     url, checks, _, (hold, release) = site
     hold.set()
-    threads = [threading.Thread(target=attempt, args=(url, f"u{i}", "guess")) for i in range(2)]
+    threads = [threading.Thread(target=attempt, args=(url, f"u{i}", "guess")) for i in range(G.HASH_THREADS + 1)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10
-    while len(checks) < 2 and time.monotonic() < deadline:
+    while len(checks) < G.HASH_THREADS and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(checks) == 2                       # both checks are running now
+    time.sleep(0.2)
+    assert len(checks) == G.HASH_THREADS          # as many checks as threads are running now; one more waits
     assert httpx.get(url + "/healthz", timeout=10).status_code == 200
     release.set()
     for t in threads:
         t.join(30)
+
+
+def test_guesses_sent_all_at_once_get_no_more_checks_than_the_limit(site):
+    """Twelve wrong guesses for one name sent at once, while every check is held: only ``MAX_FAILURES`` of them
+    reach the password check, the rest are 429 (counted after the check, each guess in flight got one more);
+    a guess that is then answered 200 takes its count back."""
+    url, checks, clock, (hold, release) = site
+    hold.set()
+    answers: list[int] = []
+    threads = [threading.Thread(target=lambda: answers.append(attempt(url, "alice", "guess").status_code))
+               for _ in range(12)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while len(answers) < 12 - G.MAX_FAILURES and time.monotonic() < deadline:
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert sorted(answers) == [400] * G.MAX_FAILURES + [429] * (12 - G.MAX_FAILURES)
+    assert len(checks) == G.MAX_FAILURES
+    hold.clear()
+    clock.now += G.WINDOW_S
+    assert attempt(url, "bob", PASSWORDS["bob"]).status_code == 200  # a right password is not left counted
+    for i in range(G.MAX_ADDRESS_FAILURES - 1):
+        assert attempt(url, f"x{i}", "guess").status_code == 400
+    assert attempt(url, "bob", PASSWORDS["bob"]).status_code == 200  # the address has one wrong try left

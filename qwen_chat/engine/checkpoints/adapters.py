@@ -16,7 +16,9 @@ name at a dot).  ``fan_in_fan_out`` only describes GPT-2-style ``Conv1D`` weight
 weight's dtype, on the weight's device, before sharding (bootstrap: load -> merge -> quantise -> shard), so every
 projection the adapter names is covered: the Gated DeltaNet ``in_proj_qkv``/``in_proj_z``/``in_proj_b``/
 ``in_proj_a``/``out_proj``, attention, MLP, the vision tower and ``lm_head``.  A layer an FP8 checkpoint holds in
-FP8 (``fp8.Fp8Linear``) is dequantised to fp32, merged and quantised again in its 128 x 128 blocks.
+FP8 (``fp8.Fp8Linear``) is dequantised to fp32, merged and quantised again in its 128 x 128 blocks.  A layer a
+4-bit checkpoint holds in 4 bits (``int4.Int4Linear``) is refused (one line: use the bf16 checkpoint with
+``--quantize int4``, which merges before it quantises).
 
 Refused with one ``AdapterError`` line: another ``peft_type``, features that are not a plain low-rank delta
 (DoRA, ``modules_to_save``, trained biases, ...), ``.bin`` weights, tensors other than lora_A/lora_B, a module
@@ -38,6 +40,7 @@ from safetensors.torch import load_file
 
 from qwen_chat.engine.checkpoints.layout import CheckpointError
 from qwen_chat.engine.model.fp8 import Fp8Linear, quantize_blocks
+from qwen_chat.engine.model.int4 import Int4Linear
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -173,7 +176,7 @@ def resolve_modules(adapter: LoraAdapter, model: torch.nn.Module) -> dict[str, t
         if not matches:
             raise AdapterError(f"{adapter.folder / CONFIG_FILE}: target module {target!r} matches no module of "
                                "the base model (adapter made for another architecture?)")
-        if not any(isinstance(m, (torch.nn.Linear, Fp8Linear)) for m in matches):
+        if not any(isinstance(m, (torch.nn.Linear, Fp8Linear, Int4Linear)) for m in matches):
             raise AdapterError(f"{adapter.folder / CONFIG_FILE}: target module {target!r} is a "
                                f"{type(matches[0]).__name__} in the base model; only nn.Linear layers can be merged")
     resolved = {}
@@ -186,6 +189,11 @@ def resolve_modules(adapter: LoraAdapter, model: torch.nn.Module) -> dict[str, t
             raise AdapterError(f"{weights}: module {stored} does not exist in the base model (adapter made for "
                                f"another architecture? base_model_name_or_path "
                                f"{adapter.config.get('base_model_name_or_path')!r})")
+        if isinstance(module, Int4Linear):
+            raise AdapterError(f"{weights}: module {name} holds 4-bit weights ({module.source}); a LoRA adapter is "
+                               "not merged into them (quantising the merged weight again would add a second "
+                               "rounding to the export's): start from the bf16 checkpoint with --adapter and "
+                               "--quantize int4 (the adapter is merged first)")
         if not isinstance(module, (torch.nn.Linear, Fp8Linear)):
             raise AdapterError(f"{weights}: module {name} is a {type(module).__name__}, only nn.Linear layers can "
                                "be merged")

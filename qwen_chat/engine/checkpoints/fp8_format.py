@@ -6,8 +6,8 @@ Accepted (DeepSeek-V3's block format, as Qwen/Qwen3.5-9B-FP8 and community FP8 e
 ``text_config``); each quantised linear layer stores ``<module>.weight`` as F8_E4M3 [N, K] and
 ``<module>.weight_scale_inv`` [ceil(N/128), ceil(K/128)] in F32 (BF16 or F16 also read; they are converted to fp32),
 which multiplies (w = fp8 * scale_inv).  Other tensors (the modules left unquantised: lm_head, the vision
-tower, ``in_proj_a``/``in_proj_b``, embeddings, norms) keep their dtypes.  ``mtp.*`` tensors are not loaded and
-not checked.
+tower, ``in_proj_a``/``in_proj_b``, embeddings, norms) keep their dtypes.  ``mtp.*`` tensors are not checked here
+(``model.mtp.load_mtp_head`` reads them, dequantising FP8 ones).
 
 Which modules are FP8 is read from the tensors' dtypes, not from ``modules_to_not_convert``; that list is
 checked against them (a module it names must not be stored in F8).  Its names are matched with
@@ -80,15 +80,16 @@ def excluded(module: str, entries: Iterable[str]) -> bool:
 
 
 def check_quantization(config_file: Path, quantization: Any) -> tuple[str, ...]:
-    """Check a ``quantization_config``; returns its ``modules_to_not_convert``.  Raises Fp8FormatError naming
-    ``config_file`` for another ``quant_method`` (AWQ, GPTQ, compressed-tensors, ...), ``fmt``, activation scheme
+    """Check an FP8 ``quantization_config``; returns its ``modules_to_not_convert``.  Raises Fp8FormatError naming
+    ``config_file`` for another ``quant_method`` (the 4-bit ones are checked by ``int4_format`` first), ``fmt``, activation scheme
     or block size."""
     if not isinstance(quantization, dict):
         raise Fp8FormatError(f"{config_file}: quantization_config is not a JSON object")
     method = quantization.get("quant_method")
     if method != QUANT_METHOD:
         raise Fp8FormatError(f"{config_file}: quantization_config quant_method {method!r} is not supported "
-                             f"(only {QUANT_METHOD!r}, the 128 x 128 block format; or use a bf16 checkpoint)")
+                             f"(only {QUANT_METHOD!r}, the 128 x 128 block format, or 4-bit 'gptq', 'awq' or "
+                             "'compressed-tensors' in groups of 128; or use a bf16 checkpoint)")
     fmt = quantization.get("fmt", FMT)
     if fmt != FMT:
         raise Fp8FormatError(f"{config_file}: quantization_config fmt {fmt!r} is not supported (only {FMT!r})")

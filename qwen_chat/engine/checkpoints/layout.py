@@ -12,8 +12,8 @@ BF16; ``from_pretrained`` casts every tensor to the requested dtype.
 ``inspect_checkpoint(folder)`` reads only JSON files and the safetensors headers (no weights) and raises
 ``CheckpointError`` with one line naming the file for: a foreign ``model_type``, a missing or unreadable
 shard, an index entry its shard lacks, no weights at all, a quantised checkpoint other than FP8 in the block
-format or a broken FP8 one (``fp8_format.check_fp8_tensors``: the one place where quantised formats are
-recognised).  ``check_tokenizer`` refuses a tokenizer whose special
+format or 4-bit GPTQ / AWQ / compressed-tensors, or a broken one (``fp8_format.check_fp8_tensors`` and
+``int4_format.check_int4_tensors``: the places where quantised formats are recognised).  ``check_tokenizer`` refuses a tokenizer whose special
 ids differ from Qwen3.5's (docs/facts.md, "Tokens"); ``check_loading_info`` refuses a load that left model
 weights uninitialised.  ``write_weights`` writes tensors in this layout (the tiny model, the benchmark's
 random full-size checkpoint); ``mtp_head`` makes the random MTP tensors.
@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from qwen_chat.engine.checkpoints.errors import CheckpointError  # raised here; other modules import it from here too
 from qwen_chat.engine.checkpoints.fp8_format import check_fp8_tensors, check_quantization
+from qwen_chat.engine.checkpoints.int4_format import check_int4_config, check_int4_tensors, check_no_int4, is_int4_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
@@ -63,6 +64,8 @@ class CheckpointReport:
     ``"BF16"``, ``"F32"``, ``"F8_E4M3"``; shape).  ``quantization``: config.json's ``quantization_config`` or
     None.  ``generation_config``: whether ``generation_config.json`` is present.  ``shard_of``: tensor name ->
     shard file name.  ``fp8``: the FP8 weights (``fp8_format.Fp8Spec``) of an FP8 checkpoint, else None.
+    ``int4``: the 4-bit weights (``int4_format.Int4Spec``) of a GPTQ / AWQ / compressed-tensors checkpoint, else
+    None.
     """
 
     folder: Path
@@ -72,10 +75,12 @@ class CheckpointReport:
     generation_config: bool
     shard_of: Mapping[str, str] = field(default_factory=dict)
     fp8: Optional[Any] = None
+    int4: Optional[Any] = None
 
     @property
     def mtp_tensors(self) -> int:
-        """Number of tensors of the multi-token-prediction head (not loaded)."""
+        """Number of tensors of the multi-token-prediction head (loaded only for ``--speculative-tokens``:
+        ``model.mtp``)."""
         return sum(name.startswith(MTP_PREFIX) for name in self.tensors)
 
     def describe(self) -> str:
@@ -84,8 +89,11 @@ class CheckpointReport:
         by_dtype = ", ".join(f"{d} {n}" for d, n in sorted(dtypes.items()))
         fp8 = (f", FP8 block format ({len(self.fp8.modules)} F8_E4M3 weights with 128 x 128 block scales)"
                if self.fp8 is not None else "")
+        if self.int4 is not None:
+            fp8 += (f", 4-bit {self.int4.method} ({len(self.int4.modules)} layers, groups of 128, "
+                    f"{'symmetric' if self.int4.symmetric else 'with zero points'})")
         return (f"{len(self.shards)} shard(s), {len(self.tensors)} tensors ({by_dtype}){fp8}, MTP head "
-                f"{self.mtp_tensors} tensors (not loaded), generation_config.json "
+                f"{self.mtp_tensors} tensors (the speculative drafter), generation_config.json "
                 f"{'present' if self.generation_config else 'absent (model card presets apply)'}")
 
 
@@ -150,7 +158,10 @@ def inspect_checkpoint(folder: Path) -> CheckpointReport:
                               f"(expected {MODEL_TYPE!r})")
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     quantization = config.get("quantization_config") or text_config.get("quantization_config") or None
-    if quantization is not None:  # the format first, before any shard is read
+    int4 = is_int4_config(quantization)
+    if int4:  # the format first, before any shard is read
+        check_int4_config(folder / "config.json", quantization)
+    elif quantization is not None:
         check_quantization(folder / "config.json", quantization)
     index_path = folder / INDEX_FILE
     if index_path.is_file():
@@ -175,10 +186,12 @@ def inspect_checkpoint(folder: Path) -> CheckpointReport:
                                   f"there, e.g. {absent[0]}")
         tensors.update((n, header[n]) for n in wanted)
         shard_of.update((n, shard) for n in wanted)
-    fp8 = check_fp8_tensors(folder, folder / "config.json", quantization, tensors, shard_of)
+    fp8 = check_fp8_tensors(folder, folder / "config.json", None if int4 else quantization, tensors, shard_of)
+    spec4 = (check_int4_tensors(folder, folder / "config.json", quantization, tensors, shard_of) if int4
+             else check_no_int4(folder, tensors, shard_of))
     return CheckpointReport(folder=folder, shards=shards, tensors=tensors, quantization=quantization,
                             generation_config=(folder / "generation_config.json").is_file(), shard_of=shard_of,
-                            fp8=fp8)
+                            fp8=fp8, int4=spec4)
 
 
 def _tokenizer_file(folder: Path) -> Path:

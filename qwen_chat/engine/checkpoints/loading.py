@@ -12,7 +12,9 @@ the folder (model type, shards, quantisation) from its JSON files and safetensor
 processor and the weights load, ``layout.check_tokenizer`` and ``layout.check_loading_info`` refuse a foreign
 tokenizer or missing weights: each refusal is one ``CheckpointError`` line naming the file.  An FP8 checkpoint
 (the 128 x 128 block format) loads through the same call without transformers' quantizer, and its FP8 layers
-become ``fp8.Fp8Linear`` before the model moves to its device (``fp8_loading``).  bf16 on CUDA,
+become ``fp8.Fp8Linear`` before the model moves to its device (``fp8_loading``); a 4-bit checkpoint (GPTQ,
+AWQ, compressed-tensors ``pack-quantized``) likewise, its 4-bit layers becoming ``int4.Int4Linear``
+(``int4_loading``).  bf16 on CUDA,
 fp32 on CPU (the published weights are bf16, docs/facts.md, "Shape"; CPU matmuls in bf16 are slow and less
 exact).
 
@@ -47,6 +49,7 @@ from transformers.utils import is_torchvision_available
 from qwen_chat.chat_types import ModelInfo
 from qwen_chat.config import MODEL_HINT, local_checkpoint_problem
 from qwen_chat.engine.checkpoints.fp8_loading import config_without_quantization, convert_fp8_modules, scales_ignored
+from qwen_chat.engine.checkpoints.int4_loading import convert_int4_modules, int4_keys_ignored, missing_besides_int4
 from qwen_chat.engine.checkpoints.layout import (CheckpointReport, check_loading_info, check_tokenizer,
                                                  inspect_checkpoint)
 from qwen_chat.engine.checkpoints.tiny import DEMO_CONFIG_KEY, DEMO_MARKER_FILE, build_tiny_checkpoint
@@ -184,8 +187,9 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
         name: name shown to users (default: the folder name; "tiny" shows as "qwen3.5-tiny (demo)").
         report: the folder's ``layout.inspect_checkpoint`` result when the caller already has it.
 
-    An FP8 checkpoint (``report.fp8``) keeps its FP8 layers as ``fp8.Fp8Linear`` (``fp8_loading``); the rest
-    loads in ``dtype``.
+    An FP8 checkpoint (``report.fp8``) keeps its FP8 layers as ``fp8.Fp8Linear`` (``fp8_loading``), a 4-bit one
+    (``report.int4``: GPTQ, AWQ, compressed-tensors) its 4-bit layers as ``int4.Int4Linear``
+    (``int4_loading``); the rest loads in ``dtype``.
 
     Raises:
         CheckpointError (``layout``): one line naming the file, for a foreign model type, a missing shard, a
@@ -199,7 +203,12 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
     log.info("checkpoint %s: %s", path, report.describe())
     processor = load_processor(path)
     check_tokenizer(processor.tokenizer, path)
-    if report.fp8 is None:
+    if report.int4 is not None:
+        with int4_keys_ignored(Qwen3_5ForConditionalGeneration, report.int4):
+            model, loading_info = Qwen3_5ForConditionalGeneration.from_pretrained(
+                path, config=config_without_quantization(path), dtype=dtype, output_loading_info=True)
+        loading_info["missing_keys"] = missing_besides_int4(loading_info.get("missing_keys") or (), report.int4)
+    elif report.fp8 is None:
         model, loading_info = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=dtype,
                                                                              output_loading_info=True)
     else:
@@ -209,6 +218,8 @@ def load_model(path: Path, device: str, dtype: Optional[torch.dtype] = None, *, 
     check_loading_info(loading_info, path)
     if report.fp8 is not None:
         convert_fp8_modules(model, report)
+    if report.int4 is not None:
+        convert_int4_modules(model, report)
     if place_on_device:
         model.to(device)
     model.eval()

@@ -14,6 +14,7 @@ under one condition variable, ``Batch.cond``:
   conversation cache, ``conv_cache``); a long prompt goes in chunks over several steps, so running streams are
   delayed by at most one chunk;
 - delivery (``deliver``): each sampled token goes to the request that owns the slot; a stop id or a limit ends it;
+  ``NONFINITE_TOKEN`` (the step's logits for that sequence held a NaN or an infinity) ends it with an error;
 - retirement (``retire``, ``fail``, ``drain``): a finished request gives its slot back; the runner state of that
   slot is released by the next plan (``StepPlan.free_slots``).
 
@@ -38,7 +39,8 @@ from qwen_chat.engine.core.conv_cache import ConversationCache, prompt_key
 from qwen_chat.engine.core.handles import RequestHandle
 from qwen_chat.engine.core.kv_budget import BlockBudget
 from qwen_chat.engine.core.request_state import Request
-from qwen_chat.engine.types import PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.model.spec_sampling import eligible
+from qwen_chat.engine.types import NONFINITE_MESSAGE, NONFINITE_TOKEN, PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,9 @@ class Batch:
     ``constraints.ConstraintTable`` the sampler masks with, or None: a constrained request's slot is bound to
     its ``Constraint`` while it runs), ``num_blocks`` and ``block_tokens`` (the runner's KV blocks; None: enough
     for every slot at ``max_context``), ``conversation_cache`` (keep prefix states for later prompts of the same
-    conversation: ``conv_cache``).
+    conversation: ``conv_cache``), ``speculative_tokens`` (k drafts per speculative step, 0: off),
+    ``speculative_max_batch`` (larger decode batches never speculate), ``drafter`` (``drafter(request, k) ->
+    k ids`` on the host, e.g. ``spec_policy.OracleDrafter``; None: the runner's MTP head drafts).
 
     Attributes read by the scheduler: ``cond`` (the lock of everything here), ``stopping`` (no new work; the
     loop ends), ``waiting`` (deque of ``Request``), ``running`` ({slot: Request}), ``totals`` (counters, see
@@ -67,7 +71,8 @@ class Batch:
     def __init__(self, *, num_slots: int, max_queue: int, eos_ids: Iterable[int], max_context: Optional[int],
                  prefill_token_budget: int, constraints=None, num_blocks: Optional[int] = None,
                  block_tokens: int = BLOCK_TOKENS, idle_captures: Optional[list] = None,
-                 conversation_cache: bool = False) -> None:
+                 conversation_cache: bool = False, speculative_tokens: int = 0, speculative_max_batch: int = 8,
+                 drafter=None) -> None:
         if prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.num_slots = num_slots
@@ -91,8 +96,12 @@ class Batch:
         self.to_free: list[int] = []  # rows whose runner state must be released in the next plan
         self._ids = itertools.count(1)
         self.stopping = False
+        self.spec_tokens, self.spec_max_batch = int(speculative_tokens), int(speculative_max_batch)
+        self.drafter = drafter
         self.totals = {
+            "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0,
             "requests": 0, "rejected_busy": 0, "prompt_tokens": 0, "generated_tokens": 0, "steps": 0,
+            "nonfinite_logits": 0,
             "step_seconds": 0.0,
             "decode_steps": 0, "max_decode_batch": 0, "preemptions": 0, "prefill_chunks": 0,
             "finished": {"stop": 0, "length": 0, "cancelled": 0, "error": 0},
@@ -199,21 +208,53 @@ class Batch:
         decoded = [r for r in self.running.values() if r.decoding
                    and not (id(r) in in_flight and self.at_limit(r, 1))]
         kv = self.kv
+        k = self.spec_k(decoded) if not in_flight else 0
         while True:
-            growing = [r for r in decoded if kv.blocks(r.cached + 1) > kv.held(r.slot)]
+            growing = [r for r in decoded if kv.blocks(r.cached + k + 1) > kv.held(r.slot)]
             if prefill_plan.make_room(self, len(growing), plan, set(), alone=True):  # no watermark for growth
                 break
             victim = max((r for r in self.running.values() if r.target is not None), key=lambda r: r.order)
             self._preempt(victim, plan)
             decoded = [r for r in decoded if r is not victim]
         for r in growing:
-            kv.ensure(r.slot, r.cached + 1)
+            kv.ensure(r.slot, r.cached + k + 1)
         for r in decoded:
-            r.cached += 1
+            r.cached += 1  # a speculative step adds its accepted drafts when it delivers (``deliver``)
         plan.decode_slots = [r.slot for r in decoded]
-        if not overlap:
+        if k and decoded:
+            plan.spec_k, plan.tokens_on_device = k, False
+            plan.spec_plain = [r.slot for r in decoded if not self._speculates(r)]
+            if self.drafter is not None:
+                plan.drafts = [list(self.drafter(r, k)) if self._speculates(r) else [0] * k for r in decoded]
+        if not plan.tokens_on_device:
             plan.decode_tokens = [int(r.last_token) for r in decoded]
         return decoded
+
+    def spec_k(self, decoded: list[Request]) -> int:
+        """Drafts per sequence for a step decoding ``decoded`` (caller holds ``cond``): ``speculative_tokens`` when
+        there are 1 .. ``speculative_max_batch`` of them, each has room for k + 1 more tokens in the context and
+        at least one speculates (``_speculates``), else 0 (a plain step).  In a speculative step the others take
+        one plainly sampled token (``StepPlan.spec_plain``), so whether a sequence speculates never depends on
+        the rest of the batch."""
+        k = self.spec_tokens
+        if not k or not decoded or len(decoded) > self.spec_max_batch:
+            return 0
+        if self.max_context is not None and any(r.cached + k + 1 > self.max_context for r in decoded):
+            return 0
+        return k if any(self._speculates(r) for r in decoded) else 0
+
+    @staticmethod
+    def _speculates(r: Request) -> bool:
+        """Whether ``r`` takes drafts in a speculative step: no grammar, log-probabilities or thinking budget
+        (``spec_sampling.eligible``), and its acceptance is high enough or a probe is due
+        (``spec_policy.SpecStats``)."""
+        return r.constraint is None and eligible(r.sampling) and r.spec.wants()
+
+    def spec_ready(self) -> bool:
+        """True when the next step would speculate if nothing were in flight: the scheduler then waits for the
+        step in flight first (a speculative step's lengths depend on what it accepts)."""
+        with self.cond:
+            return bool(self.spec_tokens) and self.spec_k([r for r in self.running.values() if r.decoding]) > 0
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Take ``req``'s KV blocks back; it keeps its slot (and so its sampler and grammar state) and is
@@ -269,20 +310,44 @@ class Batch:
                     continue
                 if req.slot not in tokens:  # a prompt chunk that is not its last: no token yet
                     continue
-                token = int(tokens[req.slot])
-                req.generated.append(token)
-                h = req.handle
-                h.completion_tokens += 1
-                self.totals["generated_tokens"] += 1
-                if h.ttft_s is None:
-                    h.ttft_s = now - h.submitted_at
-                req.last_token = token
-                if token in req.stop_ids:
-                    self.retire(req, "stop")
+                run = tokens[req.slot]
+                if run == NONFINITE_TOKEN or run == [NONFINITE_TOKEN]:  # its logits held a NaN or an infinity
+                    self.totals["nonfinite_logits"] += 1
+                    log.error("request %d: non-finite logits (NaN or infinity) after %d token(s); ended with an "
+                              "error", req.handle.request_id, req.handle.completion_tokens)
+                    self._fail_one(req, NONFINITE_MESSAGE)  # its kept prefix states may hold the fault: dropped
                     continue
-                h.push_token(token, getattr(tokens, "logprobs", {}).get(req.slot))
-                if self.at_limit(req):
-                    self.retire(req, "length")
+                if isinstance(run, list):  # a speculative step: its kept drafts, then one more
+                    req.cached += len(run) - 1
+                    req.spec.spec_step(self.spec_tokens, len(run) - 1)
+                    self.totals["spec_steps"] += 1
+                    self.totals["spec_drafted"] += self.spec_tokens
+                    self.totals["spec_accepted"] += len(run) - 1
+                else:
+                    run = [run]
+                    if req.decoding and req.generated:
+                        req.spec.plain_step()
+                for token in run:
+                    if self._deliver_one(req, int(token), tokens, now):
+                        break
+
+    def _deliver_one(self, req: Request, token: int, tokens, now: float) -> bool:
+        """Give ``req`` one token; returns True when that ended it (caller holds ``cond``)."""
+        req.generated.append(token)
+        h = req.handle
+        h.completion_tokens += 1
+        self.totals["generated_tokens"] += 1
+        if h.ttft_s is None:
+            h.ttft_s = now - h.submitted_at
+        req.last_token = token
+        if token in req.stop_ids:
+            self.retire(req, "stop")
+            return True
+        h.push_token(token, getattr(tokens, "logprobs", {}).get(req.slot))
+        if self.at_limit(req):
+            self.retire(req, "length")
+            return True
+        return False
 
     def retire(self, req: Request, reason: FinishReason, error: str = "") -> None:
         """Finish a request and release its slot (caller holds ``cond``)."""
@@ -313,11 +378,15 @@ class Batch:
         """End those of ``reqs`` that still hold their slot with 'error' and ``message`` (meant for the user)."""
         with self.cond:
             for req in reqs:
-                if req.slot is not None and self.running.get(req.slot) is req:
-                    self.retire(req, "error", message)
-                for entry in req.kept:
-                    if self.cache is not None and self.cache.holds(entry):
-                        prefill_plan.evict(self, entry.row, None)  # its keep point may not have run
+                self._fail_one(req, message)
+
+    def _fail_one(self, req: Request, message: str) -> None:
+        """``fail`` for one request (caller holds ``cond``)."""
+        if req.slot is not None and self.running.get(req.slot) is req:
+            self.retire(req, "error", message)
+        for entry in req.kept:
+            if self.cache is not None and self.cache.holds(entry):
+                prefill_plan.evict(self, entry.row, None)  # its keep point may not have run
 
     def drain(self, reason: FinishReason) -> None:
         """End every open stream (shutdown or a dead loop) so that no consumer blocks forever."""

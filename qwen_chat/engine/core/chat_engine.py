@@ -96,6 +96,8 @@ class ChatEngine:
             or None.  prefill_chunk_tokens: prompt tokens per step (``Scheduler`` ``prefill_token_budget``).
         idle_captures: decode graphs to capture while idle (``Scheduler``).
         conversation_cache: keep prefix states for the next turns of conversations (``Scheduler``).
+        speculative_tokens, speculative_max_batch, drafter: speculative decoding (``Scheduler``); on only when
+            the runner has its ``spec`` (``model.spec_step.attach``).
         overlap: launch each step before the previous one's tokens are back (``Scheduler`` ``overlap``);
             None = on for a ``LocalExecutor`` (one process) and for a ``DistributedExecutor`` whose ranks share rank
             0's sampled tokens on the device (its ``tokens_on_device``: ``build_runner`` sets the sampler's
@@ -125,6 +127,9 @@ class ChatEngine:
         prefill_chunk_tokens: int = 4096,
         idle_captures: Optional[list] = None,
         conversation_cache: bool = True,
+        speculative_tokens: int = 0,
+        speculative_max_batch: int = 8,
+        drafter=None,
     ) -> None:
         if runner is not None and max_context > runner.max_context:
             raise ValueError(f"max_context {max_context} exceeds the runner's {runner.max_context}")
@@ -159,7 +164,9 @@ class ChatEngine:
                                    prefill_token_budget=prefill_chunk_tokens,
                                    num_blocks=getattr(runner, "num_blocks", None),
                                    block_tokens=getattr(runner, "block_tokens", BLOCK_TOKENS),
-                                   idle_captures=idle_captures, conversation_cache=conversation_cache)
+                                   idle_captures=idle_captures, conversation_cache=conversation_cache,
+                                   speculative_tokens=speculative_tokens if getattr(runner, "spec", None) else 0,
+                                   speculative_max_batch=speculative_max_batch, drafter=drafter)
         log.info("scheduler: %s", "steps launched ahead (overlap)" if overlap else "each step waited for")
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure
@@ -265,7 +272,9 @@ class ChatEngine:
         states hold (evictable), tokens per block, tokens in all), ``max_context`` (the longest
         context), ``*_total`` counters since start (requests, rejected_busy, prompt_tokens, generated_tokens,
         decode_steps, step_seconds: wall seconds the engine spent inside steps, preemptions, prefill_chunks,
-        and finished_<reason>), ``max_decode_batch``
+        nonfinite_logits: replies ended because their logits held a NaN or an infinity, and finished_<reason>;
+        speculative decoding: spec_steps, spec_drafted and spec_accepted draft tokens),
+        ``spec_acceptance_rate`` (accepted / drafted since start, 0 before any), ``max_decode_batch``
         (largest decode batch seen), ``step_running_s`` (seconds the step in progress has been running, 0 when
         idle), ``gpu_memory_bytes`` (list with this process's allocated CUDA bytes; only on CUDA), and with the
         conversation cache on ``prefix_cache_entries`` (kept prefixes now), ``prefix_cache_queries_total``
@@ -281,8 +290,10 @@ class ChatEngine:
                "kv_block_tokens": s["block_tokens"], "kv_tokens": s["kv_blocks"] * s["block_tokens"],
                "max_context": self.max_context}
         for key in ("requests", "rejected_busy", "prompt_tokens", "generated_tokens", "decode_steps", "step_seconds",
-                    "preemptions", "prefill_chunks"):
+                    "preemptions", "prefill_chunks", "spec_steps", "spec_drafted", "spec_accepted",
+                    "nonfinite_logits"):
             out[f"{key}_total"] = t[key]
+        out["spec_acceptance_rate"] = t["spec_accepted"] / t["spec_drafted"] if t["spec_drafted"] else 0.0
         out.update(max_decode_batch=t["max_decode_batch"], step_running_s=s["step_running_s"])
         for reason, n in t["finished"].items():
             out[f"finished_{reason}_total"] = n

@@ -22,7 +22,9 @@ prefix is also compared by a digest of its pixel values and grid.
 
 Each kept prefix takes a state row that no running sequence uses and shares KV blocks (``kv_budget``); rows and
 blocks go to running sequences first: the least recently used prefix is evicted when a new sequence needs a row
-or blocks.  A prefix restored by the plan being built is pinned until that plan is sent (a running sequence
+or blocks; when the only row to be had holds the very prefix a waiting prompt starts from, the prompt takes that
+row over and the prefix is no longer kept (``prefill_plan``).  A prefix restored by the plan being built is
+pinned until that plan is sent (a running sequence
 that started from a prefix holds its own copy of the state and its own references to the shared blocks).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ same kinds of calls on it as the plans make the runner do: a sequence is given, 
 whole prompt; one more block each time a decode step takes it into a new block; a sequence that starts from a
 kept prefix shares that prefix's full blocks; a prefix kept at position n shares its sequence's first
 ``blocks_for(n)`` blocks; everything goes back when a sequence finishes or is preempted and when a kept prefix
-is evicted.  Its ids may differ from the runner's, but its owners share blocks the same way, and it allocates
+is evicted (or taken over in place by a sequence that continues it).  Its ids may differ from the runner's, but its owners share blocks the same way, and it allocates
 a prompt's blocks before the runner does (a prompt prefilled in chunks holds fewer in the runner), so its free
 count never exceeds the runner's: the runner never runs out.
 """
@@ -88,10 +88,17 @@ class BlockBudget:
         self._live_gain(self._tables.blocks(row)[held:])
 
     def start_from(self, row: int, src: int, n_prefix: int, n_tokens: int) -> None:
-        """``row`` (empty) starts from the prefix ``src`` keeps: it shares the prefix's full blocks and takes
-        its own for the rest of ``n_tokens`` (the runner copies the partly filled block into one of them)."""
-        self._tables.share(row, self._tables.blocks(src)[:n_prefix // self.block_tokens])
-        self._live_gain(self._tables.blocks(row))
+        """``row`` (empty, or ``src`` itself: the kept row taken over in place) starts from the prefix ``src``
+        keeps: it shares the prefix's full blocks and takes its own for the rest of ``n_tokens`` (the runner
+        copies the partly filled block into one of them)."""
+        full = self._tables.blocks(src)[:n_prefix // self.block_tokens]
+        self._tables.hold(full)  # the row taken over lets go of its blocks as a kept prefix first
+        try:
+            self.release(row)
+            self._tables.share(row, full)
+            self._live_gain(full)
+        finally:
+            self._tables.drop(full)
         self.ensure(row, n_tokens)
 
     def keep(self, row: int, src: int, n_prefix: int) -> None:

@@ -6,7 +6,11 @@ sequences (recomputed from their prompt and fed tokens), then the waiting queue,
 sequence is admitted only when a state row and the KV blocks of its whole prompt are free or can be freed by
 evicting kept prefixes (least recently used first, never one this plan restores or keeps).  A prompt whose
 first tokens a kept prefix holds starts from it (``PrefillItem.restore``) and prefills only the rest (not from a
-prefix this same plan keeps: its state is written by the plan's prefill, after the plan's restores); a chunk
+prefix this same plan keeps: its state is written by the plan's prefill, after the plan's restores).  A waiting
+prompt never waits for a running sequence while a row holds only a kept prefix: it takes a free row, else
+evicts the least recently used prefix other than the one it starts from, else takes over the row of the
+prefix it starts from (``restore`` from that row into itself: the state is continued in place, and the prefix
+is no longer kept) unless this plan already restores from that row (then it is admitted at the next step).  A chunk
 that covers one of its prompt's keep points (a conversation turn's end; a long system block's end, shared by
 other conversations: ``conv_cache``) keeps the state there in a row of its own (``PrefillItem.keeps``), when a
 row is free or can be freed and no kept prefix holds those tokens already.  The later choices of a request whose whole prompt is prefilled in one step share
@@ -62,12 +66,17 @@ def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:
         req = b.waiting[0]
         hit = _lookup(b, req, req.prompt, kept)
         keep_out = pinned | _rows(hit)
-        if not b.free_rows and (b.cache is None or b.cache.victim(keep_out) is None):
+        # the prefix's own row is taken over when no other row can be had (never one this plan reads or writes)
+        adoptable = hit is not None and hit.row not in pinned
+        if not b.free_rows and (b.cache is None or b.cache.victim(keep_out) is None) and not adoptable:
             break
         need = kv.restore_need(hit.n if hit else 0, req.prompt.num_tokens)
         if not make_room(b, need, plan, keep_out, alone=b.alone(req)):
             break
         row = take_row(b, plan, keep_out)
+        if row is None and adoptable:
+            row = hit.row
+            b.cache.remove(row)  # the sequence continues the kept state in its row: no longer a kept prefix
         if row is None:
             break
         b.waiting.popleft()

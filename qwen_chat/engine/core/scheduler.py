@@ -85,6 +85,10 @@ class Scheduler:
         conversation_cache: keep the state where each prompt's next turn will continue (``conv_cache``) and
             start later prompts that share it from there; the kept prefixes use the state rows and KV blocks
             no running sequence needs.
+        speculative_tokens, speculative_max_batch, drafter: speculative decoding (``batch.Batch``): k drafts per
+            step (0: off), the largest decode batch that speculates, drafts from the host (None: the MTP head).
+            A speculative step is run waited for (the step in flight is collected first): what it accepts
+            decides the next step's lengths.
     """
 
     def __init__(
@@ -103,6 +107,9 @@ class Scheduler:
         constraints=None,
         idle_captures: Optional[list[tuple[int, int]]] = None,
         conversation_cache: bool = False,
+        speculative_tokens: int = 0,
+        speculative_max_batch: int = 8,
+        drafter=None,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -118,7 +125,9 @@ class Scheduler:
         self._batch = Batch(num_slots=num_slots, max_queue=max_queue, eos_ids=eos_ids, max_context=max_context,
                             prefill_token_budget=prefill_token_budget, constraints=constraints,
                             num_blocks=num_blocks, block_tokens=block_tokens,
-                            idle_captures=idle_captures, conversation_cache=conversation_cache)
+                            idle_captures=idle_captures, conversation_cache=conversation_cache,
+                            speculative_tokens=speculative_tokens, speculative_max_batch=speculative_max_batch,
+                            drafter=drafter)
         self._last_collect_at = 0.0
         self._fatal_reported = False
         self._step_started_at: Optional[float] = None  # time.monotonic() when the running step began
@@ -159,7 +168,9 @@ class Scheduler:
         ``healthy`` (bool), ``reason`` (why unhealthy), ``step_running_s`` (seconds the step in progress has
         been running, 0.0 when idle), ``totals`` {requests, rejected_busy, prompt_tokens,
         generated_tokens, steps, step_seconds (wall seconds spent inside the executor's steps), decode_steps,
-        max_decode_batch, preemptions, prefill_chunks, finished {stop, length, cancelled, error}}.
+        max_decode_batch, preemptions, prefill_chunks, spec_steps (speculative steps), spec_drafted and
+        spec_accepted (draft tokens verified and kept), nonfinite_logits (replies ended because their logits held
+        a NaN or an infinity), finished {stop, length, cancelled, error}}.
         """
         started = self._step_started_at
         batch = self._batch
@@ -201,13 +212,18 @@ class Scheduler:
         inflight: Optional[_InFlight] = None  # the step launched on the device whose tokens are not back yet
         try:
             while True:
+                if inflight is not None and self._batch.spec_ready():  # speculate on known lengths
+                    self._collect(inflight, None)
+                    inflight = None
+                    if self.on_step is not None:
+                        self.on_step()
                 ahead = inflight.requests if inflight is not None else None
                 plan, prefilled, decoded = self._batch.next_plan(ahead, self.overlap)
                 if plan is None:
                     return
                 launched = failure = None
                 if plan.free_slots or plan.prefills or plan.decode_slots or plan.capture:
-                    if self.overlap:
+                    if self.overlap and not plan.spec_k:
                         launched, failure = self._launch(plan, prefilled, decoded, inflight)
                     else:
                         self._run(plan, prefilled, decoded)

@@ -90,6 +90,9 @@ class ModelForward:
         probe = torch.zeros(1, 1, tc.hidden_size, device=device, dtype=dtype)
         cos, sin = lm.rotary_emb(probe, pos)
         self.cos_table, self.sin_table = cos[0].contiguous(), sin[0].contiguous()  # [T, rotary_dim]
+        #: keep each prefill's hidden states [T, hidden] (pre final norm) and cos/sin [T, rotary_dim] as
+        #: ``prefill_hidden``/``prefill_cos``/``prefill_sin`` (the MTP drafter fills its cache from them)
+        self.keep_hidden = False
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -117,10 +120,13 @@ class ModelForward:
             mlp = layer.mlp
             gate, up = self._project(i, "mlp", layer.post_attention_layernorm(h))
             h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+        if self.keep_hidden:  # every token's hidden state and rotary angles, for the MTP drafter (``mtp``)
+            self.prefill_hidden, self.prefill_cos, self.prefill_sin = h[0], cos[0], sin[0]
         if not any(s.logits for s in seqs):
             return None
         rows = h[0].index_select(0, meta["last"])  # [m, hidden]
-        return self._lm_head(self._final_norm(rows)).float()
+        self.last_hidden = self._final_norm(rows)  # [m, hidden]: the MTP drafter's input (``mtp``)
+        return self._lm_head(self.last_hidden).float()
 
     def _pack_meta(self, seqs: Sequence[PrefillRows], device: torch.device) -> tuple[list[PrefillRows], dict]:
         """Every index the packed prefill needs on the device, sent in one copy (a host tensor sent on its own

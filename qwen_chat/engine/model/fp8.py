@@ -23,7 +23,8 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from qwen_chat.engine.model import fp8_gemv, gemv
+from qwen_chat.engine.model import fp8_gemv, gemv, int4
+from qwen_chat.engine.model.int4 import GROUP, Int4Weight, int4_summary
 from qwen_chat.engine.model.memory import size_text
 
 BLOCK = fp8_gemv.BLOCK
@@ -98,7 +99,8 @@ class Fp8Weight:
         return Fp8Weight(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]))
 
 
-Weight = Union[torch.Tensor, Fp8Weight]
+#: A projection's weight: a bf16/fp32 tensor, an FP8 weight or a 4-bit one (``int4.Int4Weight``).
+Weight = Union[torch.Tensor, Fp8Weight, Int4Weight]
 
 
 @torch.no_grad()
@@ -120,14 +122,17 @@ def quantize_blocks(w: torch.Tensor) -> Fp8Weight:
 
 def linear(x: torch.Tensor, w: Weight, out: Optional[torch.Tensor] = None, *, fast: bool = False,
            swiglu: bool = False) -> torch.Tensor:
-    """x [..., K] @ w^T for a bf16/fp32 weight tensor [N, K] or an ``Fp8Weight``; returns [..., N] in x's dtype
-    (into ``out`` [rows, N] when given).  ``fast``: the Triton GEMVs where they apply (``gemv.supports``,
-    ``fp8_gemv.supports``); otherwise cuBLAS / CPU on the weight (an FP8 weight dequantised to x's dtype first).
+    """x [..., K] @ w^T for a bf16/fp32 weight tensor [N, K], an ``Fp8Weight`` or an ``int4.Int4Weight``; returns
+    [..., N] in x's dtype (into ``out`` [rows, N] when given).  ``fast``: the Triton GEMVs where they apply
+    (``gemv.supports``, ``fp8_gemv.supports``, ``int4_gemv.supports``); otherwise cuBLAS / CPU on the weight (an
+    FP8 or 4-bit weight dequantised to x's dtype first: one [N, K] temporary).
     ``swiglu``: x is [B, 2K] = [gate | up] and the input is silu(gate) * up (``fuses_swiglu`` must hold).
     Raises ValueError for ``swiglu`` where ``fuses_swiglu`` is false."""
     x2 = x.reshape(-1, x.shape[-1])
     if swiglu and not fuses_swiglu(x2, w):
         raise ValueError("linear(swiglu=True) needs fuses_swiglu(x, w)")
+    if isinstance(w, Int4Weight):
+        return int4.linear(x, w, out, fast=fast)
     if isinstance(w, Fp8Weight):
         if fast and x2.shape[0] <= fp8_gemv.MAX_ROWS and not x2.is_contiguous():
             x2 = x2.contiguous()  # a few rows: copying them beats dequantising the weight
@@ -144,7 +149,9 @@ def linear(x: torch.Tensor, w: Weight, out: Optional[torch.Tensor] = None, *, fa
 
 def fuses_swiglu(x: torch.Tensor, w: Weight) -> bool:
     """True when ``linear(x, w, swiglu=True, fast=True)`` runs one kernel that computes the SwiGLU as it loads x
-    [B, 2K] (``gemv.supports`` / ``fp8_gemv.supports`` with ``swiglu``)."""
+    [B, 2K] (``gemv.supports`` / ``fp8_gemv.supports`` with ``swiglu``; never for a 4-bit weight)."""
+    if isinstance(w, Int4Weight):
+        return False
     if isinstance(w, Fp8Weight):
         return fp8_gemv.supports(x, w.data, w.scale, swiglu=True)
     return gemv.supports(x, w, swiglu=True)
@@ -206,19 +213,27 @@ def fp8_summary(model: torch.nn.Module) -> dict:
 
 def weights_report(model: torch.nn.Module) -> dict:
     """The weights as ``/v1/models`` shows them (``engine.weights``): ``dtype`` of the other weights (the input
-    embedding's), ``fp8_modules`` (0 without FP8) and, with FP8, ``fp8_bytes`` and ``fp8_kinds``
-    (``fp8_summary``; this rank's share under tensor parallelism)."""
+    embedding's), ``fp8_modules`` and ``int4_modules`` (0 without), with FP8 ``fp8_bytes`` and ``fp8_kinds``
+    (``fp8_summary``), with 4-bit weights ``int4_bytes``, ``int4_kinds``, ``int4_group_size`` and
+    ``int4_sources`` (``int4.int4_summary``); this rank's share under tensor parallelism."""
     dtype = str(model.get_input_embeddings().weight.dtype).replace("torch.", "")
-    return {"dtype": dtype, "fp8_modules": 0, **fp8_summary(model)}
+    return {"dtype": dtype, "fp8_modules": 0, "int4_modules": 0, **fp8_summary(model), **int4_summary(model)}
 
 
 def describe_weights(model: torch.nn.Module, source: str) -> str:
-    """One start-up log line saying which weights are FP8 (``source``: where they came from, e.g. "checkpoint"
-    or "--quantize fp8")."""
+    """One start-up log line saying which weights are FP8 or 4-bit (``source``: where they came from, e.g.
+    "checkpoint", "--quantize fp8" or "--quantize int4")."""
     r = weights_report(model)
-    if not r["fp8_modules"]:
-        return f"weights: {r['dtype']} (no FP8)"
-    kinds = ", ".join(f"{k} x{n}" for k, n in r["fp8_kinds"].items())
-    return (f"weights: FP8 e4m3 in {BLOCK} x {BLOCK} blocks ({source}) for {r['fp8_modules']} linear layers, "
-            f"{size_text(r['fp8_bytes'])} on this rank: {kinds}; {r['dtype']} for the rest (embeddings, lm_head, "
-            "vision tower, norms and the layers left unquantised)")
+    said = []
+    if r["fp8_modules"]:
+        kinds = ", ".join(f"{k} x{n}" for k, n in r["fp8_kinds"].items())
+        said.append(f"FP8 e4m3 in {BLOCK} x {BLOCK} blocks ({source}) for {r['fp8_modules']} linear layers, "
+                    f"{size_text(r['fp8_bytes'])} on this rank: {kinds}")
+    if r["int4_modules"]:
+        kinds = ", ".join(f"{k} x{n}" for k, n in r["int4_kinds"].items())
+        said.append(f"4-bit (W4A16, groups of {GROUP} input columns, {'/'.join(r['int4_sources']) or source}) "
+                    f"for {r['int4_modules']} linear layers, {size_text(r['int4_bytes'])} on this rank: {kinds}")
+    if not said:
+        return f"weights: {r['dtype']} (not quantised)"
+    return (f"weights: {'; '.join(said)}; {r['dtype']} for the rest (embeddings, lm_head, vision tower, norms and "
+            "the layers left unquantised)")

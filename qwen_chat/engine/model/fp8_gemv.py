@@ -28,7 +28,6 @@ and on CUDA (tests/gpu).
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -36,6 +35,7 @@ from typing import Optional
 import torch
 
 from qwen_chat.engine.model import gemv
+from qwen_chat.engine.model.gemv import batch_class, read_tiles
 
 triton = gemv.triton
 if triton is not None:
@@ -143,21 +143,8 @@ TILES_FILE = Path(__file__).with_name("fp8_tiles.json")
 
 @functools.lru_cache(maxsize=1)
 def tuned() -> dict:
-    """{(batch class, N, K): launch config} from ``TILES_FILE`` ({} when it is absent or unreadable: then the
-    default pattern of ``pick_config`` applies; tiles only affect speed)."""
-    try:
-        tiles = {}
-        for key, cfg in json.loads(TILES_FILE.read_text())["tiles"].items():
-            c, n, k = key.split(":")
-            tiles[(c, int(n), int(k))] = dict(cfg)
-        return tiles
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-
-
-def batch_class(B: int) -> str:
-    """The tiles' batch class of B rows: "1", "16" (2-16), "32" (17-32) or "64" (33-64)."""
-    return "1" if B == 1 else "16" if B <= 16 else "32" if B <= 32 else "64"
+    """{(batch class, N, K): launch config} from ``TILES_FILE`` (``gemv.read_tiles``: {} when absent)."""
+    return read_tiles(TILES_FILE)
 
 
 def valid_config(cfg: dict, B: int, K: int) -> bool:

@@ -9,7 +9,8 @@ added.  A group that mixes bf16 and FP8 layers (the Gated DeltaNet ``in_proj_qkv
 ``in_proj_b``/``in_proj_a`` in bf16, as the published FP8 checkpoint has them) is fused into one GEMM per run of
 layers of one kind; FP8 layers are fused only on 128-row block boundaries (each layer but the run's last has a
 multiple of 128 rows: otherwise its last scale block would also cover the next layer's rows), else they stay
-separate.
+separate.  4-bit layers (``int4.is_local_int4``) fuse whatever their row counts (their groups run along the
+input).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_chat.engine.model.fp8 import BLOCK, Fp8Weight, Weight, blocks, is_local_fp8
+from qwen_chat.engine.model.int4 import Int4Weight, is_local_int4
 from qwen_chat.engine.parallel.tp_layers import column_parallel_weight
 
 #: One layer's projection groups: group name -> the modules, in output order.
@@ -116,13 +118,52 @@ def fuse_fp8(mods: Sequence[torch.nn.Module]) -> Optional[tuple[Fp8Weight, list[
     return fused, sizes
 
 
+def _stacked(parts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A view of ``parts`` stacked by rows when they already lie one after the other in one storage, else
+    None."""
+    p0 = parts[0]
+    at = p0.storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.untyped_storage().data_ptr() != p0.untyped_storage().data_ptr()
+                or p.storage_offset() != at):
+            return None
+        at += p.numel()
+    return _view(p0, p0.storage_offset(), (sum(int(p.shape[0]) for p in parts), int(p0.shape[1])))
+
+
+def fuse_int4(mods: Sequence[torch.nn.Module]) -> Optional[tuple[Int4Weight, list[int]]]:
+    """``fuse_linears`` for 4-bit layers (``int4.is_local_int4``): their packed values, scales and zero points
+    stacked by rows into one ``Int4Weight`` (any row counts: the groups run along the input) and each layer
+    rebound to its rows (views); all on one device with one input width.  Called again on fused layers it
+    returns the same storage.  Returns ``(weight, out_sizes)`` or None when they cannot be fused."""
+    if len(mods) < 2 or not all(is_local_int4(m) for m in mods):
+        return None
+    ws = [m.int4_weight() for m in mods]
+    if len({(w.device, w.shape[1]) for w in ws}) != 1 or ws[0].device.type == "meta":
+        return None
+    sizes = [int(w.shape[0]) for w in ws]
+    with torch.no_grad():
+        views = [_stacked([getattr(w, f) for w in ws]) for f in ("packed", "scale", "zero")]
+        if all(v is not None for v in views):
+            return Int4Weight(*views), sizes
+        fused = Int4Weight.cat_rows(ws)
+        start = 0
+        for m, n in zip(mods, sizes):
+            m.set_weight(fused.rows(start, start + n))
+            start += n
+    return fused, sizes
+
+
 def _kind(m: torch.nn.Module) -> Optional[str]:
-    return "fp8" if is_local_fp8(m) else "bf16" if is_local_linear(m) else None
+    return ("fp8" if is_local_fp8(m) else "int4" if is_local_int4(m) else "bf16" if is_local_linear(m)
+            else None)
 
 
 def _local_weight(m: torch.nn.Module) -> Weight:
     if is_local_fp8(m):
         return m.fp8_weight()
+    if is_local_int4(m):
+        return m.int4_weight()
     return m.weight if is_plain_linear(m) else column_parallel_weight(m)
 
 
@@ -143,7 +184,8 @@ def fuse_group(mods: Sequence[torch.nn.Module]) -> Optional[Fused]:
             runs.append([m])
     parts: Fused = []
     for run in runs:
-        fused = (fuse_fp8 if _kind(run[0]) == "fp8" else fuse_linears)(run) if len(run) > 1 else None
+        fuse = {"fp8": fuse_fp8, "int4": fuse_int4}.get(_kind(run[0]), fuse_linears)
+        fused = fuse(run) if len(run) > 1 else None
         parts += [fused] if fused is not None else [(w, [int(w.shape[0])]) for w in map(_local_weight, run)]
     return parts if len(parts) < len(mods) else None
 
@@ -171,21 +213,27 @@ def fuse_layers(layers: Sequence[torch.nn.Module], enabled: bool = True) -> tupl
 
 def weight_of(m: torch.nn.Module) -> Optional[Weight]:
     """The weight a projection multiplies by when its forward is exactly ``x @ w^T``: an ``Fp8Linear``'s
-    ``Fp8Weight``, else a plain bias-free ``nn.Linear``'s weight tensor; None for anything else."""
+    ``Fp8Weight``, an ``Int4Linear``'s ``Int4Weight``, else a plain bias-free ``nn.Linear``'s weight tensor; None
+    for anything else."""
     if is_local_fp8(m):
         return m.fp8_weight()
+    if is_local_int4(m):
+        return m.int4_weight()
     return m.weight if is_plain_linear(m) else None
 
 
 def dequant_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of the largest dequantised FP8 weight a prefill step holds at once (its [N, K] temporary in
-    ``dtype``): the largest group of FP8 layers that read one input (``projection_groups``: fused into
-    one GEMM) or the largest single FP8 layer; 0 without FP8.  Part of the activation reserve
+    """Bytes of the largest dequantised FP8 or 4-bit weight a prefill step holds at once (its [N, K] temporary
+    in ``dtype``): the largest group of such layers that read one input (``projection_groups``: fused into
+    one GEMM) or the largest single one; 0 without quantised weights.  Part of the activation reserve
     (``runner_setup.size_memory``)."""
     def elems(m: torch.nn.Module) -> int:
-        get = getattr(m, "fp8_weight", None)
-        w = get() if callable(get) else None
-        return w.data.numel() if isinstance(w, Fp8Weight) else 0
+        for attr in ("fp8_weight", "int4_weight"):
+            get = getattr(m, attr, None)
+            w = get() if callable(get) else None
+            if isinstance(w, (Fp8Weight, Int4Weight)):
+                return w.shape[0] * w.shape[1]
+        return 0
 
     best = max((elems(m) for m in model.modules()), default=0)
     for layer in model.model.language_model.layers:

@@ -17,6 +17,8 @@ same bits, restart after restart).  Compared against ``F.linear`` on the GPU in 
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -191,3 +193,22 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if supports(x2, w):
         return gemv(x2, w).reshape(*x.shape[:-1], w.shape[0])
     return F.linear(x, w)
+
+
+def read_tiles(path: Path) -> dict:
+    """{(batch class, N, K): launch config} from a tiles file written by a probe (``bench/fp8_gemv_probe.py``,
+    ``bench/int4_gemv_probe.py`` with ``--save-tiles``: ``{"tiles": {"<class>:<N>:<K>": {...}}}``); {} when it
+    is absent or unreadable (tiles only affect speed: the kernels' default pattern applies then)."""
+    try:
+        tiles = {}
+        for key, cfg in json.loads(Path(path).read_text())["tiles"].items():
+            c, n, k = key.split(":")
+            tiles[(c, int(n), int(k))] = dict(cfg)
+        return tiles
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def batch_class(B: int) -> str:
+    """The tiles files' batch class of B rows: "1", "16" (2-16), "32" (17-32) or "64" (33-64)."""
+    return "1" if B == 1 else "16" if B <= 16 else "32" if B <= 32 else "64"

@@ -69,15 +69,19 @@ class CudaGraphs:
         device: the runner's CUDA device.
         scratch_slot: the slot that padding rows and capture runs write into (no live sequence is touched).
         decode_step: the runner's decode step (``DecodeStep``).
+        ladder: the padded row counts (default ``BATCH_LADDER``; the verify step of speculative decoding uses
+            multiples of its tokens per sequence, ``speculative``).
     """
 
-    def __init__(self, *, device: torch.device, scratch_slot: int, decode_step: DecodeStep) -> None:
+    def __init__(self, *, device: torch.device, scratch_slot: int, decode_step: DecodeStep,
+                 ladder: Sequence[int] = BATCH_LADDER) -> None:
         self._device, self._scratch = device, scratch_slot
         self._decode_step = decode_step
+        self._ladder = tuple(ladder)
         self._pool = None
         self._decode: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._decode_out: dict[tuple[int, int], torch.Tensor] = {}
-        n = BATCH_LADDER[-1]
+        n = self._ladder[-1]
         # Graph inputs, rows: slot, token, position, rope position.  Filled on the host in a pinned buffer and
         # sent with one asynchronous copy per step; the event guards the pinned buffer against reuse too early.
         self._s_in = torch.zeros(4, n, dtype=torch.long, device=device)
@@ -132,12 +136,12 @@ class CudaGraphs:
     # ------------------------------------------------------------------ replay
     def decode(self, slots: Sequence[int], tokens: Optional[torch.Tensor], pos: Sequence[int], rope: Sequence[int],
                ctx: int, token_table: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One decode step of ``len(slots) <= BATCH_LADDER[-1]`` rows through the graph of its padded batch and
+        """One decode step of ``len(slots) <=`` the ladder's largest rows through the graph of its padded batch and
         ``ctx`` (captured on first use).  tokens: int64 [B] on the host or the device, or None to read
         ``token_table[slot]`` on the device.  The only wait is for the previous step's input copy.  Returns fp32
         logits [B, V] (a copy of the graph's output)."""
         B = len(slots)
-        bp = next(b for b in BATCH_LADDER if b >= B)
+        bp = next(b for b in self._ladder if b >= B)
         key = (bp, ctx)
         self.capture_decode(bp, ctx)
         h = self._h_in_np

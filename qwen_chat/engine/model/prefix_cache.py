@@ -14,8 +14,10 @@ prefix never reads.
 ``restore(src, dst)`` starts a slot from a kept row: it shares the row's full blocks, copies the partly filled
 last block into a block of its own (copy on write: the slot writes positions >= n into it), copies the conv and
 recurrent state, and leaves the slot at length n, ready for a prefill chunk that starts at n.  The same copy
-starts the other choices of a request from its prefill (``ModelRunner.copy_slot``).  Every rank is given the
-same rows, so every rank keeps the same prefixes.
+starts the other choices of a request from its prefill (``ModelRunner.copy_slot``).  ``restore(row, row)`` takes
+the kept row over in place (the scheduler does so when no other row is free: ``core.prefill_plan``): the row
+keeps its state and full blocks, and its partly filled last block is copied the same way.  Every rank is given
+the same rows, so every rank keeps the same prefixes.
 """
 from __future__ import annotations
 
@@ -34,26 +36,33 @@ def keep_blocks(runner, slot: int, row: int, n: int, rope_delta: int) -> None:
 
 @torch.no_grad()
 def restore(runner, src: int, dst: int) -> int:
-    """Start ``dst`` (freed first) from the state ``src`` holds at its length n (a kept row, or a prefilled
-    slot); queued on the device.  Returns n.  Raises ValueError for ``src == dst`` or an empty ``src``;
+    """Start ``dst`` from the state ``src`` holds at its length n (a kept row, or a prefilled slot); queued on the
+    device.  ``dst`` is freed first; ``dst == src`` takes the kept row over in place (the sequence continues its
+    state, the row no longer keeps it).  Returns n.  Raises ValueError for an empty ``src``;
     ``paged.OutOfBlocks`` when no block is free for the copy of a partly filled last block."""
-    if src == dst or runner.lengths[src] < 1:
-        raise ValueError(f"restore needs a source other than the target that holds tokens (got {src} -> {dst})")
-    runner.free(dst)
     n = runner.lengths[src]
+    if n < 1:
+        raise ValueError(f"restore needs a source that holds tokens (got {src} -> {dst})")
+    rope_delta = runner.rope_deltas[src]
     bt = runner.block_tokens
     full = n // bt
     blocks = runner.tables.blocks(src)
-    runner.tables.share(dst, blocks[:full])
-    if n % bt:
-        runner.tables.ensure(dst, n)
-        pair = torch.tensor([[blocks[full]], [runner.tables.blocks(dst)[full]]], device=runner.device)
-        for cache in (runner.k_cache, runner.v_cache):
-            for t in cache.values():
-                t[pair[1]] = t[pair[0]]
-    for state in (runner.conv_state, runner.rec_state):
-        for t in state.values():
-            t[dst].copy_(t[src])
+    runner.tables.hold(blocks)  # they outlive freeing ``dst`` (``src`` itself when taken over) until copied
+    try:
+        runner.free(dst)
+        runner.tables.share(dst, blocks[:full])
+        if n % bt:
+            runner.tables.ensure(dst, n)
+            pair = torch.tensor([[blocks[full]], [runner.tables.blocks(dst)[full]]], device=runner.device)
+            for cache in (runner.k_cache, runner.v_cache):
+                for t in cache.values():
+                    t[pair[1]] = t[pair[0]]
+    finally:
+        runner.tables.drop(blocks)
+    if src != dst:
+        for state in (runner.conv_state, runner.rec_state):
+            for t in state.values():
+                t[dst].copy_(t[src])
     runner.lengths[dst] = n
-    runner.rope_deltas[dst] = runner.rope_deltas[src]
+    runner.rope_deltas[dst] = rope_delta
     return n

@@ -30,13 +30,12 @@ On CPU the same steps run eagerly.  Measured speed: docs/performance.md.  Run th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from qwen_chat.chat_types import ContextTooLong
-from qwen_chat.engine.model import fp8_gemv, gemv, graphs, prefix_cache
+from qwen_chat.engine.model import fp8_gemv, gemv, graphs, int4_gemv, prefix_cache
 from qwen_chat.engine.model.delta_rule import resolve_chunk_rule
 from qwen_chat.engine.model.forward import ModelForward, PrefillRows
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
@@ -129,6 +128,7 @@ class ModelRunner:
         self.rope_deltas = [0] * (self.num_slots + 1)  # M-RoPE position shift of each slot
         self._active = [False] * (self.num_slots + 1)  # decodable: its prompt's last chunk ran
         self._restored: set[int] = set()  # slots started from a kept prefix whose prompt has not started yet
+        self.spec = None  # speculative decoding (``spec_step.attach``), or None
         self.graphs: Optional[graphs.CudaGraphs] = None
         if self.use_cuda_graphs:
             self.graphs = graphs.CudaGraphs(device=self.device, scratch_slot=self.num_slots, decode_step=fwd.decode)
@@ -137,7 +137,8 @@ class ModelRunner:
                      "attention": "torch.sdpa (prefill), paged %d-token blocks" % self.block_tokens,
                      "cuda_graphs": self.use_cuda_graphs, "decode_glue": glue_name,
                      "fused_projection_groups": sum(len(f) for f in self._fused),
-                     "projections": ("triton gemv (<= %d rows, fp8 <= %d)" % (gemv.MAX_ROWS, fp8_gemv.MAX_ROWS)
+                     "projections": ("triton gemv (<= %d rows, fp8 <= %d, int4 <= %d)"
+                                     % (gemv.MAX_ROWS, fp8_gemv.MAX_ROWS, int4_gemv.MAX_ROWS)
                                      if opts.fast_gemv else "torch"),
                      "tp_all_reduce": self.tp.kind, "tp_fused_all_reduce_norm": self.tp.fused,
                      "gdn_decode": "triton (one kernel)" if opts.gdn_kernel else glue_name,
@@ -177,7 +178,8 @@ class ModelRunner:
     def restore(self, src: int, dst: int) -> int:
         """Start ``dst`` from the prefix state row ``src`` keeps (``prefix_cache.restore``); the next chunk into
         ``dst`` starts at the returned length n and may belong to any prompt whose first n tokens are the
-        prefix's.  Raises as ``prefix_cache.restore``, and ValueError for a slot out of range."""
+        prefix's; ``dst == src`` takes the kept row over in place.  Raises as ``prefix_cache.restore``, and
+        ValueError for a slot out of range."""
         self._check_slot(src)
         self._check_slot(dst)
         n = prefix_cache.restore(self, src, dst)
@@ -306,6 +308,10 @@ class ModelRunner:
                 if row in slots or row in rows or self.lengths[row] or self.tables.count(row):
                     raise ValueError(f"keep row {row} is in use")
                 rows.add(row)
+
+    def last_hidden(self, i: int) -> torch.Tensor:
+        """The final normed hidden state [hidden] of the i-th logits row of the last ``prefill_batch``."""
+        return self._forward.last_hidden[i]
 
     def prefill(self, slot: int, prompt: PreparedPrompt) -> torch.Tensor:
         """The whole prompt into ``slot`` in one chunk (``prefill_batch``).  Returns fp32 logits [vocab_size] of

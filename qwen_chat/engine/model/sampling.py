@@ -220,6 +220,20 @@ class Sampler:
         idx, col = self._to_device([list(slots), cols]).unbind(0)
         return idx, self._uniform[idx, col]
 
+    def uniforms(self, slots: Sequence[int], m: int) -> torch.Tensor:
+        """m (<= ``UNIFORM_BLOCK``) uniforms in [0, 1) per row, each row's the next m of its own slot's stream (a
+        block with fewer than m left is refilled first): float32 [B, m] on the device.  Speculative steps draw
+        theirs here (``spec_sampling``), so a slot's draws still depend only on its seed and its logits."""
+        cols = []
+        for s in slots:
+            if self._next[s] + m > UNIFORM_BLOCK:
+                self._uniform[s] = torch.rand(UNIFORM_BLOCK, generator=self.generators[s], device=self.device)
+                self._next[s] = 0
+            cols.append(self._next[s])
+            self._next[s] += m
+        idx, col = self._to_device([list(slots), cols]).unbind(0)
+        return self._uniform[idx[:, None], col[:, None] + torch.arange(m, device=self.device)[None, :]]
+
     def _nucleus(self, slots: Sequence[int], logits: torch.Tensor, idx: torch.Tensor):
         """Penalised, tempered, top-k/top-p filtered distribution of each row, sorted by probability.
 

@@ -11,6 +11,9 @@ requests that use none of them pay nothing: no extra kernel and no copy to the h
   the same step, also when steps are launched ahead.
 - ``logprobs_of``: log-softmax of the model's raw logits (before penalties, temperature, top-k/top-p: the
   model's own distribution, as vLLM reports by default) at the sampled ids, and the k most likely ids.
+- ``mark_nonfinite``: the draw as the host sees it, with ``types.NONFINITE_TOKEN`` in the rows whose raw
+  logits hold a NaN or an infinity (one reduction over the logits per draw, read back with the tokens: no
+  extra host wait).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from qwen_chat.engine.types import SampledLogprob
+from qwen_chat.engine.types import NONFINITE_TOKEN, SampledLogprob
 
 
 class FrequencyCounts:
@@ -118,3 +121,16 @@ def logprobs_of(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[tor
     chosen = lp.gather(1, tokens.view(-1, 1)).view(-1)
     values, ids = torch.topk(lp, k, dim=-1) if k > 0 else (lp[:, :0], tokens.view(-1, 1)[:, :0])
     return chosen, values, ids
+
+
+def mark_nonfinite(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: ``tokens`` (int64 [B], a draw from ``logits``) with ``NONFINITE_TOKEN`` in each row whose
+    ``logits`` (float [B, V], the model's raw logits, before grammar masks) are not all finite.
+
+    One row sum in float32 per row: a sum is NaN or infinite when any entry is NaN or infinite (IEEE 754
+    arithmetic), and finite logits overflow it only beyond 3.4e38 / V (1.4e33 for Qwen3.5's 248,320 ids),
+    themselves a numerical fault.  Queued on the device; the result is meant for the host copy only (the
+    device keeps ``tokens``, always valid ids, so the next step's embedding lookup stays in range).
+    """
+    finite = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+    return torch.where(finite, tokens, NONFINITE_TOKEN)

@@ -39,8 +39,7 @@ Usage::
     # several ranks (groups = ranks.init_process_groups(...)); rank 0:
     executor = DistributedExecutor(LocalExecutor(runner, sampler), groups.control, timeout_s)  # same methods
     executor.close()                                            # sends "exit"
-    # every other rank:
-    worker_loop(LocalExecutor(runner, sampler), groups.control) # returns after "exit"
+    worker_loop(LocalExecutor(runner, sampler), groups.control) # every other rank; returns after "exit"
 """
 from __future__ import annotations
 
@@ -53,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from qwen_chat.chat_types import ChatError, NotReady
+from qwen_chat.engine.model.sampling_rules import mark_nonfinite
 from qwen_chat.engine.types import SampledTokens, StepPlan
 from qwen_chat.lifecycle import die, install_worker_stop_signals
 
@@ -112,8 +112,8 @@ class LocalExecutor:
         prefill the ``plan.prefills`` chunks together (``ModelRunner.prefill_batch``); for each chunk that ends its
         prompt, copy its state into the slots of its ``copies`` (the other choices of the request,
         ``ModelRunner.copy_slot``) and sample each one's first token (not for a ``resume``); then one batched
-        decode over
-        ``plan.decode_slots`` and sample.  The decode feeds ``plan.decode_tokens``, or with
+        decode over ``plan.decode_slots`` and sample (with ``plan.spec_k``: ``runner.spec.decode``, a speculative
+        step, waited for).  The decode feeds ``plan.decode_tokens``, or with
         ``plan.tokens_on_device`` the last token sampled for each slot (``Sampler.last_tokens``), so a plan can
         be launched before the previous one's tokens reached the host.  At most two launched plans may await
         ``collect`` at a time (their tokens come back through two pinned buffers).  Prefills do wait for the
@@ -125,10 +125,8 @@ class LocalExecutor:
         if plan.op != STEP_OP:
             raise ValueError(f"unknown step op {plan.op!r}; expected one of {(STEP_OP, EXIT_OP)}")
         if not plan.tokens_on_device and len(plan.decode_slots) != len(plan.decode_tokens):
-            raise ValueError(
-                f"decode_slots ({len(plan.decode_slots)}) and decode_tokens ({len(plan.decode_tokens)}) differ in "
-                "length"
-            )
+            raise ValueError(f"decode_slots ({len(plan.decode_slots)}) and decode_tokens "
+                             f"({len(plan.decode_tokens)}) differ in length")
         prefill_slots = [slot for item in plan.prefills for slot in [item.slot] + [s for s, _ in item.copies]]
         overlap = set(prefill_slots) & set(plan.decode_slots)
         if overlap:
@@ -136,6 +134,7 @@ class LocalExecutor:
 
         for batch, ctx in plan.capture:
             self.runner.capture_all(batch_sizes=[batch], context_buckets=[ctx])
+        spec = getattr(self.runner, "spec", None)  # model.spec_step.Speculation, or None
         for slot in plan.free_slots:
             self.runner.free(slot)
 
@@ -150,6 +149,8 @@ class LocalExecutor:
                     if item.first and not item.resume:
                         self.sampler.start(item.slot, item.sampling)
                 logits = self.runner.prefill_batch(plan.prefills)  # fp32 [m, V]: the last chunks that sample
+                if spec is not None:  # the MTP head's keys and values of the prompts (a chunk starting one: anew)
+                    spec.chunks(plan.prefills)
                 row = 0
                 for item in plan.prefills:
                     if not item.last or item.resume:
@@ -160,21 +161,33 @@ class LocalExecutor:
                     group = [item.slot] + [slot for slot, _ in item.copies]
                     rows = logits[row:row + 1].repeat(len(group), 1) if item.copies else logits[row:row + 1]
                     row += 1
-                    parts.append(self._sample(group, rows, logprobs))
+                    drawn, marked = self._sample(group, rows, logprobs)
+                    parts.append(marked)
                     slots.extend(group)
-            if plan.decode_slots:
+                    if spec is not None:  # the MTP head's first position: the prompt's last
+                        spec.prefilled(group, item.stop() - 1, self.runner.last_hidden(row - 1), drawn)
+            runs = None
+            if plan.decode_slots and plan.spec_k:  # a speculative step: 1 .. k + 1 tokens per slot
+                runs, plain, rows = spec.decode(self.sampler, plan.decode_slots, plan.decode_tokens, plan.spec_k,
+                                                plan.drafts, plan.spec_plain)
+                if plain:
+                    parts.append(self._sample(plain, rows, logprobs)[1])
+                    slots.extend(plain)
+            elif plan.decode_slots:
+                if spec is not None:
+                    spec.forget(plan.decode_slots)
                 decode_slots = list(plan.decode_slots)
                 if plan.tokens_on_device:
                     logits = self.runner.decode(decode_slots, None, token_table=self.sampler.last_tokens)
                 else:
                     logits = self.runner.decode(decode_slots, torch.tensor(plan.decode_tokens, dtype=torch.int64))
-                parts.append(self._sample(decode_slots, logits, logprobs))  # fp32 [B, V] -> int64 [B]
+                parts.append(self._sample(decode_slots, logits, logprobs)[1])  # fp32 [B, V] -> int64 [B]
                 slots.extend(decode_slots)
         if not slots:
-            return Launched([], None, None)
+            return Launched([], None, None, runs=runs)
         tokens = torch.cat(parts) if len(parts) > 1 else parts[0]
         if tokens.device.type != "cuda":
-            return Launched(slots, tokens, None, logprobs)
+            return Launched(slots, tokens, None, logprobs, runs)
         if self._host is None:
             n = self.runner.num_slots
             self._host = [torch.zeros(n, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -185,47 +198,47 @@ class LocalExecutor:
         logprobs = [rows.to_host() for rows in logprobs]
         done = torch.cuda.Event()
         done.record()
-        return Launched(slots, host, done, logprobs)
+        return Launched(slots, host, done, logprobs, runs)
 
-    def _sample(self, slots: list[int], logits: torch.Tensor, logprobs: list) -> torch.Tensor:
+    def _sample(self, slots: list[int], logits: torch.Tensor, logprobs: list) -> tuple[torch.Tensor, torch.Tensor]:
         """``sampler.sample_async``, and the draw's log-probabilities appended to ``logprobs`` when a row asks
-        (``Sampler.logprobs_async``: no work otherwise)."""
+        (``Sampler.logprobs_async``: no work otherwise).  Returns (the draw, int64 [B] on the device; the same
+        for the host, ``NONFINITE_TOKEN`` in rows whose logits were not finite: ``sampling_rules.mark_nonfinite``)."""
         tokens = self.sampler.sample_async(slots, logits)
         rows_of = getattr(self.sampler, "logprobs_async", None)
         rows = rows_of(slots, logits, tokens) if rows_of is not None else None
         if rows is not None:
             logprobs.append(rows)
-        return tokens
+        return tokens, mark_nonfinite(logits, tokens)
 
     def collect(self, launched: "Launched") -> SampledTokens:
-        """Wait for a launched plan's tokens.  Returns ``SampledTokens``: {slot: sampled token id} for every
-        prefilled and decoded slot of that plan, with the log-probabilities of the slots that asked."""
+        """Wait for a launched plan's tokens.  Returns ``SampledTokens``: {slot: sampled token id, or
+        ``NONFINITE_TOKEN``} for every prefilled and decoded slot of that plan, with the slots' log-probabilities."""
         if launched.done is not None:
             launched.done.synchronize()
-        if launched.tokens is None:
-            return SampledTokens()
         by_slot = {}
         for rows in launched.logprobs:
             by_slot.update(rows.by_slot())
-        return SampledTokens(zip(launched.slots, launched.tokens.tolist()), by_slot)
+        out = SampledTokens(() if launched.tokens is None else zip(launched.slots, launched.tokens.tolist()), by_slot)
+        out.update(launched.runs or {})
+        return out
 
 
 class Launched:
     """A plan queued by ``LocalExecutor.launch``: its sampled slots, the tensor their tokens arrive in (int64
-    [n], pinned host memory on CUDA), the CUDA event after which that tensor holds them (None on CPU), and the
-    ``sampling_rules.LogprobRows`` of the draws that asked for log-probabilities."""
+    [n], pinned host memory on CUDA), the CUDA event after which that tensor holds them (None on CPU), the
+    ``sampling_rules.LogprobRows`` of the draws that asked for log-probabilities, and ``runs``: {slot: token
+    ids} of a speculative step's slots (already on the host), or None."""
 
-    __slots__ = ("slots", "tokens", "done", "logprobs")
+    __slots__ = ("slots", "tokens", "done", "logprobs", "runs")
 
-    def __init__(self, slots: list[int], tokens, done, logprobs: Optional[list] = None) -> None:
-        self.slots, self.tokens, self.done, self.logprobs = slots, tokens, done, logprobs or []
+    def __init__(self, slots: list[int], tokens, done, logprobs: Optional[list] = None, runs=None) -> None:
+        self.slots, self.tokens, self.done, self.logprobs, self.runs = slots, tokens, done, logprobs or [], runs
 
 
 def broadcast_plan(plan: Optional[StepPlan], group: dist.ProcessGroup) -> StepPlan:
     """Rank 0 passes ``plan``; the others pass None and get rank 0's plan (pickled, tensors on CPU).
-
-    Raises: whatever gloo raises (peer gone, timeout) - callers treat it as fatal.
-    """
+    Raises: whatever gloo raises (peer gone, timeout) - callers treat it as fatal."""
     box = [plan]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]

@@ -10,9 +10,10 @@ This is the only module of the service that imports ``deepspeed``.  Modes (``Sha
   ``colwise_gather_output`` (``_split_gated_deltanet``: one all-reduce per layer).  The input embedding, which
   that plan leaves whole, is split by vocabulary rows here (``tp_layers.VocabParallelEmbedding``), and the
   lm_head by output rows with gathered logits (``tp_layers.GatheredColumnLinear``, the plan's own style for it,
-  applied here so it does not depend on the transformers version).  A model with FP8 weights (``fp8.Fp8Linear``)
-  has its attention and MLP projections split here too, on the 128 x 128 blocks (``_split_fp8_model``; a share
-  that would cut a block is refused with one line), and AutoTP only replicates the rest.  Needs deepspeed >= 0.19.6 and
+  applied here so it does not depend on the transformers version).  A model with FP8 or 4-bit weights
+  (``fp8.Fp8Linear``, ``int4.Int4Linear``) has its attention and MLP projections split here too, on the 128 x 128
+  blocks or 128-column groups (``_split_fp8_model``; a share that would cut one is refused with one line), and
+  AutoTP only replicates the rest.  Needs deepspeed >= 0.19.6 and
   transformers >= 5.13 (older versions silently fall back to name heuristics that split Gated DeltaNet
   wrongly: docs/facts.md, "Sharding with DeepSpeed: tensor parallel").  N must divide the KV heads (4 on the
   9B): N in {1, 2, 4}.
@@ -42,6 +43,7 @@ import torch
 
 from qwen_chat.config import ConfigError
 from qwen_chat.engine.model.fp8 import BlockAlignmentError, Fp8Linear
+from qwen_chat.engine.model.int4 import GroupAlignmentError, Int4Linear
 from qwen_chat.engine.parallel.layout import resolve_tp_size
 from qwen_chat.engine.parallel.tp_layers import (shard_input_embedding, shard_lm_head, split_gated_deltanet_heads,
                                                  split_projections)
@@ -65,6 +67,8 @@ DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 ZERO3_FP8_REFUSAL = ("ZeRO-3 cannot hold FP8 weights (it partitions each parameter while the checkpoint loads, apart "
                      "from its block scales); serve FP8 on one GPU or with tensor parallel, or use a bf16 checkpoint "
                      "without --quantize fp8 under ZeRO-3")
+ZERO3_INT4_REFUSAL = ("ZeRO-3 cannot hold 4-bit weights (as for FP8); serve them on one GPU or with tensor "
+                      "parallel, or use a bf16 checkpoint without --quantize int4 under ZeRO-3")
 
 # Objects that must live as long as the process: HfDeepSpeedConfig (held weakly by transformers; once
 # collected, ZeRO-3 loading and synced generation silently turn off) and the DeepSpeed engines (they own the
@@ -268,12 +272,12 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
     in place with sharded DeepSpeed layers (weights moved to the rank's device).  ``zero3*``: wraps the model
     already partitioned at load time.  Every rank must call this at the same time (collectives inside).
 
-    Raises:
-        ShardingError: versions too old for AutoTP; FP8 weights whose rank shares would cut their 128 x 128
-            blocks (one line naming the module), or ZeRO-3 with FP8 weights.
+    Raises: ShardingError: versions too old for AutoTP; FP8 / 4-bit weights whose rank shares would cut their
+        128 x 128 blocks / 128-column groups (one line naming the module); ZeRO-3 with FP8 or 4-bit weights.
     """
-    if plan.is_zero3 and any(isinstance(m, Fp8Linear) for m in model.modules()):
-        raise ShardingError(ZERO3_FP8_REFUSAL)
+    for kind, refusal in ((Fp8Linear, ZERO3_FP8_REFUSAL), (Int4Linear, ZERO3_INT4_REFUSAL)):
+        if plan.is_zero3 and any(isinstance(m, kind) for m in model.modules()):
+            raise ShardingError(refusal)
     if not plan.uses_deepspeed:
         return model.to(device).eval()
     import deepspeed
@@ -282,15 +286,16 @@ def shard_model(model: torch.nn.Module, plan: ShardingPlan, device: torch.device
         check_versions()
         shard_input_embedding(model)
         shard_lm_head(model)
-        fp8 = any(isinstance(m, Fp8Linear) for m in model.model.language_model.layers.modules())
+        fp8 = any(isinstance(m, (Fp8Linear, Int4Linear)) for m in model.model.language_model.layers.modules())
         try:
             if _split_gated_deltanet(model) == 0 and fp8:
-                raise ShardingError("tensor parallel with FP8 weights needs the Gated DeltaNet layers split by "
-                                    "heads, and this model's tp_plan could not be edited")
+                raise ShardingError("tensor parallel with FP8 or 4-bit weights needs the Gated DeltaNet layers split "
+                                    "by heads, and this model's tp_plan could not be edited")
             if fp8:
                 _split_fp8_model(model)
-        except BlockAlignmentError as exc:
-            raise ShardingError(f"tensor parallel over {plan.tp_size} ranks would cut the 128 x 128 FP8 blocks of "
+        except (BlockAlignmentError, GroupAlignmentError) as exc:
+            what = "128 x 128 FP8 blocks" if isinstance(exc, BlockAlignmentError) else "4-bit groups"
+            raise ShardingError(f"tensor parallel over {plan.tp_size} ranks would cut the {what} of "
                                 f"{exc}; serve this model on fewer GPUs (or one), or in bf16") from None
     engine = deepspeed.initialize(model=model, config=dict(plan.ds_config))[0]
     _KEEP_ALIVE.append(engine)
@@ -342,8 +347,8 @@ def _drop_plan_entries(model: torch.nn.Module, parts: tuple[str, ...]) -> list[s
 
 
 def _split_fp8_model(model: torch.nn.Module) -> None:
-    """TP for a model with FP8 weights: every decoder layer's attention and MLP projections split here
-    (``tp_layers.split_projections``, bf16 and FP8 layers alike) and their tp_plan entries removed, so AutoTP
+    """TP for a model with FP8 or 4-bit weights: every decoder layer's attention and MLP projections split here
+    (``tp_layers.split_projections``, bf16, FP8 and 4-bit layers alike) and their tp_plan entries removed, so AutoTP
     never slices an FP8 weight without its scales.  Raises BlockAlignmentError (``split_projections``) and
     ShardingError when the plan cannot be edited on this model."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

@@ -5,7 +5,8 @@
 - ``RowParallelLinear`` and ``split_gated_deltanet_heads``: a Gated DeltaNet layer split by heads, its
   ``out_proj`` row-parallel;
 - ``shard_fp8_projections``: a model with FP8 weights (``fp8.Fp8Linear``) has its attention and MLP projections
-  split here, on 128 x 128 block boundaries (DeepSpeed AutoTP would slice the FP8 data without its scales);
+  split here, on 128 x 128 block boundaries (DeepSpeed AutoTP would slice the FP8 data without its scales), and
+  so does one with 4-bit weights (``int4.Int4Linear``: any output rows, input columns on 128-column groups);
 - ``column_parallel_weight`` / ``row_parallel_weight``: this rank's weight of a projection whose forward is one
   local ``x @ w^T`` (DeepSpeed AutoTP's ``LinearLayer``; ``LinearAllreduce`` or ``RowParallelLinear``, then a
   sum-all-reduce), matched by class name and attributes so that nothing here imports deepspeed.
@@ -22,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_chat.engine.model.fp8 import BlockAlignmentError, Fp8Linear, Fp8Weight, Weight, linear
+from qwen_chat.engine.model.int4 import GroupAlignmentError, Int4Linear, Int4Weight
 
 log = logging.getLogger(__name__)
 
@@ -107,28 +109,42 @@ class RowParallelLinear(torch.nn.Module):
     AutoTP, which matches plan entries by parameter name, never splits it again.
     """
 
-    def __init__(self, weight_cols: Weight, world_size: int) -> None:
+    def __init__(self, weight_cols: Weight, world_size: int, source: str = "") -> None:
         super().__init__()
         self.out_features, self.in_features = (int(d) for d in weight_cols.shape)
         self.world_size = world_size
-        data = weight_cols.data if isinstance(weight_cols, Fp8Weight) else weight_cols
+        self.source = source
+        data = (weight_cols.data if isinstance(weight_cols, Fp8Weight)
+                else weight_cols.packed if isinstance(weight_cols, Int4Weight) else weight_cols)
         self.weight_cols = torch.nn.Parameter(data, requires_grad=False)
         self.register_buffer("weight_cols_scale_inv",
                              weight_cols.scale if isinstance(weight_cols, Fp8Weight) else None)
+        four = isinstance(weight_cols, Int4Weight)
+        self.register_buffer("weight_cols_scale", weight_cols.scale if four else None)
+        self.register_buffer("weight_cols_zero_point", weight_cols.zero if four else None)
 
     def local_weight(self) -> Weight:
-        """This rank's weight [O, I_local]: the tensor, or an ``fp8.Fp8Weight`` (built on each call)."""
+        """This rank's weight [O, I_local]: the tensor, or an ``fp8.Fp8Weight`` / ``int4.Int4Weight`` (built on
+        each call)."""
+        if self.weight_cols_scale is not None:
+            return Int4Weight(self.weight_cols, self.weight_cols_scale, self.weight_cols_zero_point)
         if self.weight_cols_scale_inv is None:
             return self.weight_cols
         return Fp8Weight(self.weight_cols, self.weight_cols_scale_inv)
 
     def fp8_weight(self) -> Optional[Fp8Weight]:
-        """The FP8 weight, or None for a bf16 one (``fp8.fp8_summary``)."""
-        return None if self.weight_cols_scale_inv is None else self.local_weight()
+        """The FP8 weight, or None for another one (``fp8.fp8_summary``)."""
+        w = self.local_weight()
+        return w if isinstance(w, Fp8Weight) else None
+
+    def int4_weight(self) -> Optional[Int4Weight]:
+        """The 4-bit weight, or None for another one (``int4.int4_summary``)."""
+        w = self.local_weight()
+        return w if isinstance(w, Int4Weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.local_weight()
-        out = linear(x, w, fast=x.is_cuda and isinstance(w, Fp8Weight))
+        out = linear(x, w, fast=x.is_cuda and not isinstance(w, torch.Tensor))
         if self.world_size > 1 and torch.distributed.is_initialized():
             torch.distributed.all_reduce(out)
         return out
@@ -136,14 +152,18 @@ class RowParallelLinear(torch.nn.Module):
 
 def rows_of(lin: torch.nn.Module, ranges: Sequence[tuple[int, int]], name: str) -> torch.nn.Module:
     """A new bias-free layer holding the output rows ``ranges`` ([start, stop) pairs, concatenated in order) of
-    ``lin``: an ``nn.Linear`` (copied rows) or an ``Fp8Linear`` (data and block scales, copied).  Raises
-    BlockAlignmentError naming ``name`` when an FP8 range does not start and end on a 128-row block boundary."""
+    ``lin``: an ``nn.Linear`` (copied rows), an ``Fp8Linear`` (data and block scales, copied) or an ``Int4Linear``
+    (packed values, scales and zero points, copied; any rows).  Raises BlockAlignmentError naming ``name`` when an
+    FP8 range does not start and end on a 128-row block boundary."""
     if isinstance(lin, Fp8Linear):
         w = lin.fp8_weight()
         try:
             return Fp8Linear(Fp8Weight.cat_rows([w.rows(a, b) for a, b in ranges]))
         except BlockAlignmentError as exc:
             raise BlockAlignmentError(f"{name}: {exc}") from None
+    if isinstance(lin, Int4Linear):  # groups run along the input: any rows
+        w4 = lin.int4_weight()
+        return Int4Linear(Int4Weight.cat_rows([w4.rows(a, b) for a, b in ranges]), source=lin.source)
     rows = torch.cat([torch.arange(a, b) for a, b in ranges]).to(lin.weight.device)
     out = torch.nn.Linear(lin.in_features, len(rows), bias=False, device="meta")
     out.weight = torch.nn.Parameter(lin.weight.data[rows].clone(), requires_grad=False)
@@ -151,13 +171,19 @@ def rows_of(lin: torch.nn.Module, ranges: Sequence[tuple[int, int]], name: str) 
 
 
 def cols_of(lin: torch.nn.Module, start: int, stop: int, name: str) -> Weight:
-    """Input columns start..stop-1 of ``lin``'s weight (copied): a tensor, or an ``fp8.Fp8Weight`` (raises
-    BlockAlignmentError naming ``name`` off the 128-column block boundaries)."""
+    """Input columns start..stop-1 of ``lin``'s weight (copied): a tensor, an ``fp8.Fp8Weight`` (raises
+    BlockAlignmentError naming ``name`` off the 128-column block boundaries) or an ``int4.Int4Weight`` (raises
+    GroupAlignmentError naming ``name`` off the 128-column group boundaries)."""
     if isinstance(lin, Fp8Linear):
         try:
             return lin.fp8_weight().cols(start, stop)
         except BlockAlignmentError as exc:
             raise BlockAlignmentError(f"{name}: {exc}") from None
+    if isinstance(lin, Int4Linear):
+        try:
+            return lin.int4_weight().cols(start, stop)
+        except GroupAlignmentError as exc:
+            raise GroupAlignmentError(f"{name}: {exc}") from None
     return lin.weight.data[:, start:stop].clone()
 
 
@@ -220,7 +246,8 @@ def split_gated_deltanet_heads(la: torch.nn.Module, rank: int, world: int, prefi
         la.A_log = torch.nn.Parameter(la.A_log.data[heads.to(la.A_log.device)].clone(), requires_grad=False)
         la.dt_bias = torch.nn.Parameter(la.dt_bias.data[heads.to(la.dt_bias.device)].clone(),
                                         requires_grad=False)
-        la.out_proj = RowParallelLinear(cols_of(la.out_proj, v0, v1, f"{prefix}linear_attn.out_proj"), world)
+        la.out_proj = RowParallelLinear(cols_of(la.out_proj, v0, v1, f"{prefix}linear_attn.out_proj"), world,
+                                        getattr(la.out_proj, "source", ""))
     la.num_k_heads, la.num_v_heads = nk_l, nv_l
     la.key_dim, la.value_dim = nk_l * dk, nv_l * dv
     la.conv_dim = 2 * la.key_dim + la.value_dim
@@ -246,7 +273,7 @@ def split_projections(layer: torch.nn.Module, rank: int, world: int, prefix: str
             lin = getattr(owner, row)
             per = lin.in_features // world
             setattr(owner, row, RowParallelLinear(cols_of(lin, rank * per, (rank + 1) * per, f"{prefix}{label}.{row}"),
-                                                  world))
+                                                  world, getattr(lin, "source", "")))
 
 
 def is_deepspeed_layer(m: torch.nn.Module, name: str) -> bool:

@@ -13,7 +13,8 @@ Steps, identical on every rank:
 2. the checkpoint: rank 0 resolves it first (downloads or builds the tiny model), then the others;
    the TP degree is checked against the model's head counts before any weight is loaded;
 3. loading (the checkpoint checked: ``checkpoints.layout``; an FP8 checkpoint keeps its FP8 layers), the
-   ``--adapter`` merged into the weights (``checkpoints.adapters``), ``--quantize fp8`` (``fp8_loading``),
+   ``--adapter`` merged into the weights (``checkpoints.adapters``), ``--quantize fp8`` / ``int4``
+   (``fp8_loading`` / ``int4_loading``),
    sharding, then one report line per rank (rank, device, parameters held, GPU memory) and which weights are FP8;
    rank 0 adds the sharding mode and the kernel each Gated DeltaNet op resolved to;
 4. runner + sampler sized from the memory budget (``runner_setup.build_runner``), the start-up self-check
@@ -216,7 +217,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
 
     from qwen_chat.engine.parallel.executors import DistributedExecutor, LocalExecutor, worker_loop
     from qwen_chat.engine.checkpoints.adapters import describe_merge, merge_adapter, read_adapter
-    from qwen_chat.engine.checkpoints.fp8_loading import quantize_model
+    from qwen_chat.engine.checkpoints import fp8_loading, int4_loading
     from qwen_chat.engine.model.fp8 import describe_weights
     from qwen_chat.engine.checkpoints.layout import CheckpointError, inspect_checkpoint
     from qwen_chat.engine.checkpoints.loading import describe_kernels, load_model
@@ -228,6 +229,8 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
         report = inspect_checkpoint(path)
         if plan.is_zero3 and (report.fp8 is not None or cfg.quantize == "fp8"):
             raise sharding.ShardingError(sharding.ZERO3_FP8_REFUSAL)
+        if plan.is_zero3 and (report.int4 is not None or cfg.quantize == "int4"):
+            raise sharding.ShardingError(sharding.ZERO3_INT4_REFUSAL)
         adapter = read_adapter(cfg.adapter, zero3=plan.is_zero3) if cfg.adapter else None
         sharding.check_tp_degree(AutoConfig.from_pretrained(path).get_text_config(), plan.tp_size)
     except (CheckpointError, sharding.ShardingError) as exc:
@@ -235,7 +238,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
     t0 = time.monotonic()
     log.info("rank %d: loading %s (%s)", info.rank, path, plan.mode)
     sharding.prepare_loading(plan)
-    quantize = cfg.quantize == "fp8"
+    quantize = cfg.quantize if cfg.quantize in ("fp8", "int4") else None
     try:  # load -> merge the adapter -> quantise -> shard
         # with --quantize the bf16 weights stay on the host: each layer is quantised on the device, where only
         # its FP8 copy stays (the budget then measures the FP8 weights)
@@ -246,7 +249,7 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
             if info.is_main:
                 log.info("%s", describe_merge(adapter, merged))
         if quantize:
-            quantize_model(loaded.model, device=device)
+            (fp8_loading if quantize == "fp8" else int4_loading).quantize_model(loaded.model, device=device)
     except CheckpointError as exc:
         raise StartupError(str(exc)) from exc
     t1 = time.monotonic()
@@ -261,7 +264,8 @@ def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan:
              info.world_size, device, sharding.local_parameter_count(loaded.model) / 1e6, _memory_report(device),
              t1 - t0, t2 - t1)
     if info.is_main:
-        source = " + ".join(([] if report.fp8 is None else ["checkpoint"]) + (["--quantize fp8"] if quantize else []))
+        source = " + ".join(([] if report.fp8 is None and report.int4 is None else ["checkpoint"])
+                            + ([f"--quantize {quantize}"] if quantize else []))
         log.info("%s", describe_weights(loaded.model, source))
         log.info("sharding: %s", plan.describe())
         for op, impl in describe_kernels().items():

@@ -20,8 +20,9 @@ from qwen_chat.engine.core.chat_engine import ChatEngine
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.startup.selfcheck import run_self_check
 from qwen_chat.lifecycle import exit_process_soon
-from qwen_chat.engine.model import fusion, memory
+from qwen_chat.engine.model import fusion, graphs, memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
+from qwen_chat.engine.model.mtp import with_mtp_layer
 from qwen_chat.engine.model.state import Geometry, probe_geometry
 
 log = logging.getLogger(__name__)
@@ -53,12 +54,14 @@ def _largest_gathered_parameter(model) -> int:
     return max(sizes, default=0)
 
 
-def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[MemoryPlan, int, str, Geometry]:
+def size_memory(loaded, config: ServiceConfig, device: torch.device,
+                mtp: bool = False) -> tuple[MemoryPlan, int, str, Geometry]:
     """(the memory plan, prefill tokens per step, how the budget was found, the model's probed geometry, which
     the runner is built with) for ``loaded`` on ``device``.
 
     Collective under several ranks (all call it together).  Raises ``memory.MemoryBudgetError`` (one line) when
-    the budget cannot hold one sequence.
+    the budget cannot hold one sequence.  ``mtp``: speculative decoding with the MTP head: its KV cache is
+    planned too (``mtp.with_mtp_layer``) and the verify step's state snapshots are taken off the budget first.
     """
     model = loaded.model
     tc = model.config.text_config
@@ -83,12 +86,18 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device) -> tuple[Me
     else:
         budget, how = int(CPU_BUDGET_GIB * GIB), f"CPU default ({CPU_BUDGET_GIB} GiB)"
         chunk = chunk or memory.CHUNK_CHOICES[0]
+    if mtp:  # the verify step's Gated DeltaNet snapshots (``speculative.SpecBuffers``)
+        rows = config.speculative_tokens * graphs.graph_batch_sizes(config.speculative_max_batch)[-1]
+        budget -= rows * geometry.slot_bytes()
+        how += f" - {rows * geometry.slot_bytes() / GIB:.2f} GiB of speculative decoding's state snapshots"
     budget = _agree(budget)
     model_context = int(loaded.info.context_length)
     if config.max_context is not None and config.max_context > model_context:
         log.warning("--max-context %d is above the model's own %d tokens: capped there", config.max_context,
                     model_context)
     advice = memory.GPU_ADVICE if device.type == "cuda" else memory.CPU_ADVICE
+    if mtp:
+        geometry = with_mtp_layer(geometry)
     plan = memory.plan_memory(geometry, budget_bytes=budget, model_context=model_context,
                               max_slots=config.max_batch, max_context=config.max_context, advice=advice)
     return plan, _agree(int(min(chunk, plan.max_context))), how, geometry
@@ -110,23 +119,39 @@ def build_runner(loaded, config: ServiceConfig):
     Sizes: ``size_memory``.  Device: the device of the model's parameters.  Implementation:
     production's ``RunnerOptions`` with the tensor-parallel all-reduce of ``config.tp_allreduce`` and
     ``config.tp_fused``.  With CUDA graphs, the decode graphs of ``READY_CONTEXTS`` are captured for every batch
-    size before this returns, and the prefill's kernels are compiled (``warmup.warm_up_prefill``).
+    size before this returns, and the prefill's kernels are compiled (``warmup.warm_up_prefill``).  With
+    ``--speculative-tokens`` the checkpoint's MTP head is loaded and attached (``spec_step.attach``; its verify
+    graphs captured too); a checkpoint without a readable head logs why and runs without speculation.
 
     Returns: ``(runner, sampler, plan, prefill tokens per step)``.  Raises ``memory.MemoryBudgetError``.
     """
+    from qwen_chat.engine.model.mtp import load_mtp_head
     from qwen_chat.engine.model.options import RunnerOptions
+    from qwen_chat.engine.model.spec_step import attach
     from qwen_chat.engine.model.runner import ModelRunner
     from qwen_chat.engine.model.sampling import Sampler
     from qwen_chat.engine.parallel.collectives import broadcast_from_rank0
     from qwen_chat.engine.startup.warmup import warm_up_prefill
 
     device = next(loaded.model.parameters()).device
-    plan, chunk, how, geometry = size_memory(loaded, config, device)
+    head = None
+    if config.speculative_tokens:  # loaded before the budget is measured, so that it counts the head's weights
+        try:
+            head = load_mtp_head(loaded.checkpoint, loaded.model.config.text_config, device=device,
+                                 dtype=loaded.model.model.language_model.embed_tokens.weight.dtype)
+        except ValueError as exc:
+            log.warning("speculative decoding is off: %s", exc)
+        else:
+            if head is None:
+                log.warning("speculative decoding is off: %s has no MTP head (mtp.* tensors)", loaded.checkpoint)
+    plan, chunk, how, geometry = size_memory(loaded, config, device, mtp=head is not None)
     log.info("%s (budget: %s)", plan.describe(), how)
     options = RunnerOptions(tp_allreduce=config.tp_allreduce, tp_fused=config.tp_fused)
     runner = ModelRunner(loaded.model, num_slots=plan.num_slots, max_context=plan.max_context,
                          num_blocks=plan.num_blocks, block_tokens=plan.block_tokens, device=device, options=options,
                          geometry=geometry)
+    if head is not None:
+        attach(runner, head, k=config.speculative_tokens, max_batch=config.speculative_max_batch)
     sampler = Sampler(plan.num_slots, runner.vocab_size, device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         # every rank records rank 0's tokens on its device, so steps can be launched ahead on every rank
@@ -135,6 +160,17 @@ def build_runner(loaded, config: ServiceConfig):
         t0 = time.monotonic()
         ready = [c for c in runner.context_buckets() if c in READY_CONTEXTS] or runner.context_buckets()[:1]
         held = runner.capture_all(context_buckets=ready)
+        if runner.spec is not None:
+            try:
+                held += runner.spec.verifier.capture(ready)
+            except torch.OutOfMemoryError:
+                # Measured on one H200 (2026-12-02, K = 3, --gpu-memory-utilization 0.85): warming a verify
+                # graph up asked for 4.8 GiB more after the decode graphs' pool; serve without speculation
+                # rather than not at all (the log line says what to lower).
+                runner.spec = None
+                torch.cuda.empty_cache()
+                log.warning("speculative decoding is off: capturing its verify graphs ran out of GPU memory; "
+                            "lower --gpu-memory-utilization (or --speculative-max-batch) to use it")
         log.info("captured %d decode graphs in %.1f s (the rest while idle or on first use)", held,
                  time.monotonic() - t0)
     t0 = time.monotonic()
@@ -172,6 +208,7 @@ def build_engine(
         max_context=runner.max_context, max_queue=config.max_queue, num_slots=runner.num_slots,
         on_fatal=exit_process_soon if exit_on_failure else None, memory=plan, prefill_chunk_tokens=chunk,
         idle_captures=idle_captures(runner), conversation_cache=config.conversation_cache,
+        speculative_tokens=config.speculative_tokens, speculative_max_batch=config.speculative_max_batch,
     )
     engine.self_check(result)
     return engine

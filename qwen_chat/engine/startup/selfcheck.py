@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from qwen_chat.engine.types import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
+from qwen_chat.engine.types import NONFINITE_TOKEN, PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 
 #: Fixed prompt of the self-check (raw text, no chat template) and the number of greedy tokens it decodes.
 SELF_CHECK_TEXT = "Self-check: the capital of France is"
@@ -47,7 +47,8 @@ def run_self_check(local_executor, tokenizer) -> dict:
 
     Returns: ``{"tokens": list[int], "checksum": float}`` - the greedy ids and the float64 sum of the fp32
     prefill logits [V].
-    Raises: SelfCheckError when the prefill logits are not all finite, or when every greedy token is one id and
+    Raises: SelfCheckError when the prefill logits or those of a decode step (the executor's
+    ``NONFINITE_TOKEN``) are not all finite, or when every greedy token is one id and
     the logits are (nearly) all equal (``DEGENERATE_SPREAD``): the weights are corrupt; RuntimeError when a
     sampled id lies outside the runner's vocabulary (``vocab_size``); whatever the runner or the executor raise.
     """
@@ -66,9 +67,17 @@ def run_self_check(local_executor, tokenizer) -> dict:
                              f"{logits.numel()}: the weights are likely corrupt; compare the checkpoint's shards "
                              "with the published ones")
     spread = float(logits.max() - logits.min())
-    tokens = [local_executor.execute(StepPlan(prefills=[PrefillItem(0, prompt, params)]))[0]]
-    for _ in range(SELF_CHECK_TOKENS - 1):
-        tokens.append(local_executor.execute(StepPlan(decode_slots=[0], decode_tokens=[tokens[-1]]))[0])
+    tokens: list[int] = []
+    plan = StepPlan(prefills=[PrefillItem(0, prompt, params)])
+    for step in range(SELF_CHECK_TOKENS):
+        token = local_executor.execute(plan)[0]
+        if token == NONFINITE_TOKEN:  # never fed back: it is no token id
+            local_executor.execute(StepPlan(free_slots=[0]))
+            raise SelfCheckError(f"the start-up self-check got non-finite logits (NaN or infinity) for its greedy "
+                                 f"token {step + 1}: the weights are likely corrupt; compare the checkpoint's "
+                                 "shards with the published ones")
+        tokens.append(token)
+        plan = StepPlan(decode_slots=[0], decode_tokens=[token])
     local_executor.execute(StepPlan(free_slots=[0]))
     if len(set(tokens)) == 1 and spread < DEGENERATE_SPREAD:
         raise SelfCheckError(f"the start-up self-check's logits are all equal (spread {spread:.3g}) and every greedy "

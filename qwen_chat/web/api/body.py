@@ -39,8 +39,23 @@ MAX_JSON_DEPTH = 64
 MAX_MESSAGES = 4096
 
 
+class _NotJsonNumber(ValueError):
+    """``NaN``, ``Infinity`` or ``-Infinity`` in a request body (Python's parser reads them; JSON has none)."""
+
+
 def _not_json_number(name: str):
-    raise APIRequestError(f"the request body is not valid JSON: {name} is not a JSON number")
+    raise _NotJsonNumber(name)
+
+
+def _non_number_error(raw: bytes, name: str) -> APIRequestError:
+    """The 400 of a body holding the non-number ``name``: it names the field it is the value of (the first
+    ``"field": NAME`` in the text), when there is one."""
+    found = re.search(rb'"([^"\\]{1,200})"\s*:\s*' + re.escape(name.encode()) + rb"(?![A-Za-z])", raw)
+    if found is None:
+        return APIRequestError(f"the request body is not valid JSON: {name} is not a JSON number")
+    field = found.group(1).decode("utf-8", "replace")
+    return APIRequestError(f"{field}: {name} is not a JSON number (the request body is not valid JSON)",
+                           param=field)
 
 
 def json_depth(raw: bytes) -> int:
@@ -67,6 +82,8 @@ def parse_body(raw: bytes) -> dict:
                               "allowed", code="nesting_too_deep")
     try:
         body = json.loads(raw, parse_constant=_not_json_number)
+    except _NotJsonNumber as exc:
+        raise _non_number_error(raw, str(exc)) from None
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise APIRequestError("the request body is not valid JSON") from None
     if not isinstance(body, dict):

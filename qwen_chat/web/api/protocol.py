@@ -217,7 +217,8 @@ def parse_messages(raw: Any, cfg: ServiceConfig, images: ApiImageStore) -> list[
     problem = conversation_problem(out)
     if problem is not None:
         index, field, message = problem
-        raise APIRequestError(message, param=f"messages[{index + merged if index else 0}].{field}")
+        param = f"messages[{index + merged if index else 0}].{field}"
+        raise APIRequestError(f"{param}: {message}", param=param)
     check_tool_turns(out, merged)
     return out
 
@@ -293,7 +294,7 @@ def settings_from_request(body: dict) -> GenerationSettings:
         if body.get(name) is not None:
             overrides[name] = body[name]
     logprobs = body.get("logprobs")
-    if logprobs not in (None, True, False):
+    if logprobs is not None and not isinstance(logprobs, bool):  # 1 == True: not a boolean for JSON
         raise APIRequestError("logprobs must be true or false", param="logprobs")
     if logprobs:
         top = body.get("top_logprobs")
@@ -306,7 +307,7 @@ def settings_from_request(body: dict) -> GenerationSettings:
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise APIRequestError("stop must be a string or a list of strings", param="stop")
-        overrides["stop"] = tuple(stop)
+        overrides["stop"] = tuple(_checked_text(s, f"stop[{i}]") for i, s in enumerate(stop))
     settings = GenerationSettings.preset(thinking, **overrides)
     try:
         settings.validate()
@@ -340,10 +341,13 @@ def _refuse_unsupported(body: dict) -> None:
         if body.get(legacy) is not None:
             raise APIRequestError(f"{legacy}: the deprecated functions API is not supported by this server; send "
                                   "tools and tool_choice", param=legacy, code="unsupported_parameter")
-    if body.get("stream") not in (None, True, False):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise APIRequestError("stream must be true or false", param="stream")
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise APIRequestError("stream_options must be an object", param="stream_options")
     if opts is not None and body.get("stream") is not True:
         raise APIRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    if opts is not None and not isinstance(opts.get("include_usage", False), bool):
+        raise APIRequestError("stream_options.include_usage must be true or false",
+                              param="stream_options.include_usage")

@@ -47,6 +47,7 @@ from qwen_chat.web.api.streaming import (
 
 log = logging.getLogger(__name__)
 
+SHOWN_ID_CHARS = 200  # characters of an unknown model id that its 404 repeats
 API_SPARE_THREADS = 16  # API worker threads beyond max_queue + max_batch (image decoding, requests on their way)
 
 
@@ -71,8 +72,10 @@ def model_aliases(cfg: ServiceConfig, display_name: Optional[str] = None) -> tup
 
 
 def model_not_found(model: str, served: str) -> APIRequestError:
-    """The 404 (code ``model_not_found``, param ``model``) for a model id that is neither served nor an alias."""
-    return APIRequestError(f"model {model!r} does not exist; this server has {served!r}", status=404,
+    """The 404 (code ``model_not_found``, param ``model``) for a model id that is neither served nor an alias (a
+    long one shown cut to ``SHOWN_ID_CHARS`` characters)."""
+    shown = repr(model) if len(model) <= SHOWN_ID_CHARS else repr(model[:SHOWN_ID_CHARS]) + "..."
+    return APIRequestError(f"model {shown} does not exist; this server has {served!r}", status=404,
                            type="not_found", param="model", code="model_not_found")
 
 
@@ -157,7 +160,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             body = await run(parse_body, await read_body(request, body_limit))
             if body.get("model") is not None and body["model"] not in aliases():
                 raise model_not_found(str(body["model"]), model_id_of(cfg))
-            settings = settings_from_request(body)
+            settings = await run(settings_from_request, body)  # schemas: checked off the event loop
             messages = await run(parse_messages, body.get("messages"), cfg, store)
         except (APIRequestError, ChatError) as exc:
             record_rejection(exc.kind if isinstance(exc, ChatError) else exc.type)

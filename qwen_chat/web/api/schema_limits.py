@@ -27,8 +27,9 @@ REPEAT_KEYS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties"
 
 
 def schemas_problem(schemas: Iterable[Any]) -> Optional[str]:
-    """Why the JSON schemas ``schemas`` (already valid, nesting already bounded by the body's depth limit) are
-    too complex together, or None.  The message names the limit and what the request has."""
+    """Why the JSON schemas ``schemas`` (any JSON values: counted as sent, before they are checked against the
+    meta-schema; nesting already bounded by the body's depth limit) are too complex together, or None.  The
+    message names the limit and what the request has."""
     nodes = properties = enums = 0
     stack = list(schemas)
     while stack:

@@ -1,0 +1,118 @@
+"""bf16, FP8 and 4-bit weights served one after the other on the same GPU, summed up under one ``quantized`` key.
+
+Usage (repository root, GPU host):
+
+    python bench/serve_quantized.py --out PREFIX [--kinds bf16,fp8,int4] [-- serve_bench.py flags...]
+    python bench/serve_quantized.py --merge bf16=A.json fp8=B.json int4=C.json --out PREFIX
+
+The first form runs ``bench/serve_bench.py`` once per kind with ``QWEN_CHAT_QUANTIZE`` set to ``none``, ``fp8``
+or ``int4`` (the service's ``--quantize``; same checkpoint, default flags otherwise) and the phases that give
+the throughput only (``--skip-cap24 --skip-long --skip-followups --skip-restart``; more flags after ``--``),
+results ``PREFIX-<kind>.{json,log,png}``.  The second form merges serve results already measured (e.g. each
+kind run as its own GPU call, ``NAME=serve-int4 QWEN_CHAT_QUANTIZE=int4 bash bench/serve_gpu.sh OUT ...``).
+Both write ``PREFIX.json``: ``{"quantized": {kind: {"batch1_tok_s": x, "aggregate_tok_s": {"64": x, "128": x},
+"weights": what /v1/models said}}, "ratios": {kind: {"batch1": x / bf16, "64": ..., "128": ...}}, "runs": {kind:
+file}}`` (a kind whose run failed has nulls), and print a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = ("bf16", "fp8", "int4")
+#: serve_bench.py flags of a throughput-only pass.
+THROUGHPUT_ONLY = ("--skip-cap24", "--skip-long", "--skip-followups", "--skip-restart")
+STREAMS = ("64", "128")
+
+
+def summary(doc: Optional[dict]) -> dict:
+    """The ``quantized`` entry of one serve result (``serve_report.result_doc``; None: a failed run)."""
+    doc = doc or {}
+    agg = doc.get("aggregate_tok_s") or {}
+    try:
+        weights = doc["models"]["data"][0]["engine"]["weights"]
+    except (KeyError, IndexError, TypeError):
+        weights = None
+    return {"batch1_tok_s": doc.get("batch1_tok_s"), "aggregate_tok_s": {k: agg.get(k) for k in STREAMS},
+            "weights": weights}
+
+
+def merged(docs: dict[str, Optional[dict]], runs: dict[str, str]) -> dict:
+    """``{"quantized", "ratios", "runs"}`` of the serve results ``docs`` (kind -> document or None)."""
+    quantized = {kind: summary(doc) for kind, doc in docs.items()}
+    base = quantized.get("bf16")
+
+    def ratio(x, y):
+        return None if x is None or not y else round(x / y, 3)
+
+    ratios = {}
+    for kind, q in quantized.items():
+        if kind == "bf16" or base is None:
+            continue
+        ratios[kind] = {"batch1": ratio(q["batch1_tok_s"], base["batch1_tok_s"]),
+                        **{k: ratio(q["aggregate_tok_s"][k], base["aggregate_tok_s"][k]) for k in STREAMS}}
+    return {"quantized": quantized, "ratios": ratios, "runs": runs}
+
+
+def table(doc: dict) -> str:
+    lines = [f"{'kind':6s} {'batch-1 tok/s':>14s} {'64 streams':>11s} {'128 streams':>12s}  ratios to bf16"]
+    for kind, q in doc["quantized"].items():
+        agg = q["aggregate_tok_s"]
+        vals = [q["batch1_tok_s"], agg["64"], agg["128"]]
+        lines.append(f"{kind:6s} " + " ".join(f"{'-' if v is None else f'{v:.1f}':>{w}s}"
+                                              for v, w in zip(vals, (14, 11, 12)))
+                     + f"  {doc['ratios'].get(kind, '')}")
+    return "\n".join(lines)
+
+
+def _load(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="results prefix")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="which weights to serve, in order (bf16, fp8, int4)")
+    ap.add_argument("--merge", nargs="+", metavar="KIND=JSON", help="merge serve results instead of running")
+    args = ap.parse_args(argv)
+    docs, runs = {}, {}
+    if args.merge:
+        for item in args.merge:
+            kind, _, path = item.partition("=")
+            if kind not in KINDS or not path:
+                ap.error(f"--merge takes KIND=JSON with KIND one of {', '.join(KINDS)}: {item!r}")
+            docs[kind], runs[kind] = _load(Path(path)), path
+    else:
+        for kind in args.kinds.split(","):
+            if kind not in KINDS:
+                ap.error(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
+            prefix = Path(f"{args.out}-{kind}")
+            env = dict(os.environ, QWEN_CHAT_QUANTIZE="none" if kind == "bf16" else kind)
+            cmd = [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--out", str(prefix), *THROUGHPUT_ONLY,
+                   *extra]
+            print(f"== {kind}: {' '.join(cmd)}", flush=True)
+            subprocess.run(cmd, cwd=ROOT, env=env, check=False)
+            docs[kind], runs[kind] = _load(prefix.with_name(prefix.name + ".json")), f"{prefix}.json"
+    doc = merged(docs, runs)
+    out = Path(f"{args.out}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(table(doc))
+    print(f"wrote {out}")
+    return 0 if all(d is not None for d in docs.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

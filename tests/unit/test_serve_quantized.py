@@ -1,0 +1,34 @@
+"""bench/serve_quantized.py's merge of serve results into the ``quantized`` key (no service is started)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve_doc(batch1, agg64, agg128, int4_modules=0):
+    return {"batch1_tok_s": batch1, "aggregate_tok_s": {"1": 1.0, "64": agg64, "128": agg128},
+            "models": {"data": [{"engine": {"weights": {"dtype": "bfloat16", "int4_modules": int4_modules}}}]}}
+
+
+def test_merge_writes_the_quantized_key_and_ratios_to_bf16(tmp_path):
+    files = {}
+    for kind, doc in {"bf16": _serve_doc(200.0, 1600.0, 2000.0), "int4": _serve_doc(500.0, 1700.0, 1900.0, 200)}.items():
+        files[kind] = tmp_path / f"{kind}.json"
+        files[kind].write_text(json.dumps(doc))
+    missing = tmp_path / "fp8.json"  # a run that wrote nothing: nulls, and exit status 1
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_quantized.py"), "--out", str(tmp_path / "q"),
+                           "--merge", f"bf16={files['bf16']}", f"int4={files['int4']}", f"fp8={missing}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads((tmp_path / "q.json").read_text())
+    q = doc["quantized"]
+    assert q["int4"]["batch1_tok_s"] == 500.0 and q["int4"]["aggregate_tok_s"] == {"64": 1700.0, "128": 1900.0}
+    assert q["int4"]["weights"]["int4_modules"] == 200
+    assert q["fp8"] == {"batch1_tok_s": None, "aggregate_tok_s": {"64": None, "128": None}, "weights": None}
+    assert doc["ratios"]["int4"] == {"batch1": 2.5, "64": 1.062, "128": 0.95}
+    assert doc["ratios"]["fp8"] == {"batch1": None, "64": None, "128": None}
+    assert "int4" in proc.stdout and "500.0" in proc.stdout
