@@ -33,10 +33,11 @@ from __future__ import annotations
 from qwen_chat.web.page_events import NARROW_PX
 from qwen_chat.web.stats_view import STATS_CLASS
 
-#: The message box grows with its text up to this share of the window height (%), then scrolls.  20: with the
-#: chat's 420 px and the title above it, Send / Stop stay on a 1280 x 900 screen with the box at its tallest
-#: (at 30 they were pushed to y = 963).
-MSG_MAX_VH = 20
+#: The message box grows with its text up to this share of the window height (%), then scrolls.  15: with the
+#: chat's 420 px and the title and banner above it, Send / Stop stay on a 1280 x 900 screen with the box at its
+#: tallest (bottom at 852 px; at 20 it was 898 px, and one more line of the banner, as other fonts wrap it, pushed
+#: them off; at 30, to 963 px).
+MSG_MAX_VH = 15
 #: How often (ms) the page asks /healthz while a reply streams or the service is down.
 HEALTH_POLL_MS = 2000
 #: How often (ms) a tab without a streaming reply asks /healthz while it is on screen (a multiple of
