@@ -325,13 +325,19 @@ class ModelForward:
             gate, up = self._project(i, "mlp", x)
         return self.tp.linear(mlp.down_proj, self._glue["swiglu"](gate, up, mlp.act_fn))
 
-    def _attn_decode(self, i, at, kv_at, blocks, pos, x, cos, sin):
+    def _attn_decode(self, i, at, kv_at, blocks, pos, x, cos, sin, eager_write=False):
         g = self._geo[i]
         B = x.shape[0]
         kc, vc = self.k_cache[i], self.v_cache[i]
         qg, kx, vx = self._project(i, "mix", x)
-        q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, *kv_at,
-                                         g["hd"], g["nkv"])
+        if eager_write:  # the verify step: compiled for its row counts, the write copied the whole cache
+            q, gate, k, v = self._glue["attn_qkv"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, g["hd"], g["nkv"],
+                                                   kc.dtype)
+            kc.index_put_(kv_at, k)
+            vc.index_put_(kv_at, v)
+        else:
+            q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, *kv_at,
+                                             g["hd"], g["nkv"])
         if self._opts.compile_glue:
             o = self._glue["attn_core"](q, kc, vc, blocks, pos, g["scale"])
         else:  # eager: gathered copy + SDPA (cheaper than the broadcast form without a compiler)

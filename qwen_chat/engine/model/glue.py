@@ -40,27 +40,39 @@ def add_norm(h: torch.Tensor, x: torch.Tensor, norm: torch.nn.Module) -> tuple[t
     return h, norm(h)
 
 
-def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
-             k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, kv_block: torch.Tensor, kv_offset: torch.Tensor, head_dim: int,
-             kv_heads: int):
-    """Split the gated query, apply q/k RMSNorm and rotary for one decode token per row, and write k, v into
-    the paged KV cache at (kv_block[b], kv_offset[b]) in place.  The write indexes the cache tensor itself, not a
-    view of it, so that compiled it stays one small scatter (through a reshaped view Inductor copies the whole
-    cache).
+def attn_qkv(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
+             k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, kv_heads: int,
+             cache_dtype: torch.dtype):
+    """Split the gated query and apply q/k RMSNorm and rotary for one token per row (no cache write).
 
-    qg: [B, 2 * nq * hd] (q_proj output: per head [query | gate]); kx, vx: [B, nkv * hd]; cos/sin: [B, rot];
-    k_cache/v_cache: [blocks, block_tokens, nkv, hd]; kv_block, kv_offset: int64 [B].
-    Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head) and gate [B, nq * hd].
+    qg: [B, 2 * nq * hd] (q_proj output: per head [query | gate]); kx, vx: [B, nkv * hd]; cos/sin: [B, rot].
+    Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head), gate [B, nq * hd], and k, v
+    [B, nkv, hd] in ``cache_dtype`` (what goes into the paged KV cache).
     """
     B = qg.shape[0]
     q, gate = torch.chunk(qg.view(B, -1, 2 * head_dim), 2, dim=-1)
     c, s = cos[:, None], sin[:, None]
     q = apply_rotary(q_norm(q), c, s)
     k = apply_rotary(k_norm(kx.view(B, -1, head_dim)), c, s)
-    k_cache[kv_block, kv_offset] = k.to(k_cache.dtype)
-    v_cache[kv_block, kv_offset] = vx.view(B, -1, head_dim).to(v_cache.dtype)
-    return q.reshape(B, kv_heads, -1, head_dim), gate.reshape(B, -1)
+    return (q.reshape(B, kv_heads, -1, head_dim), gate.reshape(B, -1), k.to(cache_dtype),
+            vx.view(B, -1, head_dim).to(cache_dtype))
+
+
+def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
+             k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, kv_block: torch.Tensor, kv_offset: torch.Tensor, head_dim: int,
+             kv_heads: int):
+    """``attn_qkv``, then write k, v into the paged KV cache at (kv_block[b], kv_offset[b]) in place.  The write
+    indexes the cache tensor itself, not a view of it, so that compiled it stays one small scatter (through a
+    reshaped view Inductor copies the whole cache).
+
+    k_cache/v_cache: [blocks, block_tokens, nkv, hd]; kv_block, kv_offset: int64 [B]; the rest as ``attn_qkv``.
+    Returns q [B, nkv, nq // nkv, hd] and gate [B, nq * hd].
+    """
+    q, gate, k, v = attn_qkv(qg, kx, vx, q_norm, k_norm, cos, sin, head_dim, kv_heads, k_cache.dtype)
+    k_cache[kv_block, kv_offset] = k
+    v_cache[kv_block, kv_offset] = v
+    return q, gate
 
 
 def attn_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
@@ -138,7 +150,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act: torch.nn.Module) -> torch.
     return act(gate) * up
 
 
-GLUE = {"add_norm": add_norm, "attn_pre": attn_pre, "attn_core": attn_core, "attn_post": attn_post,
+GLUE = {"add_norm": add_norm, "attn_qkv": attn_qkv, "attn_pre": attn_pre, "attn_core": attn_core, "attn_post": attn_post,
         "gdn_step": gdn_step, "swiglu": swiglu}
 
 

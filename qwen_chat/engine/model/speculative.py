@@ -86,7 +86,8 @@ def verify_forward(fwd: ModelForward, slot_idx: torch.Tensor, tokens: torch.Tens
             if fwd._kinds[i] == "linear":
                 x = _linear_verify(fwd, i, layer.linear_attn, slot_idx, pos, x, T, snaps)
             else:
-                x = fwd._attn_decode(i, layer.self_attn, (kv_block, kv_offset), blocks, pos, x, cos, sin)
+                x = fwd._attn_decode(i, layer.self_attn, (kv_block, kv_offset), blocks, pos, x, cos, sin,
+                                     eager_write=True)
             h, x = tp.add_norm(h, x, layer.post_attention_layernorm)
             x = fwd._mlp_decode(i, layer.mlp, x)
             nxt = fwd._layers[i + 1].input_layernorm if i + 1 < n else fwd._final_norm
