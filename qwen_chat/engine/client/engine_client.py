@@ -1,6 +1,7 @@
 """The web front's end of the link to the engine processes: ``EngineHub`` (one PULL socket every engine pushes
 to) and ``EngineClient`` (one engine process = one replica, with the ``ChatBackend`` interface).  No torch,
-no CUDA: the front decodes text with the checkpoint's ``tokenizer.json`` alone (``output.updates.TokenTable``).
+no CUDA: the front decodes text with the checkpoint's token strings (``output.updates.TokenTable``, read from
+``tokenizer.json`` by a prompt worker).
 
 Output processing happens here, once per engine step for every request: the hub's receiver thread
 (``engine_hub``) takes one

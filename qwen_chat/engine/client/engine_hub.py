@@ -26,6 +26,9 @@ from qwen_chat.engine.client.engine_client import EngineClient
 from qwen_chat.engine.output.updates import TokenTable
 
 log = logging.getLogger(__name__)
+#: Longest wait (s) for the first prompt worker's token strings at start-up: it loads the processor first
+#: (imports included: tens of seconds on 2 busy CPU cores); a worker that fails ends the wait at once.
+TOKEN_TABLE_WAIT_S = 600.0
 
 
 def _apply(batch: list) -> None:
@@ -100,11 +103,12 @@ class EngineHub:
 
     def _finish_setup(self) -> None:
         """Once every engine said hello (and the prompt workers run on replica 0's checkpoint): the token table
-        the replies are decoded with, loaded now rather than by the first request; then ready."""
+        the replies are decoded with, loaded now rather than by the first request, from a prompt worker (the
+        tokenizer parsed there, not under this process's GIL: ``TokenTable``); then ready."""
         setup = self.clients[0].setup
         try:
             if self._tokens is None:
-                self._tokens = TokenTable(Path(setup["checkpoint"]))
+                self._tokens = TokenTable(self.prompts.token_strings(TOKEN_TABLE_WAIT_S))
         except Exception as exc:  # noqa: BLE001 - reported as the front's start-up failure
             log.exception("front: loading the checkpoint's tokenizer failed")
             self.failure = f"the web front could not load the tokenizer of {setup['checkpoint']}: {exc}"

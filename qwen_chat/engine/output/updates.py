@@ -1,29 +1,39 @@
 """What the front's output processing needs beside ``replies.ReplyAssembler``: the token table it decodes with
-(``TokenTable``: the checkpoint's ``tokenizer.json`` through the ``tokenizers`` library alone, no torch), a
+(``TokenTable``: the checkpoint's token strings, read by a prompt worker through the ``tokenizers`` library), a
 sampled token's log-probability as the engine link carries it (``Logprob``), and the merging of the updates a
 slow reader has not taken yet (``merge_updates``).
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Optional, Sequence
 
 from qwen_chat.chat_types import StreamUpdate
 
 
 class TokenTable:
-    """``convert_ids_to_tokens`` over the checkpoint's ``tokenizer.json`` (the ``tokenizers`` library alone: no
-    transformers, no torch); what ``textstream.ReplyDecoder`` needs to turn ids into text."""
+    """``convert_ids_to_tokens`` over a checkpoint's token strings (byte-level symbols, what
+    ``textstream.ReplyDecoder`` needs to turn ids into text; no transformers, no torch).
 
-    def __init__(self, checkpoint: Path) -> None:
-        from tokenizers import Tokenizer
+    Args: ``strings``: the token string of every id 0 .. n - 1, None for an id without a token (a prompt
+    worker's ``token_strings``: parsing the 33 MB ``tokenizer.json`` of Qwen3.5 is one C call that holds the
+    GIL for 1-3 s, which the front's event loop should not wait through).
+    """
 
-        self._tok = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
+    def __init__(self, strings: Sequence[Optional[str]]) -> None:
+        self._strings = list(strings)
 
     def convert_ids_to_tokens(self, token_id: int) -> Optional[str]:
         """The token string of ``token_id`` (byte-level symbols), None for an id without a token."""
-        return self._tok.id_to_token(int(token_id))
+        i = int(token_id)
+        return self._strings[i] if 0 <= i < len(self._strings) else None
+
+
+def token_strings(tokenizer) -> list[Optional[str]]:
+    """Every token string of a ``tokenizers.Tokenizer``, by id (0 .. the largest id; None where an id has no
+    token): what ``TokenTable`` holds."""
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    return [tokenizer.id_to_token(i) for i in range(size)]
 
 
 class Logprob:

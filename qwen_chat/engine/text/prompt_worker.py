@@ -107,6 +107,14 @@ def _give_memory_back() -> None:
         pass
 
 
+def _token_strings() -> list:
+    """In a worker: every token string of the processor's tokenizer by id (``updates.token_strings``), for the
+    front's ``TokenTable``."""
+    from qwen_chat.engine.output.updates import token_strings
+
+    return token_strings(_PROCESSOR.tokenizer.backend_tokenizer)
+
+
 def _warm() -> bool:
     """In a worker, once at start: build a prompt with a system message and a photo, so that the chat template
     is compiled and the image processor's code paths are loaded before the first request (the first request
@@ -179,6 +187,12 @@ class PromptPool:
         """Wait until every worker has loaded its processor (True), or ``timeout_s`` seconds passed."""
         done, _ = concurrent.futures.wait(self._warming, timeout=timeout_s)
         return len(done) == len(self._warming)
+
+    def token_strings(self, timeout_s: float) -> list:
+        """Every token string of the checkpoint's tokenizer by id, from the first worker (once its processor is
+        loaded).  Raises ``concurrent.futures.TimeoutError`` after ``timeout_s`` seconds, and what the worker
+        raised."""
+        return self._pools[0].submit(_token_strings).result(timeout_s)
 
     def _pool_for(self, messages: Sequence[ChatMessage]):
         first = next((m.text for m in messages if m.role != "system"), "")
