@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from qwen_chat.chat_types import InvalidInput
 from qwen_chat.history.errors import MessageNotFound
-from qwen_chat.history.records import Conversation, HiddenMessage, StoredMessage, make_title
+from qwen_chat.history.records import Conversation, HiddenMessage, StoredMessage, make_title, retitle_for_replacement
 
 
 @dataclass(frozen=True)
@@ -127,11 +127,7 @@ def keep_and_replace(history: Any, conv_id: str, message_id: str,
 
     def change(conv: Conversation) -> None:
         index = index_of(conv, message_id)
-        dropped = conv.messages[index]
-        if (replacement is not None and dropped.role == "user"
-                and not any(m.role == "user" for m in conv.messages[:index])
-                and conv.title == make_title(dropped.text, len(dropped.images))):
-            conv.title = make_title(replacement.text, len(replacement.images))
+        retitle_for_replacement(conv, index, replacement)
         keep_from(conv, index)
         if replacement is not None:
             conv.messages.append(replacement)

@@ -118,6 +118,17 @@ def make_title(text: str, n_images: int = 0) -> str:
     return DEFAULT_TITLE
 
 
+def retitle_for_replacement(conv: "Conversation", index: int, replacement: Optional["StoredMessage"]) -> None:
+    """Before the message at ``index`` of ``conv`` is replaced by ``replacement`` (Edit): when it is the first
+    user message and the title was made from it (``make_title``), make the title again from the replacement; a
+    title the user chose stays.  Nothing without a replacement."""
+    dropped = conv.messages[index]
+    if (replacement is not None and dropped.role == "user"
+            and not any(m.role == "user" for m in conv.messages[:index])
+            and conv.title == make_title(dropped.text, len(dropped.images))):
+        conv.title = make_title(replacement.text, len(replacement.images))
+
+
 def clean_title(title: Any) -> str:
     """Validate a user-given title: text, not blank after collapsing whitespace, at most 200 characters.
 

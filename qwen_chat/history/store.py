@@ -52,6 +52,7 @@ from qwen_chat.history.records import (
     clean_title,
     make_title,
     new_conversation_id,
+    retitle_for_replacement,
 )
 
 __all__ = [
@@ -263,11 +264,7 @@ class UserHistory:
 
         def change(conv: Conversation) -> None:
             index = _resolve(conv, message)
-            dropped = conv.messages[index]
-            if (replacement is not None and dropped.role == "user"
-                    and not any(m.role == "user" for m in conv.messages[:index])
-                    and conv.title == make_title(dropped.text, len(dropped.images))):
-                conv.title = make_title(replacement.text, len(replacement.images))
+            retitle_for_replacement(conv, index, replacement)
             del conv.messages[index:]
             if replacement is not None:
                 conv.messages.append(replacement)

@@ -282,6 +282,14 @@ class ModelForward:
         window in tokens, a multiple of the block size (static per graph).  Each row's KV blocks come from the
         block table (``tables.device_table[slot]``).  Returns fp32 logits [B, V].  Only tensor ops: safe to
         capture."""
+        return self.decode_rows(slot_idx, tokens, pos, rope_pos, ctx)
+
+    def decode_rows(self, slot_idx, tokens, pos, rope_pos, ctx: int, linear=None, eager_write: bool = False,
+                    with_hidden: bool = False) -> torch.Tensor:
+        """``decode``'s forward, shared with the speculative verify step (``speculative.verify_forward``):
+        ``linear(i, layer.linear_attn, x)`` replaces the Gated DeltaNet layers' decode core when given,
+        ``eager_write`` writes the keys and values outside the compiled glue (``_attn_decode``), and
+        ``with_hidden`` returns fp32 [B, V + H]: the logits, then each row's final normed hidden state."""
         tp = self.tp
         tp.begin_step(tokens.shape[0])
         try:
@@ -293,17 +301,21 @@ class ModelForward:
             blocks = table[:, :ctx // self._bt]                              # [B, nb]
             n = len(self._layers)
             for i, layer in enumerate(self._layers):
-                if self._kinds[i] == "linear":
-                    x = self._linear_decode(i, layer.linear_attn, slot_idx, pos, x)
+                if self._kinds[i] != "linear":
+                    x = self._attn_decode(i, layer.self_attn, (kv_block, kv_offset), blocks, pos, x, cos, sin,
+                                          eager_write=eager_write)
+                elif linear is not None:
+                    x = linear(i, layer.linear_attn, x)
                 else:
-                    x = self._attn_decode(i, layer.self_attn, (kv_block, kv_offset), blocks, pos, x, cos, sin)
+                    x = self._linear_decode(i, layer.linear_attn, slot_idx, pos, x)
                 h, x = tp.add_norm(h, x, layer.post_attention_layernorm)
                 x = self._mlp_decode(i, layer.mlp, x)
                 nxt = self._layers[i + 1].input_layernorm if i + 1 < n else self._final_norm
                 h, x = tp.add_norm(h, x, nxt, last=i + 1 == n)
         finally:
             tp.end_step()
-        return tp.linear(self._lm_head, x).float()
+        logits = tp.linear(self._lm_head, x).float()
+        return torch.cat([logits, x.float()], dim=-1) if with_hidden else logits
 
     def _mlp_decode(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
         """Qwen3_5MLP for decode rows x [B, hidden]: down(act(gate(x)) * up(x)).  For one row, with the Triton

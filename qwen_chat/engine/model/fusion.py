@@ -110,12 +110,17 @@ def fuse_fp8(mods: Sequence[torch.nn.Module]) -> Optional[tuple[Fp8Weight, list[
                and w.scale.untyped_storage().data_ptr() == s0.untyped_storage().data_ptr()
                and w.scale.storage_offset() == b for w, a, b in zip(ws, data_at, scale_at)):
             return Fp8Weight(_view(d0, data_at[0], shape), _view(s0, scale_at[0], scale_shape)), sizes
-        fused = Fp8Weight.cat_rows(ws)
-        start = 0
-        for m, n in zip(mods, sizes):
-            m.set_weight(fused.rows(start, start + n))
-            start += n
-    return fused, sizes
+        return _rebound(mods, Fp8Weight.cat_rows(ws), sizes), sizes
+
+
+def _rebound(mods: Sequence[torch.nn.Module], fused, sizes: Sequence[int]):
+    """Rebind each quantized layer of ``mods`` to its rows of ``fused`` (an ``Fp8Weight`` or ``Int4Weight``
+    stacked by rows, ``sizes`` rows each: views, so the layers share its storage).  Returns ``fused``."""
+    start = 0
+    for m, n in zip(mods, sizes):
+        m.set_weight(fused.rows(start, start + n))
+        start += n
+    return fused
 
 
 def _stacked(parts: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -146,12 +151,7 @@ def fuse_int4(mods: Sequence[torch.nn.Module]) -> Optional[tuple[Int4Weight, lis
         views = [_stacked([getattr(w, f) for w in ws]) for f in ("packed", "scale", "zero")]
         if all(v is not None for v in views):
             return Int4Weight(*views), sizes
-        fused = Int4Weight.cat_rows(ws)
-        start = 0
-        for m, n in zip(mods, sizes):
-            m.set_weight(fused.rows(start, start + n))
-            start += n
-    return fused, sizes
+        return _rebound(mods, Int4Weight.cat_rows(ws), sizes), sizes
 
 
 def _kind(m: torch.nn.Module) -> Optional[str]:

@@ -72,29 +72,8 @@ def verify_forward(fwd: ModelForward, slot_idx: torch.Tensor, tokens: torch.Tens
     row and the states after rows 0 .. T - 2 in ``snaps`` (sequence b at index b).  Returns fp32 [B * T, V + H]:
     each row's logits, then its final normed hidden state (the MTP head's input).  Tensor ops only.
     """
-    tp = fwd.tp
-    tp.begin_step(tokens.shape[0])
-    try:
-        h, x = tp.embed(tokens)
-        cos, sin = fwd.cos_table[rope_pos], fwd.sin_table[rope_pos]
-        table = fwd.tables.device_table[slot_idx]
-        kv_block = table.gather(1, (pos // fwd._bt)[:, None])[:, 0]
-        kv_offset = pos % fwd._bt
-        blocks = table[:, :ctx // fwd._bt]
-        n = len(fwd._layers)
-        for i, layer in enumerate(fwd._layers):
-            if fwd._kinds[i] == "linear":
-                x = _linear_verify(fwd, i, layer.linear_attn, slot_idx, pos, x, T, snaps)
-            else:
-                x = fwd._attn_decode(i, layer.self_attn, (kv_block, kv_offset), blocks, pos, x, cos, sin,
-                                     eager_write=True)
-            h, x = tp.add_norm(h, x, layer.post_attention_layernorm)
-            x = fwd._mlp_decode(i, layer.mlp, x)
-            nxt = fwd._layers[i + 1].input_layernorm if i + 1 < n else fwd._final_norm
-            h, x = tp.add_norm(h, x, nxt, last=i + 1 == n)
-    finally:
-        tp.end_step()
-    return torch.cat([tp.linear(fwd._lm_head, x).float(), x.float()], dim=-1)
+    return fwd.decode_rows(slot_idx, tokens, pos, rope_pos, ctx, eager_write=True, with_hidden=True,
+                           linear=lambda i, la, x: _linear_verify(fwd, i, la, slot_idx, pos, x, T, snaps))
 
 
 def _linear_verify(fwd: ModelForward, i: int, la, slot_idx: torch.Tensor, pos: torch.Tensor, x: torch.Tensor,
