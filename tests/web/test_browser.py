@@ -245,21 +245,31 @@ def test_a_tab_whose_login_the_service_no_longer_accepts_reloads_once_to_the_log
             open_app(page, running.url)
             send(page, "first")
             wait_until(lambda: "an answer" in bot_text(page))
-            def refuse(route):
-                route.fulfill(status=401, content_type="application/json", body='{"detail": "Not authenticated"}')
+            refusals = []  # one 401 per armed refusal; every later call passes (the user logged in again)
 
-            page.route("**/gradio_api/queue/join*", refuse)
+            def refuse_once(route):
+                if refusals and refusals[-1] == "armed":
+                    refusals[-1] = "refused"
+                    route.fulfill(status=401, content_type="application/json",
+                                  body='{"detail": "Not authenticated"}')
+                else:
+                    route.continue_()
+
+            page.route("**/gradio_api/queue/join*", refuse_once)
             loads = []
             page.on("load", lambda _: loads.append(time.monotonic()))
             page.evaluate("window.__before_401 = true")
+            refusals.append("armed")
             send(page, "second")
             wait_until(lambda: loads and page.evaluate("window.__before_401 === undefined"),
                        what="the tab to reload after a 401")
-            page.unroute("**/gradio_api/queue/join*", refuse)  # logged in again
+            assert refusals == ["refused"]
             page.wait_for_selector("#msg textarea", timeout=60_000)
-            wait_until(lambda: "an answer" in bot_text(page))  # the reloaded tab reopened its conversation
-            page.route("**/gradio_api/queue/join*", refuse)
+            wait_until(lambda: "an answer" in bot_text(page),
+                       what="the reloaded tab to reopen its conversation")
+            refusals.append("armed")
             send(page, "third")  # 401 again within the gap: no second reload
+            wait_until(lambda: refusals[-1] == "refused", what="the second 401")
             time.sleep(3)
             assert len(loads) == 1, loads
     finally:
