@@ -334,13 +334,30 @@ class TokenLogprob:
 
 
 class CancelToken:
-    """Thread-safe flag that asks a running generation to stop at the next decode step."""
+    """Thread-safe flag that asks a running generation to stop at the next decode step; ``on_cancel`` wakes a
+    waiting consumer instead of it polling the flag."""
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list = []
 
     def cancel(self) -> None:
-        self._event.set()
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def on_cancel(self, fn) -> None:
+        """Call ``fn()`` (must not raise) once, from the thread that cancels (now if already cancelled)."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     @property
     def cancelled(self) -> bool:
