@@ -6,7 +6,7 @@ front keeps up with a given step rate, on this machine's CPU, whatever GPU the e
 
 Usage (repository root, any machine; the built-in tiny checkpoint's tokenizer, built once into ``--cache-dir``)::
 
-    python bench/front_bench.py                          # 32 and 128 streams, 256 tokens each, 10 ms steps
+    python bench/front_bench.py                          # 32 and 128 streams, 256 tokens each, 20 ms steps, x3
     python bench/front_bench.py --streams 128 --tokens 512 --step-ms 8 --stream-interval 4
     python bench/front_bench.py --out bench/results/DATE-HOST-front.json
 
@@ -17,7 +17,9 @@ takes little of the CPU the front needs), and records: ``tokens`` (the sum of ``
 CPU of the front process itself, psutil, over the burst), ``workers_us_per_token`` (its prompt worker
 processes: templating and tokenization of the burst's prompts), ``engine_tok_s_offered`` (what the synthetic
 engine would emit if the front kept up: streams x 1000 / step-ms) and ``idle_front_cpu_share`` (the front's CPU
-share of one core with nobody connected, measured before the bursts: the fixed cost every token pays a share of).
+share of one core with nobody connected, measured before the bursts: the fixed cost every token pays a share of);
+each burst is run ``--repeat`` times and the run with the median ``front_us_per_token`` is reported (all runs'
+values in ``front_us_per_token_runs``).
 
 The synthetic engine's tokens are the ids of an English sentence (the tiny checkpoint has the real Qwen3.5
 tokenizer), repeated; the reply is thinking-mode text, so the front splits reasoning from content as it does
@@ -184,7 +186,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--tokens", type=int, default=256, help="max_tokens of each request")
-    ap.add_argument("--step-ms", type=float, default=10.0, help="synthetic decode step period (ms)")
+    ap.add_argument("--step-ms", type=float, default=20.0, help="synthetic decode step period (ms)")
+    ap.add_argument("--repeat", type=int, default=3, help="bursts per stream count (the median is reported)")
     ap.add_argument("--stream-interval", type=int, default=1, help="the front's --stream-interval")
     ap.add_argument("--cache-dir", default=os.environ.get("QWEN_CHAT_CACHE_DIR") or "~/.cache/qwen_chat")
     ap.add_argument("--out", help="JSON file for the results")
@@ -234,17 +237,21 @@ def main() -> int:
         asyncio.run(_burst(port, model, 4, args.tokens))  # warm-up: first requests, prompt workers
         results = []
         for n in args.streams:
-            workers = fproc.children(recursive=True)
-            f0, w0, t0 = _cpu([fproc]), _cpu(workers), time.monotonic()
-            got = asyncio.run(_burst(port, model, n, args.tokens))
-            f1, w1, t1 = _cpu([fproc]), _cpu(workers), time.monotonic()
-            tokens, events = sum(g[0] for g in got), sum(g[1] for g in got)
-            results.append({"streams": n, "tokens": tokens, "events": events, "wall_s": round(t1 - t0, 2),
-                            "tok_s": round(tokens / (t1 - t0), 1),
-                            "engine_tok_s_offered": round(n * 1000 / args.step_ms, 1),
-                            "front_cpu_s": round(f1 - f0, 2),
-                            "front_us_per_token": round((f1 - f0) / tokens * 1e6, 1),
-                            "workers_us_per_token": round((w1 - w0) / tokens * 1e6, 1)})
+            runs = []
+            for _ in range(args.repeat):
+                workers = fproc.children(recursive=True)
+                f0, w0, t0 = _cpu([fproc]), _cpu(workers), time.monotonic()
+                got = asyncio.run(_burst(port, model, n, args.tokens))
+                f1, w1, t1 = _cpu([fproc]), _cpu(workers), time.monotonic()
+                tokens, events = sum(g[0] for g in got), sum(g[1] for g in got)
+                runs.append({"streams": n, "tokens": tokens, "events": events, "wall_s": round(t1 - t0, 2),
+                             "tok_s": round(tokens / (t1 - t0), 1),
+                             "engine_tok_s_offered": round(n * 1000 / args.step_ms, 1),
+                             "front_cpu_s": round(f1 - f0, 2),
+                             "front_us_per_token": round((f1 - f0) / tokens * 1e6, 1),
+                             "workers_us_per_token": round((w1 - w0) / tokens * 1e6, 1)})
+            median = sorted(runs, key=lambda r: r["front_us_per_token"])[len(runs) // 2]
+            results.append(dict(median, front_us_per_token_runs=[r["front_us_per_token"] for r in runs]))
     finally:
         done.set()
         engine.close()
@@ -262,11 +269,12 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     print(f"\nidle front: {100 * idle_share:.1f} % of a core")
-    print("| streams | tokens | SSE events | tok/s (offered) | front us/token | prompt workers us/token |")
+    print("| streams | tokens | SSE events | tok/s (offered) | front us/token (median; runs) | prompt workers us/token |")
     print("|---|---|---|---|---|---|")
     for r in results:
+        runs = ", ".join(str(x) for x in r["front_us_per_token_runs"])
         print(f"| {r['streams']} | {r['tokens']} | {r['events']} | {r['tok_s']:,.0f} ({r['engine_tok_s_offered']:,.0f}) "
-              f"| {r['front_us_per_token']} | {r['workers_us_per_token']} |")
+              f"| {r['front_us_per_token']} ({runs}) | {r['workers_us_per_token']} |")
     return 0
 
 
