@@ -253,8 +253,10 @@ class Batch:
     def spec_ready(self) -> bool:
         """True when the next step would speculate if nothing were in flight: the scheduler then waits for the
         step in flight first (a speculative step's lengths depend on what it accepts)."""
+        if not self.spec_tokens:  # speculation off (the default): no lock, no pass over the batch per step
+            return False
         with self.cond:
-            return bool(self.spec_tokens) and self.spec_k([r for r in self.running.values() if r.decoding]) > 0
+            return self.spec_k([r for r in self.running.values() if r.decoding]) > 0
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         """Take ``req``'s KV blocks back; it keeps its slot (and so its sampler and grammar state) and is
