@@ -43,7 +43,7 @@ class PreparedPrompt:
     @functools.cached_property
     def num_tokens(self) -> int:
         """Tokens of the prompt (``input_ids.numel()``, read once: the scheduler asks for it per request and
-        step, and a tensor call costs about a microsecond)."""
+        step)."""
         return int(self.input_ids.numel())
 
 
