@@ -54,8 +54,8 @@ def server_config(app: Any, **options: Any) -> uvicorn.Config:
     ``GRACEFUL_SHUTDOWN_S``, and the TCP peer as the client address (``proxy_headers=False``: an
     ``X-Forwarded-For`` sent by a local client must not change the address the login limit counts;
     ``web.login_guard``), on uvloop's event loop with httptools' HTTP parser (uvicorn's "standard" choice: the
-    front's CPU per streamed token 66-83 -> 49-67 us against asyncio's loop and h11, ``bench/front_bench.py`` on
-    the 2-core CPU machine, 2026-12-03)."""
+    front's CPU per streamed token 98 -> 84 us at 32 streams and 74 -> 66 us at 128 against asyncio's loop and
+    h11, ``bench/front_bench.py`` on the 2-core CPU machine, 2026-12-03)."""
     options = {"loop": "uvloop", "http": "httptools", **options}
     return uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, proxy_headers=False, **options)
 
