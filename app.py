@@ -187,8 +187,9 @@ def _link_host() -> str:
     return os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
 
-def _spawn_front(sock: socket.socket, link: Link, replicas: int, argv: Optional[Sequence[str]]):
-    """Start ``qwen_chat.front_process`` with the listening socket and the same command line."""
+def _spawn_front(sock: socket.socket, link: Link, replicas: int, argv: Optional[Sequence[str]], **popen):
+    """Start ``qwen_chat.front_process`` with the listening socket and the same command line (``popen``: more
+    ``subprocess.Popen`` arguments, e.g. where its output goes)."""
     import subprocess
 
     from qwen_chat.front_process import FRONT_FD_ENV, LINK_ENV, REPLICAS_ENV, TOKEN_ENV
@@ -197,7 +198,7 @@ def _spawn_front(sock: socket.socket, link: Link, replicas: int, argv: Optional[
                               REPLICAS_ENV: str(replicas)})
     args = list(sys.argv[1:] if argv is None else argv)
     return subprocess.Popen([sys.executable, "-m", "qwen_chat.front_process", *args], env=env,
-                            pass_fds=(sock.fileno(),), cwd=os.getcwd())
+                            pass_fds=(sock.fileno(),), cwd=os.getcwd(), **popen)
 
 
 def _report_failure(link: Link, reason: str) -> None:

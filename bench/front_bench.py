@@ -42,11 +42,12 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import app  # noqa: E402
+import serve_host as S  # noqa: E402  (bench/ is on sys.path: this script's folder)
 from qwen_chat.chat_types import ModelInfo  # noqa: E402
 from qwen_chat.engine.core.handles import _Finish  # noqa: E402
 
@@ -171,15 +172,10 @@ async def _stream(port: int, model: str, tokens: int, seed: int) -> tuple[int, i
     return usage, raw.count(b"data: ")
 
 
-def _cpu(procs) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
+def _seconds(pid: int) -> tuple[float, dict]:
+    """(monotonic now, ``serve_host.cpu_snapshot`` of the front launched as ``pid``: itself as "front", its
+    prompt workers as "other")."""
+    return time.monotonic(), S.cpu_snapshot(pid)
 
 
 def main() -> int:
@@ -196,7 +192,6 @@ def main() -> int:
     from qwen_chat.engine.checkpoints.tiny import build_tiny_checkpoint
     from qwen_chat.engine.client.engine_hub import link_address
     from qwen_chat.engine.core.link import serve_engine
-    from qwen_chat.front_process import FRONT_FD_ENV, LINK_ENV, REPLICAS_ENV, TOKEN_ENV
 
     folder = build_tiny_checkpoint(Path(args.cache_dir).expanduser())
     ids = _special_ids(folder)
@@ -206,15 +201,13 @@ def main() -> int:
     sock.bind(("127.0.0.1", 0))
     sock.listen(2048)
     port = sock.getsockname()[1]
-    address, token = link_address("127.0.0.1"), secrets.token_hex(16)
+    link = app.Link(link_address("127.0.0.1"), secrets.token_hex(16))
+    address, token = link.address, link.token
     history = tempfile.mkdtemp(prefix="front-bench-")
-    env = dict(os.environ, **{FRONT_FD_ENV: str(sock.fileno()), LINK_ENV: address, TOKEN_ENV: token,
-                              REPLICAS_ENV: "1"})
-    front = subprocess.Popen([sys.executable, "-m", "qwen_chat.front_process", "--model", str(folder),
-                              "--device", "cpu", "--history-dir", history, "--port", str(port),
-                              "--stream-interval", str(args.stream_interval)],
-                             env=env, pass_fds=(sock.fileno(),), cwd=REPO, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    os.chdir(REPO)  # the front runs ``-m qwen_chat.front_process`` from the working directory, as app.py starts it
+    front = app._spawn_front(sock, link, 1, ["--model", str(folder), "--device", "cpu", "--history-dir", history,
+                                             "--port", str(port), "--stream-interval", str(args.stream_interval)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     setup = {"checkpoint": str(folder), "image_token_budget": 1024, "max_context": 32768, "eos_ids": ids["eos"],
              "think_ids": ids["think"], "tool_ids": ids["tool"]}
     done = threading.Event()
@@ -229,27 +222,27 @@ def main() -> int:
                 raise RuntimeError("the front did not become ready")
             time.sleep(0.5)
         model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-        fproc = psutil.Process(front.pid)
         time.sleep(3)
-        c0, t0 = _cpu([fproc]), time.monotonic()
+        t0, before = _seconds(front.pid)
         time.sleep(10)
-        idle_share = (_cpu([fproc]) - c0) / (time.monotonic() - t0)
+        t1, after = _seconds(front.pid)
+        idle_share = S.cpu_delta(before, after)["front"] / (t1 - t0)
         asyncio.run(_burst(port, model, 4, args.tokens))  # warm-up: first requests, prompt workers
         results = []
         for n in args.streams:
             runs = []
             for _ in range(args.repeat):
-                workers = fproc.children(recursive=True)
-                f0, w0, t0 = _cpu([fproc]), _cpu(workers), time.monotonic()
+                t0, before = _seconds(front.pid)
                 got = asyncio.run(_burst(port, model, n, args.tokens))
-                f1, w1, t1 = _cpu([fproc]), _cpu(workers), time.monotonic()
+                t1, after = _seconds(front.pid)
+                cpu = S.cpu_delta(before, after)
                 tokens, events = sum(g[0] for g in got), sum(g[1] for g in got)
                 runs.append({"streams": n, "tokens": tokens, "events": events, "wall_s": round(t1 - t0, 2),
                              "tok_s": round(tokens / (t1 - t0), 1),
                              "engine_tok_s_offered": round(n * 1000 / args.step_ms, 1),
-                             "front_cpu_s": round(f1 - f0, 2),
-                             "front_us_per_token": round((f1 - f0) / tokens * 1e6, 1),
-                             "workers_us_per_token": round((w1 - w0) / tokens * 1e6, 1)})
+                             "front_cpu_s": round(cpu["front"], 2),
+                             "front_us_per_token": round(S.us_per_token(cpu["front"], tokens), 1),
+                             "workers_us_per_token": round(S.us_per_token(cpu["other"], tokens), 1)})
             median = sorted(runs, key=lambda r: r["front_us_per_token"])[len(runs) // 2]
             results.append(dict(median, front_us_per_token_runs=[r["front_us_per_token"] for r in runs]))
     finally:
