@@ -111,7 +111,7 @@ class ChatController:
         history = self.store.user(user_id)
         conv = history.load(conv_id)
         live = self.live_messages(user_id, conv_id, conv)
-        shown = live if live is not None else chatbot_messages(conv.messages, history.image_path)
+        shown = live if live is not None else chatbot_messages(self.live.shown(user_id, conv), history.image_path)
         return shown, conv.id, self._system_prompt(conv), conv.title
 
     def live_messages(self, user_id: str, conv_id: str, conv: Any = None) -> Optional[list[dict]]:
@@ -369,7 +369,7 @@ class ChatController:
         finally:
             if session.watching == turn.conv_id:
                 session.watching = ""
-        shown = history.load(turn.conv_id).messages if turn.unsaved is None else messages + [turn.unsaved]
+        shown = self.live.shown(history.user_id, history.load(turn.conv_id))
         yield TurnView(chatbot_messages(shown, history.image_path), turn.conv_id, turn.notice, done=True)
 
     def close_tab(self, tab: str) -> int:
@@ -379,11 +379,17 @@ class ChatController:
     def settled(self, user_id: str, conv_id: str, timeout_s: float = 10.0) -> list[dict]:
         """Chatbot messages of the conversation once its last reply is no longer ``streaming`` (after Stop).
 
-        Polls the saved file every 50 ms for at most ``timeout_s`` seconds (the stopped generator saves its
-        final state as it closes), then returns what is saved.  Raises ``InvalidInput`` for a foreign id.
+        Waits at most ``timeout_s`` seconds for the reply's turn to end, then as long for the saved file
+        (polled every 50 ms: a turn still starting saves its final state as it closes); a reply whose final
+        save the disk refused is shown as generated.  Raises ``InvalidInput`` for a foreign id.
         """
         history = self.store.user(user_id)
-        return chatbot_messages(wait_settled(history, conv_id, timeout_s).messages, history.image_path)
+        turn = self.live.find(user_id, conv_id)
+        if turn is not None:
+            turn.wait_done(timeout_s)
+        unsaved = self.live.unsaved(user_id, conv_id) is not None
+        conv = history.load(conv_id) if unsaved else wait_settled(history, conv_id, timeout_s)
+        return chatbot_messages(self.live.shown(user_id, conv), history.image_path)
 
     def stop(self, session: Optional[Session]) -> None:
         """Ask the reply of this session to stop at the next decode step (a turn still starting: once it has its

@@ -14,7 +14,8 @@ with its status; the page's event only *watches* it (``LiveTurn.wait``).  So:
 * a save the disk refuses (history folder not writable, disk full) never ends the reply or keeps the tab
   busy: the page shows ``save_note`` (no server path), the turn ends as usual, and a final save that failed is
   tried again in the turn's thread until the folder is writable (``turns.ReplyRecorder.save_later``), while
-  the page shows the reply as generated (``unsaved``).
+  every view of the conversation shows the reply as generated (``LiveTurns.unsaved``: this tab's event, the
+  page's timer, reopening it, another tab) until it is saved.
 
 A browser tab may have at most ``MAX_RUNNING_PER_TAB`` replies running at once (``InvalidInput`` for one more),
 one per conversation.  No Gradio objects here; thread-safe.
@@ -25,7 +26,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from qwen_chat.chat_types import CancelToken, ChatError, InvalidInput, StreamUpdate
 from qwen_chat.history.records import StoredMessage
@@ -63,7 +64,8 @@ class LiveTurn:
         self.last = StreamUpdate()
         self.done = False
         self.notice = ""  # the final notice once done
-        self.unsaved: Optional[StoredMessage] = None  # the reply as generated, when its final save failed
+        # the reply as generated while its final save is refused (None once saved, or never refused)
+        self.unsaved: Optional[StoredMessage] = None
         self.thread = threading.Thread(target=self._run, name=f"reply-{conv_id[:8]}", daemon=True)
 
     def start(self) -> None:
@@ -80,6 +82,11 @@ class LiveTurn:
         with self._cond:
             if self.version == version and not self.done:
                 self._cond.wait(timeout_s)
+
+    def wait_done(self, timeout_s: float) -> bool:
+        """Block until the turn ended (its final save tried), at most ``timeout_s`` seconds; True if it did."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.done, timeout_s)
 
     def _publish(self, update: StreamUpdate, done: bool = False) -> None:
         with self._cond:
@@ -116,14 +123,16 @@ class LiveTurn:
                 record = self.stats.record()
                 saved = self.recorder.finish(last, status, self.notice, record)
                 if not saved:
-                    self.unsaved = StoredMessage.new("assistant", last.answer, reasoning=last.reasoning,
-                                                     status=status, notice=self.notice, stats=record)
+                    self.unsaved = StoredMessage(self.recorder.ref.message_id, "assistant", last.answer,
+                                                 reasoning=last.reasoning, status=status, notice=self.notice,
+                                                 stats=record)
                     self.notice = "; ".join(x for x in (self.notice, self.save_note()) if x)
             finally:
                 self._on_end(self)
                 self._publish(last, done=True)
         if not saved:
             self.recorder.save_later()
+            self.unsaved = None  # saved (or given up after SAVE_RETRY_FOR_S: the file's version is what lasts)
 
 
 class LiveTurns:
@@ -132,6 +141,7 @@ class LiveTurns:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._turns: dict[tuple[str, str], LiveTurn] = {}
+        self._unsaved: dict[tuple[str, str], LiveTurn] = {}  # ended turns whose final save is still refused
         self._left: dict[str, float] = {}  # browser tab -> time.monotonic() it last started a new chat
 
     def leave(self, tab: str) -> None:
@@ -162,15 +172,37 @@ class LiveTurns:
         turn.start()
 
     def forget(self, turn: LiveTurn) -> None:
-        """Drop ``turn`` from the registry (called by the turn when it is saved)."""
+        """Drop ``turn`` from the running replies (called by the turn once its final save was tried); one whose
+        final save the disk refused (``LiveTurn.unsaved``) stays known to ``unsaved`` until it is saved."""
+        key = (turn.user, turn.conv_id)
         with self._lock:
-            if self._turns.get((turn.user, turn.conv_id)) is turn:
-                del self._turns[(turn.user, turn.conv_id)]
+            if self._turns.get(key) is turn:
+                del self._turns[key]
+            for old in [k for k, t in self._unsaved.items() if t.unsaved is None]:
+                del self._unsaved[old]
+            if turn.unsaved is not None:
+                self._unsaved[key] = turn
+
+    def unsaved(self, user: str, conv_id: Optional[str]) -> Optional[StoredMessage]:
+        """The last ended reply of ``user``'s ``conv_id`` as generated, while the disk still refuses its final
+        save (its ``id`` is the saved message's, which holds an older version); None when there is none."""
+        with self._lock:
+            turn = self._unsaved.get((user, conv_id or ""))
+            return turn.unsaved if turn is not None else None
 
     def find(self, user: str, conv_id: Optional[str]) -> Optional[LiveTurn]:
         """The reply running in ``user``'s conversation ``conv_id``, or None."""
         with self._lock:
             return self._turns.get((user, conv_id or ""))
+
+    def shown(self, user: str, conv: Any) -> list:
+        """``conv``'s saved messages (a ``records.Conversation`` of ``user``), with a reply whose final save the
+        disk still refuses (``unsaved``) shown as generated in place of its older saved version."""
+        unsaved = self.unsaved(user, conv.id)
+        index = conv.index_of(unsaved.id) if unsaved is not None else None
+        if index is None:
+            return conv.messages
+        return [*conv.messages[:index], unsaved, *conv.messages[index + 1:]]
 
     def running(self, user: str) -> frozenset:
         """Ids of ``user``'s conversations with a reply running now."""

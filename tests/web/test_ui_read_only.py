@@ -54,6 +54,9 @@ def test_history_turning_read_only_mid_reply_leaves_the_tab_usable(tmp_path, mon
         chat, _, notice, box, _ = send(client, "still there?", conv_id)
         assert NOT_WRITABLE in notice and "still being written" not in notice
         assert (box.get("value", box) if isinstance(box, dict) else box)["text"] == "still there?"
+        # the chat drawn again from the history still shows the reply as generated, not its last good save
+        assert assistant_texts(chat)[-1] == ANSWER
+        assert history.load(conv_id).messages[-1].text != ANSWER
         # writable again: the reply is saved whole, and the next message is answered
         folder.on = False
         wait_until(lambda: history.load(conv_id).messages[-1].status == "complete", timeout_s=10 * SAVE_RETRY_S,
