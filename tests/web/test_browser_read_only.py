@@ -40,7 +40,11 @@ def test_read_only_history_mid_reply_shows_a_notice_and_the_tab_stays_usable(pag
         wait_until(lambda: any(history.load(s.id).messages[-1].text for s in history.list()), timeout_s=60,
                    what="a save of the reply with some text")
         folder.on = True
-        wait_until(lambda: idle(page) and "word149" in bot_text(page), timeout_s=60, what="the reply's end")
+        try:
+            wait_until(lambda: idle(page) and "word149" in bot_text(page), timeout_s=60, what="the reply's end")
+        except TimeoutError as e:  # say which half was missing
+            raise TimeoutError(f"{e}; idle: {idle(page)}; chat ends with {bot_text(page)[-60:]!r}; "
+                               f"notice {notice_text(page)!r}") from None
         notice = wait_until(lambda: NOT_WRITABLE in notice_text(page) and notice_text(page), timeout_s=30,
                             what="the notice")
         assert str(tmp_path) not in notice and "Errno" not in notice and ".lock" not in notice
