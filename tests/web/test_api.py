@@ -626,8 +626,12 @@ def test_metrics_count_the_requests_made(server, client):
                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     bad_request(client, top_p=0)
     bad_request(client, messages=[{"role": "user", "content": "word " * 300}])
+    refused = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"messages": []}',
+                         headers={"Content-Type": "text/plain"})
+    assert refused.status_code == 415
     m = scrape(server.url)
-    assert m[("qwen_chat_requests_total", ())] == 5
+    assert m[("qwen_chat_requests_total", ())] == 6
+    assert m[("qwen_chat_errors_total", (("kind", "invalid_request_error"),))] == 1
     assert m[("qwen_chat_errors_total", (("kind", "invalid_input"),))] == 1
     assert m[("qwen_chat_errors_total", (("kind", "context_too_long"),))] == 1
     assert m[("qwen_chat_finished_total", (("finish_reason", "stop"),))] == 3

@@ -155,6 +155,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             admit(request)
             check_json_body(request)
         except APIRequestError as exc:
+            record_rejection(exc.type)
             return error_response(exc)
         try:
             body = await run(parse_body, await read_body(request, body_limit))
