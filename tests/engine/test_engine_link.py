@@ -194,3 +194,10 @@ def test_merging_keeps_order_and_the_last_update_last():
     assert [(u.index, u.answer_delta, u.finish_reason) for u in merged] == \
         [(0, "ab", "stop"), (1, "xy", None)]
     assert merged[0].completion_tokens == 3
+    lagging = [StreamUpdate(reasoning="r", reasoning_delta="r", thinking=True, logprobs=("l1",)),
+               StreamUpdate(reasoning="r", answer="A", answer_delta="A", logprobs=("l2", "l3")),
+               StreamUpdate(reasoning="r", answer="AB", answer_delta="B", completion_tokens=4, logprobs=("l4",))]
+    [one] = merge_updates(lagging)
+    assert (one.reasoning_delta, one.answer_delta, one.logprobs) == ("r", "AB", ("l1", "l2", "l3", "l4"))
+    assert (one.answer, one.thinking, one.completion_tokens) == ("AB", False, 4)
+    assert merge_updates(lagging[:1]) == lagging[:1]

@@ -48,19 +48,26 @@ class Logprob:
 def merge_updates(updates: Sequence[StreamUpdate]) -> list[StreamUpdate]:
     """Consecutive updates of the same choice merged into one (deltas and log-probabilities concatenated, the
     newest full texts and counters); a choice's last update (``finish_reason``) stays last.  Order across
-    choices is kept."""
-    out: list[StreamUpdate] = []
-    open_at: dict[int, int] = {}  # choice -> position in out of its mergeable update
+    choices is kept.  Each merged update is built once (a ``dataclasses.replace`` costs about 4 us: a reader
+    that lags by k updates would otherwise pay k - 1 of them)."""
+    if len(updates) < 2:
+        return list(updates)
+    runs: list[list[StreamUpdate]] = []
+    open_at: dict[int, int] = {}  # choice -> position in runs of its mergeable run
     for u in updates:
         at = open_at.get(u.index)
         if at is not None:
-            prev = out[at]
-            u = replace(u, reasoning_delta=prev.reasoning_delta + u.reasoning_delta,
-                        answer_delta=prev.answer_delta + u.answer_delta, logprobs=prev.logprobs + u.logprobs)
-            out[at] = u
+            runs[at].append(u)
         else:
-            open_at[u.index] = len(out)
-            out.append(u)
+            open_at[u.index] = len(runs)
+            runs.append([u])
         if u.finish_reason is not None:
             open_at.pop(u.index, None)
-    return out
+    return [run[0] if len(run) == 1 else _merged(run) for run in runs]
+
+
+def _merged(run: Sequence[StreamUpdate]) -> StreamUpdate:
+    """The last update of ``run`` (one choice's, in order) carrying the deltas and log-probabilities of all."""
+    logprobs = tuple(entry for u in run for entry in u.logprobs)
+    return replace(run[-1], reasoning_delta="".join(u.reasoning_delta for u in run),
+                   answer_delta="".join(u.answer_delta for u in run), logprobs=logprobs)
