@@ -177,6 +177,10 @@ class StepPlan:
     tokens (then never ``tokens_on_device``).  ``drafts``: the k drafts of each decoded slot given by the
     scheduler (int lists; oracle drafts of the benchmark and tests), or empty: the MTP head drafts.
     ``spec_plain``: decoded slots that take no drafts in that step (sampled as in a plain step).
+    ``blocks``: the KV block table entries the scheduler changed since its last plan, (slot, index, block id;
+    the null block where an entry was let go), applied first (``paged.BlockTables.follow``), or None: no
+    scheduler allocates (a plan built by hand: the runner allocates itself).  ``block_copies``: (source, target)
+    KV blocks copied right after (the partly filled last block of a kept prefix a sequence starts from).
     """
 
     op: str = "step"
@@ -189,3 +193,5 @@ class StepPlan:
     spec_k: int = 0
     drafts: list[list[int]] = field(default_factory=list)
     spec_plain: list[int] = field(default_factory=list)
+    blocks: Optional[list[tuple[int, int, int]]] = None
+    block_copies: list[tuple[int, int]] = field(default_factory=list)

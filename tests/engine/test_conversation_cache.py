@@ -226,9 +226,9 @@ def test_eviction_under_a_small_budget_leaks_no_block(tiny_loaded):
         stats = engine.scheduler.stats()                     # the scheduler's count equals the runner's
         assert stats["kv_blocks_used"] == 0
         assert stats["kv_blocks_cached"] == runner.num_blocks - runner.tables.free_blocks > 0
-        for r in list(kept):
-            runner.free(r)
-        assert runner.tables.free_blocks == runner.num_blocks
+        held = {blk for r in kept for blk in runner.tables.blocks(r)}  # every block in use is a kept prefix's
+        assert runner.num_blocks - runner.tables.free_blocks == len(held)
+        assert all(tuple(runner.tables.blocks(r)) == batch.kv.table(r) for r in range(runner.num_slots))
     finally:
         engine.close()
 

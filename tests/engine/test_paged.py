@@ -56,6 +56,39 @@ def test_block_tables_allocate_grow_free_and_never_leak():
     assert t.positions(0, 0, 0).numel() == 0
 
 
+def test_a_runner_follows_the_schedulers_tables_and_owns_them_again_after():
+    """The scheduler's allocator (no device) ships its changes; the runner's tables applied to them hold the same
+    ids, on the device too; following, the runner allocates nothing and checks (too few blocks: OutOfBlocks;
+    another prefix shared: ValueError); ``own`` rebuilds its free list from the tables it holds."""
+    sched = BlockTables(num_slots=4, num_blocks=12, max_blocks=6, device=None, block_tokens=4)
+    run = BlockTables(num_slots=4, num_blocks=12, max_blocks=6, device=torch.device("cpu"), block_tokens=4)
+    run.ensure(3, 8)  # a block the runner held on its own before: following starts from empty tables
+    sched.ensure(0, 9)
+    sched.ensure(1, 4)
+    sched.share(2, sched.blocks(0)[:2])
+    run.follow(sched.take_changes())
+    assert run.following and [run.blocks(s) for s in range(4)] == [sched.blocks(s) for s in range(4)]
+    run.flush()
+    assert run.device_table[0, :3].tolist() == list(sched.blocks(0)) and run.device_table[3, 0] == run.null_block
+    assert run.free_blocks == 12 - 4
+    run.ensure(0, 12)  # the plan gave slot 0 three blocks: a check, nothing allocated
+    with pytest.raises(OutOfBlocks, match="slot 1 holds 1 KV block"):
+        run.ensure(1, 5)
+    run.share(2, sched.blocks(0)[:2])
+    with pytest.raises(ValueError, match="the plan's tables differ"):
+        run.share(2, sched.blocks(1))
+    run.release(0)  # the plan releases; the runner's own call changes nothing
+    assert run.blocks(0) == sched.blocks(0)
+    sched.release(0)
+    sched.ensure(0, 2)
+    run.follow(sched.take_changes())
+    assert [run.blocks(s) for s in range(4)] == [sched.blocks(s) for s in range(4)]
+    run.own()
+    assert not run.following and run.free_blocks == sched.free_blocks
+    run.ensure(3, 4)
+    assert run.blocks(3)[0] not in {b for s in range(3) for b in run.blocks(s)}
+
+
 def test_memory_plan_splits_the_budget_and_refuses_one_that_holds_no_sequence():
     """The 9B's geometry (24 Gated DeltaNet layers of 32 x 128 x 128 fp32 state, 8 attention layers of 4 KV
     heads x 256): slots take at most half the budget, the rest is KV blocks, the context is capped by the model
@@ -85,6 +118,18 @@ class PagedFakeRunner(FakeRunner):
         super().__init__(num_slots, **kw)
         self.tables = BlockTables(num_slots=num_slots, num_blocks=num_blocks, max_blocks=64,
                                   device=torch.device("cpu"), block_tokens=block_tokens)
+
+    budget = None  # the scheduler's ``BlockBudget``: when set, every plan must leave the runner's tables equal
+
+    def follow_blocks(self, changes, copies):
+        self.tables.follow(changes)  # the scheduler's tables: the calls below then check them
+        assert not copies  # no conversation cache here: nothing is restored
+        if self.budget is not None:
+            for row in range(self.num_slots):
+                assert tuple(self.tables.blocks(row)) == self.budget.table(row), f"row {row} differs"
+
+    def own_blocks(self):
+        self.tables.own()
 
     def prefill_batch(self, chunks):
         for c in chunks:
@@ -120,6 +165,7 @@ def make_sched(num_slots, num_blocks, block_tokens, overlap, budget=8):
     ex = SpyExecutor(runner, FakeSampler(num_slots, VOCAB))
     sched = Scheduler(ex, num_slots=num_slots, max_queue=64, eos_ids=(VOCAB - 1,), max_context=200,
                       num_blocks=num_blocks, block_tokens=block_tokens, prefill_token_budget=budget, overlap=overlap)
+    runner.budget = sched._batch.kv
     return sched, ex, runner
 
 

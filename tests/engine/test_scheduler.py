@@ -46,6 +46,12 @@ class FakeRunner:
             logits[EOS] = 50.0
         return logits
 
+    def follow_blocks(self, changes, copies) -> None:
+        """The scheduler's KV block tables for the step (this fake holds no KV cache: nothing to apply)."""
+
+    def own_blocks(self) -> None:
+        """After the scheduler (nothing to give back)."""
+
     def check(self, prompt: PreparedPrompt) -> None:
         """Where the real runner refuses a prompt (before any state changes); tests replace it."""
 

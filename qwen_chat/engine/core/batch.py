@@ -188,6 +188,7 @@ class Batch:
             in_flight = {id(r) for r in ahead} if ahead is not None else set()
             decoded = self._plan_decode(plan, in_flight, overlap)
             prefilled = prefill_plan.plan_prefill(self, plan, in_flight)
+            plan.blocks, plan.block_copies = self.kv.take_changes(), self.kv.take_copies()
             self.totals["steps"] += 1
             self.totals["prefill_chunks"] += len(plan.prefills)
             if decoded:

@@ -1,15 +1,18 @@
-"""The scheduler's count of KV blocks: how many the running sequences and the kept conversation prefixes hold,
-so that admission, growth, eviction and preemption never ask the runner for more than it has.
+"""The scheduler's KV blocks: the one allocator of block ids, and the counts that admission, growth, eviction
+and preemption decide by.
 
-The runner allocates the actual block ids itself (``qwen_chat.engine.model.paged.BlockTables``), the same way on
-every rank.  The scheduler keeps a host-only ``BlockTables`` of its own over the same state rows and makes the
-same kinds of calls on it as the plans make the runner do: a sequence is given, on admission, the blocks of its
-whole prompt; one more block each time a decode step takes it into a new block; a sequence that starts from a
-kept prefix shares that prefix's full blocks; a prefix kept at position n shares its sequence's first
-``blocks_for(n)`` blocks; everything goes back when a sequence finishes or is preempted and when a kept prefix
-is evicted (or taken over in place by a sequence that continues it).  Its ids may differ from the runner's, but its owners share blocks the same way, and it allocates
-a prompt's blocks before the runner does (a prompt prefilled in chunks holds fewer in the runner), so its free
-count never exceeds the runner's: the runner never runs out.
+The scheduler allocates every block id (a host-only ``paged.BlockTables`` over the runner's state rows) and each
+plan carries the table entries that changed since the last plan (``take_changes`` -> ``StepPlan.blocks``) and the
+blocks to copy before it runs (``take_copies`` -> ``StepPlan.block_copies``); every rank's runner applies them
+(``paged.BlockTables.follow``) and only checks that a step finds the blocks it needs.  A sequence is given, on
+admission, the blocks of its whole prompt (a prompt prefilled in chunks holds them from its first chunk on); one
+more block each time a decode step takes it into a new block (k + 1 positions ahead for a speculative step); a
+sequence that starts from a kept prefix shares that prefix's full blocks and gets a block of its own for the
+partly filled last one, into which the plan copies the prefix's (copy on write); the other choices of a request
+share its prompt's full blocks the same way (the runner copies the last one after the prefill wrote it); a prefix
+kept at position n shares its sequence's first ``blocks_for(n)`` blocks; everything goes back when a sequence
+finishes or is preempted and when a kept prefix is evicted (or taken over in place by a sequence that continues
+it).
 """
 from __future__ import annotations
 
@@ -41,7 +44,19 @@ class BlockBudget:
                                    device=None, block_tokens=self.block_tokens)
         self._live = [0] * self.num_blocks  # owners of each block that are running sequences' rows
         self._kept_rows: set[int] = set()   # rows that hold kept prefixes
+        self._copies: list[tuple[int, int]] = []  # (source block, target block) for the next plan
         self.cached = 0
+
+    def take_changes(self) -> list[tuple[int, int, int]]:
+        """Table entries changed since the last call, in order: [(row, index, block id or the null block)]
+        (``paged.BlockTables.take_changes``), for the next plan (``StepPlan.blocks``)."""
+        return self._tables.take_changes()
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Blocks to copy before the next plan runs (source, target): the partly filled last block of each kept
+        prefix a sequence started from since the last call (``start_from``)."""
+        out, self._copies = self._copies, []
+        return out
 
     @property
     def free(self) -> int:
@@ -66,6 +81,10 @@ class BlockBudget:
         """Blocks that hold n_tokens positions (``paged.blocks_for``)."""
         return blocks_for(n_tokens, self.block_tokens)
 
+    def table(self, row: int) -> tuple[int, ...]:
+        """Block ids ``row`` holds, in position order (what the runners' tables hold once the plans ran)."""
+        return tuple(self._tables.blocks(row))
+
     def held(self, row: int) -> int:
         """Blocks ``row`` holds now."""
         return self._tables.count(row)
@@ -87,11 +106,15 @@ class BlockBudget:
         self._tables.ensure(row, n_tokens)
         self._live_gain(self._tables.blocks(row)[held:])
 
-    def start_from(self, row: int, src: int, n_prefix: int, n_tokens: int) -> None:
-        """``row`` (empty, or ``src`` itself: the kept row taken over in place) starts from the prefix ``src``
-        keeps: it shares the prefix's full blocks and takes its own for the rest of ``n_tokens`` (the runner
-        copies the partly filled block into one of them)."""
-        full = self._tables.blocks(src)[:n_prefix // self.block_tokens]
+    def start_from(self, row: int, src: int, n_prefix: int, n_tokens: int, *, copy: bool = True) -> None:
+        """``row`` (empty, or ``src`` itself: the kept row taken over in place) starts from the prefix of
+        ``n_prefix`` tokens ``src`` holds: it shares the prefix's full blocks and takes its own for the rest of
+        ``n_tokens``.  ``copy``: the partly filled last block of the prefix is copied into the row's own block
+        before the next plan runs (``take_copies``); False: the caller copies it (the other choices of a
+        request, after the prefill that writes it)."""
+        src_blocks = self._tables.blocks(src)
+        full = src_blocks[:n_prefix // self.block_tokens]
+        partial = src_blocks[len(full)] if n_prefix % self.block_tokens else None
         self._tables.hold(full)  # the row taken over lets go of its blocks as a kept prefix first
         try:
             self.release(row)
@@ -100,6 +123,8 @@ class BlockBudget:
         finally:
             self._tables.drop(full)
         self.ensure(row, n_tokens)
+        if copy and partial is not None and self._tables.blocks(row)[len(full)] != partial:
+            self._copies.append((partial, self._tables.blocks(row)[len(full)]))
 
     def keep(self, row: int, src: int, n_prefix: int) -> None:
         """``row`` (empty) keeps the prefix of ``n_prefix`` tokens of the sequence in ``src``: it shares that

@@ -93,7 +93,7 @@ def plan_prefill(b, plan: StepPlan, in_flight: set) -> list[Request]:
                 break
             b.waiting.remove(sib)
             b.admit(sib, b.free_rows.pop(0))
-            kv.ensure(sib.slot, sib.prompt.num_tokens)
+            kv.start_from(sib.slot, req.slot, sib.prompt.num_tokens, sib.prompt.num_tokens, copy=False)
             sib.cached = sib.target.num_tokens
             prefilled.append(sib)
             item.copies.append((sib.slot, sib.sampling))

@@ -206,6 +206,9 @@ class Scheduler:
         self._batch.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            runner = getattr(self.executor, "runner", None)  # a local runner allocates its blocks itself again
+            if runner is not None and not self._thread.is_alive():
+                runner.own_blocks()
 
     # ---- the model thread ----------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -222,7 +225,7 @@ class Scheduler:
                 if plan is None:
                     return
                 launched = failure = None
-                if plan.free_slots or plan.prefills or plan.decode_slots or plan.capture:
+                if plan.free_slots or plan.prefills or plan.decode_slots or plan.capture or plan.blocks:
                     if self.overlap and not plan.spec_k:
                         launched, failure = self._launch(plan, prefilled, decoded, inflight)
                     else:

@@ -6,9 +6,13 @@ decode step first writes into them, and given back when its slot is freed or pre
 ``num_blocks`` is the *null block*: unused table entries and the padding rows of graph-padded decode batches
 point at it, so nothing live is ever overwritten by them.
 
-Allocation is deterministic (the same calls give the same block ids), so under tensor parallelism every rank,
-running the same plans, holds the same tables without any ids in the plan; the scheduler on rank 0 only counts
-blocks (``blocks_for``) to admit, grow and preempt sequences.
+One allocator: under a scheduler the block ids are chosen by the scheduler alone (``core.kv_budget``: a
+``BlockTables`` without a device), and each plan carries the table entries it changed since the last plan
+(``take_changes`` -> ``types.StepPlan.blocks``).  Every rank's runner applies them to its own tables
+(``follow``), so every rank holds the scheduler's tables; the runner's own calls (``ensure``, ``share``,
+``release``, ``hold``, ``drop``) then only check that the plan gave what the step needs.  A runner used without a
+scheduler (tests, benchmarks, the start-up self-check) allocates from its own free list; ``own`` hands the
+allocation back to it after a scheduler.
 
 Blocks are reference-counted: a slot's table and any number of holders outside the tables (``hold``: a prefix
 kept for a later prompt that shares it) may own one block; it returns to the free list when the last owner lets
@@ -36,16 +40,6 @@ class _Updates(list):
     """Table entries (slot, index, block id) changed since the last ``flush``."""
 
 
-class _NoUpdates(_Updates):
-    """No device table to update: changes are not recorded."""
-
-    def append(self, item) -> None:
-        pass
-
-    def extend(self, items) -> None:
-        pass
-
-
 class OutOfBlocks(RuntimeError):
     """A slot needed a KV block and none was free (the scheduler admits and preempts so that this never
     happens; seeing it means its accounting and the runner's disagree)."""
@@ -58,8 +52,8 @@ class BlockTables:
         num_slots: live slots; the device table has one more row (the scratch slot, all null).
         num_blocks: usable blocks; id ``num_blocks`` is the null block.
         max_blocks: table width (blocks of the longest sequence: ``blocks_for(max_context)``).
-        device: where the device table lives; None: no device table (the scheduler's count of the same blocks,
-            ``core.kv_budget``).
+        device: where the device table lives; None: no device table (the scheduler's allocator,
+            ``core.kv_budget``: its changes are taken by ``take_changes``).
         block_tokens: positions per block.
 
     Attributes:
@@ -67,6 +61,7 @@ class BlockTables:
             s's blocks in position order, the null block after them.  Read by the forward (decode graphs hold it
             as a static input); written only by ``flush``.
         null_block: the id of the null block.
+        following: True while the tables follow a scheduler's plans (``follow``), False while they allocate.
     """
 
     def __init__(self, *, num_slots: int, num_blocks: int, max_blocks: int, device: Optional[torch.device],
@@ -82,11 +77,14 @@ class BlockTables:
         self._owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
         self.device_table = None if device is None else torch.full(
             (num_slots + 1, self.max_blocks), self.null_block, dtype=torch.long, device=device)
-        self._updates = _Updates() if device is not None else _NoUpdates()  # (slot, index, block) to flush
+        self._updates = _Updates()  # (slot, index, block): to flush (device) or to take (scheduler)
+        self.following = False
 
     @property
     def free_blocks(self) -> int:
-        """Blocks on the free list."""
+        """Blocks nobody owns (following: blocks in no table)."""
+        if self.following:
+            return self.num_blocks - len({b for owned in self._owned for b in owned})
         return len(self._free)
 
     def blocks(self, slot: int) -> Sequence[int]:
@@ -106,7 +104,15 @@ class BlockTables:
 
     def ensure_all(self, wants: Sequence[tuple[int, int]]) -> None:
         """``ensure`` for each (slot, tokens) of ``wants`` (distinct slots), all or nothing: raises OutOfBlocks,
-        allocating nothing, when the free list cannot cover them together; ValueError past ``max_blocks``."""
+        allocating nothing, when the free list cannot cover them together; ValueError past ``max_blocks``.
+        Following a scheduler: allocates nothing and raises OutOfBlocks when a slot holds too few blocks."""
+        if self.following:
+            for slot, n_tokens in wants:
+                if blocks_for(n_tokens, self.block_tokens) > len(self._owned[slot]):
+                    raise OutOfBlocks(f"slot {slot} holds {len(self._owned[slot])} KV block(s) but {n_tokens} "
+                                      f"positions need {blocks_for(n_tokens, self.block_tokens)}: the plan gave "
+                                      "too few")
+            return
         extra = []
         for slot, n_tokens in wants:
             need = blocks_for(n_tokens, self.block_tokens)
@@ -125,23 +131,28 @@ class BlockTables:
 
     def release(self, slot: int) -> None:
         """Let go of all of ``slot``'s blocks (each returns to the free list when nothing else owns it) and point
-        its table row at the null block."""
+        its table row at the null block.  Following a scheduler: nothing (the plan released them)."""
         owned = self._owned[slot]
-        if not owned:
+        if not owned or self.following:
             return
         self._updates.extend((slot, i, self.null_block) for i in range(len(owned)))
         self.drop(owned)
         self._owned[slot] = []
 
     def hold(self, blocks: Sequence[int]) -> None:
-        """Own ``blocks`` once more outside any table (they must be allocated)."""
+        """Own ``blocks`` once more outside any table (they must be allocated; following: nothing)."""
+        if self.following:
+            return
         for b in blocks:
             if self._refs[b] < 1:
                 raise ValueError(f"block {b} is free; only allocated blocks can be held")
             self._refs[b] += 1
 
     def drop(self, blocks: Sequence[int]) -> None:
-        """Let go of one ownership of each of ``blocks``; a block nobody owns returns to the free list."""
+        """Let go of one ownership of each of ``blocks``; a block nobody owns returns to the free list (following:
+        nothing)."""
+        if self.following:
+            return
         for b in reversed(list(blocks)):
             self._refs[b] -= 1
             if self._refs[b] == 0:
@@ -149,7 +160,13 @@ class BlockTables:
 
     def share(self, slot: int, blocks: Sequence[int]) -> None:
         """Start the empty ``slot`` with ``blocks`` (allocated, in position order) as its first table entries,
-        owning each once more.  Raises ValueError when the slot holds blocks."""
+        owning each once more.  Raises ValueError when the slot holds blocks; following a scheduler, when the
+        slot's table does not start with ``blocks`` (the plan shared them)."""
+        if self.following:
+            if tuple(self._owned[slot][:len(blocks)]) != tuple(blocks):
+                raise ValueError(f"slot {slot} does not start with blocks {list(blocks)[:4]}...: the plan's "
+                                 "tables differ")
+            return
         if self._owned[slot]:
             raise ValueError(f"slot {slot} holds blocks; release it first")
         self.hold(blocks)
@@ -157,8 +174,54 @@ class BlockTables:
         self._updates.extend((slot, i, b) for i, b in enumerate(blocks))
 
     def owners(self, block: int) -> int:
-        """How many tables and holders own ``block`` (0: free)."""
+        """How many tables and holders own ``block`` (0: free).  Not while following (raises RuntimeError)."""
+        if self.following:
+            raise RuntimeError("a runner's tables that follow a scheduler count no owners")
         return self._refs[block]
+
+    def take_changes(self) -> list[tuple[int, int, int]]:
+        """The table entries changed since the last call, in order: [(slot, index, block id)], the null block
+        where an entry was let go (the allocator of a scheduler, without a device table)."""
+        out = list(self._updates)
+        self._updates.clear()
+        return out
+
+    def follow(self, changes: Sequence[tuple[int, int, int]]) -> None:
+        """Apply a scheduler's table changes (``take_changes`` of its tables, in order).  The first call empties
+        every table and stops this object allocating (``following``): from then on only the plans change it.
+        Raises ValueError for an entry out of range."""
+        if not self.following:
+            for slot, owned in enumerate(self._owned):
+                self._updates.extend((slot, i, self.null_block) for i in range(len(owned)))
+            self._owned = [[] for _ in self._owned]
+            self._free, self._refs = [], [0] * self.num_blocks
+            self.following = True
+        touched = set()
+        for slot, i, block in changes:
+            if not (0 <= slot < len(self._owned) and 0 <= i < self.max_blocks and 0 <= block <= self.null_block):
+                raise ValueError(f"table change {(slot, i, block)} is out of range")
+            owned = self._owned[slot]
+            if i >= len(owned):
+                owned.extend([self.null_block] * (i + 1 - len(owned)))
+            owned[i] = block
+            touched.add(slot)
+            self._updates.append((slot, i, block))
+        for slot in touched:
+            owned = self._owned[slot]
+            while owned and owned[-1] == self.null_block:
+                owned.pop()
+
+    def own(self) -> None:
+        """Stop following a scheduler: allocate from a free list again, rebuilt from the tables as they are (the
+        benchmarks and tests that use a runner directly after a scheduler)."""
+        if not self.following:
+            return
+        self._refs = [0] * self.num_blocks
+        for owned in self._owned:
+            for b in owned:
+                self._refs[b] += 1
+        self._free = [b for b in range(self.num_blocks - 1, -1, -1) if self._refs[b] == 0]
+        self.following = False
 
     def positions(self, slot: int, start: int, end: int) -> torch.Tensor:
         """Flat cache rows (block * block_tokens + offset) of ``slot``'s positions start..end-1: int64

@@ -13,7 +13,10 @@ prefix never reads.
 
 ``restore(src, dst)`` starts a slot from a kept row: it shares the row's full blocks, copies the partly filled
 last block into a block of its own (copy on write: the slot writes positions >= n into it), copies the conv and
-recurrent state, and leaves the slot at length n, ready for a prefill chunk that starts at n.  The same copy
+recurrent state, and leaves the slot at length n, ready for a prefill chunk that starts at n.  Under a scheduler
+the blocks are the plan's: ``dst``'s table already shares them and the plan copied the partly filled block
+(``StepPlan.block_copies``), so only the state is copied here (``ModelRunner.copy_slot`` copies that block
+itself, after the prefill that wrote it).  The same copy
 starts the other choices of a request from its prefill (``ModelRunner.copy_slot``).  ``restore(row, row)`` takes
 the kept row over in place (the scheduler does so when no other row is free: ``core.prefill_plan``): the row
 keeps its state and full blocks, and its partly filled last block is copied the same way.  Every rank is given
@@ -47,18 +50,19 @@ def restore(runner, src: int, dst: int) -> int:
     bt = runner.block_tokens
     full = n // bt
     blocks = runner.tables.blocks(src)
-    runner.tables.hold(blocks)  # they outlive freeing ``dst`` (``src`` itself when taken over) until copied
-    try:
+    if runner.tables.following:  # the scheduler gave ``dst`` its blocks; the plan copied the partial one
         runner.free(dst)
-        runner.tables.share(dst, blocks[:full])
-        if n % bt:
-            runner.tables.ensure(dst, n)
-            pair = torch.tensor([[blocks[full]], [runner.tables.blocks(dst)[full]]], device=runner.device)
-            for cache in (runner.k_cache, runner.v_cache):
-                for t in cache.values():
-                    t[pair[1]] = t[pair[0]]
-    finally:
-        runner.tables.drop(blocks)
+        runner.tables.ensure(dst, n)
+    else:
+        runner.tables.hold(blocks)  # they outlive freeing ``dst`` (``src`` itself when taken over) until copied
+        try:
+            runner.free(dst)
+            runner.tables.share(dst, blocks[:full])
+            if n % bt:
+                runner.tables.ensure(dst, n)
+                runner.copy_blocks([(blocks[full], runner.tables.blocks(dst)[full])])
+        finally:
+            runner.tables.drop(blocks)
     if src != dst:
         for state in (runner.conv_state, runner.rec_state):
             for t in state.values():

@@ -172,8 +172,32 @@ class ModelRunner:
         self._check_slot(dst)
         if src == dst or not self._active[src]:
             raise ValueError(f"copy_slot needs a prefilled source other than the target (got {src} -> {dst})")
-        prefix_cache.restore(self, src, dst)
+        n = prefix_cache.restore(self, src, dst)
+        if self.tables.following and n % self.block_tokens:  # the plan shared the full blocks only
+            full = n // self.block_tokens
+            self.copy_blocks([(self.tables.blocks(src)[full], self.tables.blocks(dst)[full])])
         self._active[dst] = True
+
+    def follow_blocks(self, changes, copies) -> None:
+        """Take a plan's KV block table changes [(slot, index, block id)] from the scheduler's allocator (from
+        the first on, the tables only follow plans: ``paged.BlockTables.follow``), then copy its blocks
+        [(source, target)] (``copy_blocks``).  Raises ValueError for an entry out of range."""
+        self.tables.follow(changes)
+        self.copy_blocks(copies)
+
+    def own_blocks(self) -> None:
+        """Allocate KV blocks from the runner's own free list again (after a scheduler: ``paged.BlockTables.own``)."""
+        self.tables.own()
+
+    def copy_blocks(self, pairs) -> None:
+        """Copy KV blocks (source id, target id) in every attention layer's keys and values, queued on the
+        device (local shards only: every rank copies its own)."""
+        if not pairs:
+            return
+        src, dst = torch.tensor(list(pairs), dtype=torch.long).T.to(self.device)
+        for cache in (self.k_cache, self.v_cache):
+            for t in cache.values():
+                t[dst] = t[src]
 
     def restore(self, src: int, dst: int) -> int:
         """Start ``dst`` from the prefix state row ``src`` keeps (``prefix_cache.restore``); the next chunk into
@@ -305,7 +329,8 @@ class ModelRunner:
                 self._check_slot(row)
                 if not c.start < p <= c.stop():
                     raise ValueError(f"keep point {p} is outside the chunk {c.start}..{c.stop()}")
-                if row in slots or row in rows or self.lengths[row] or self.tables.count(row):
+                held = self.tables.count(row) and not self.tables.following  # a plan gave it the shared blocks
+                if row in slots or row in rows or self.lengths[row] or held:
                     raise ValueError(f"keep row {row} is in use")
                 rows.add(row)
 

@@ -1,11 +1,11 @@
 """Runs ``StepPlan``s against the model: ``LocalExecutor`` on this process, ``DistributedExecutor`` + ``worker_loop``
 across ranks.
 
-The executors make no decisions.  Which slots to free, which prompts to prefill, which sequences decode and
-which token each feeds in are all fixed in the plan by the rank-0 scheduler.  Sampling is seeded per sequence
-(``SamplingParams.seed``), which keeps the sampled ids equal on every rank.  The scheduler may ``launch`` a plan
-whose decode reads each slot's last sampled token on the device (``StepPlan.tokens_on_device``) and ``collect``
-the previous plan's tokens while the device runs it; both executors support this (overlap).
+The executors make no decisions.  Which slots to free, which KV blocks each holds, which prompts to prefill, which
+sequences decode and which token each feeds in are all fixed in the plan by the rank-0 scheduler.  Sampling is
+seeded per sequence (``SamplingParams.seed``), which keeps the sampled ids equal on every rank.  The scheduler may
+``launch`` a plan whose decode reads each slot's last sampled token on the device (``StepPlan.tokens_on_device``)
+and ``collect`` the previous plan's tokens while the device runs it; both executors support this (overlap).
 
 Several ranks: only rank 0 talks to users.  It validates and preprocesses every request before any collective
 (bad input fails on rank 0 alone), then, for every engine step, broadcasts the whole ``StepPlan`` (op, CPU
@@ -34,10 +34,8 @@ Usage::
     executor = LocalExecutor(runner, sampler)
     tokens = executor.execute(StepPlan(prefills=[PrefillItem(0, prompt, params)]))   # {0: first_token}
     tokens = executor.execute(StepPlan(decode_slots=[0], decode_tokens=[tokens[0]]))  # {0: next_token}
-    ahead = executor.launch(StepPlan(decode_slots=[0], tokens_on_device=True))       # queued, not waited for
-    tokens = executor.collect(ahead)                                                  # {0: the token after}
-    # several ranks (groups = ranks.init_process_groups(...)); rank 0:
-    executor = DistributedExecutor(LocalExecutor(runner, sampler), groups.control, timeout_s)  # same methods
+    tokens = executor.collect(executor.launch(StepPlan(decode_slots=[0], tokens_on_device=True)))  # launch: queued
+    executor = DistributedExecutor(LocalExecutor(runner, sampler), groups.control, timeout_s)  # rank 0 of several
     executor.close()                                            # sends "exit"
     worker_loop(LocalExecutor(runner, sampler), groups.control) # every other rank; returns after "exit"
 """
@@ -107,15 +105,16 @@ class LocalExecutor:
         return self.collect(self.launch(plan))
 
     def launch(self, plan: StepPlan) -> "Launched":
-        """Queue one plan on the device and return without waiting for its result: free ``plan.free_slots``;
-        start the chunks that continue a kept prefix from it (``PrefillItem.restore``: ``ModelRunner.restore``);
-        prefill the ``plan.prefills`` chunks together (``ModelRunner.prefill_batch``); for each chunk that ends its
-        prompt, copy its state into the slots of its ``copies`` (the other choices of the request,
-        ``ModelRunner.copy_slot``) and sample each one's first token (not for a ``resume``); then one batched
-        decode over ``plan.decode_slots`` and sample (with ``plan.spec_k``: ``runner.spec.decode``, a speculative
-        step, waited for).  The decode feeds ``plan.decode_tokens``, or with
-        ``plan.tokens_on_device`` the last token sampled for each slot (``Sampler.last_tokens``), so a plan can
-        be launched before the previous one's tokens reached the host.  At most two launched plans may await
+        """Queue one plan on the device and return without waiting for its result: take the plan's KV block
+        tables (``plan.blocks``: ``ModelRunner.follow_blocks``); free ``plan.free_slots``; start the chunks that
+        continue a kept prefix from it (``PrefillItem.restore``: ``ModelRunner.restore``); prefill the
+        ``plan.prefills`` chunks together (``ModelRunner.prefill_batch``); for each chunk that ends its prompt, copy
+        its state into the slots of its ``copies`` (the other choices of the request, ``ModelRunner.copy_slot``)
+        and sample each one's first token (not for a ``resume``); then one batched decode over
+        ``plan.decode_slots`` and sample (with ``plan.spec_k``: ``runner.spec.decode``, a speculative step, waited
+        for).  The decode feeds ``plan.decode_tokens``, or with ``plan.tokens_on_device`` the last token sampled
+        for each slot (``Sampler.last_tokens``), so a plan can be launched before the previous one's tokens
+        reached the host.  At most two launched plans may await
         ``collect`` at a time (their tokens come back through two pinned buffers).  Prefills do wait for the
         device (they check the prompt's token ids there).
 
@@ -124,6 +123,8 @@ class LocalExecutor:
         """
         if plan.op != STEP_OP:
             raise ValueError(f"unknown step op {plan.op!r}; expected one of {(STEP_OP, EXIT_OP)}")
+        if plan.blocks is not None:  # before anything reads the tables
+            self.runner.follow_blocks(plan.blocks, plan.block_copies)
         if not plan.tokens_on_device and len(plan.decode_slots) != len(plan.decode_tokens):
             raise ValueError(f"decode_slots ({len(plan.decode_slots)}) and decode_tokens "
                              f"({len(plan.decode_tokens)}) differ in length")
