@@ -585,3 +585,54 @@ def test_a_checkpoint_without_an_mtp_head_serves_without_speculation(tiny_loaded
         runner, *_ = build_runner(dc_replace(tiny_loaded, checkpoint=folder), cfg)
     assert runner.spec is None
     assert "speculative decoding is off" in caplog.text and "no MTP head" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------- never slower
+def test_a_sequence_speculates_only_while_its_kept_share_pays_for_the_measured_step():
+    """``break_even``: a step of k drafts costing c plain steps pays above (c - 1) / k kept drafts (clamped);
+    a sequence keeping half its drafts speculates on at the given-drafts cost (1.29, K = 1) and pauses at the
+    cost with the head drafting eagerly (1.86), probing again after ``PROBE_TOKENS`` plain tokens."""
+    from qwen_chat.engine.core.spec_policy import PROBE_TOKENS, SpecStats, break_even
+
+    assert break_even(1.29, 1) == pytest.approx(0.29)
+    assert break_even(1.86, 1) == pytest.approx(0.86) and break_even(2.83, 3) == pytest.approx(0.61)
+    assert break_even(0.9, 1) == 0.05 and break_even(5.0, 2) == 1.0
+    with pytest.raises(ValueError):
+        break_even(float("nan"), 1)
+    cheap, dear = SpecStats(break_even(1.29, 1)), SpecStats(break_even(1.86, 1))
+    for i in range(40):
+        for stats in (cheap, dear):
+            if stats.wants():
+                stats.spec_step(1, i % 2)  # every other draft kept
+            else:
+                stats.plain_step()
+    assert cheap.wants() and cheap.drafted == 40
+    assert not dear.wants() and dear.drafted < 10
+    for _ in range(PROBE_TOKENS):
+        dear.plain_step()
+    assert dear.wants()
+
+
+def test_the_engine_measures_its_speculative_step_and_sets_the_threshold_from_it(tiny_loaded):
+    """``Speculation.calibrate`` times plain and speculative steps (the MTP head drafting) and leaves slot 0
+    free; the ChatEngine built on that runner gives its requests the break-even of the measured ratio."""
+    from qwen_chat.engine.core.spec_policy import break_even
+
+    engine, _ = spec_engine(tiny_loaded, k=2)
+    try:
+        assert engine.runner.spec.cost_ratio is None
+    finally:
+        engine.close()
+    runner = make_runner(tiny_loaded, num_slots=3, k=2, max_context=1024)
+    sampler = Sampler(3, runner.vocab_size, "cpu")
+    ratio = runner.spec.calibrate(sampler, steps=3)
+    assert ratio == runner.spec.cost_ratio and 0 < ratio < float("inf")  # CPU timings: only a number
+    assert runner.lengths[0] == 0 and runner.tables.count(0) == 0
+    engine = ChatEngine(tiny_loaded, runner, LocalExecutor(runner, sampler), image_token_budget=64,
+                        max_context=1024, max_queue=4, num_slots=3, speculative_tokens=2)
+    try:
+        assert engine.scheduler._batch.spec_min == pytest.approx(break_even(ratio, 2))
+        sampling = SamplingParams(**{**GREEDY.__dict__, "max_new_tokens": 8})
+        assert len(list(engine.scheduler.submit(prompts(1)[0], sampling, CancelToken()))) == 8
+    finally:
+        engine.close()

@@ -39,6 +39,7 @@ from qwen_chat.engine.core.conv_cache import ConversationCache, prompt_key
 from qwen_chat.engine.core.handles import RequestHandle
 from qwen_chat.engine.core.kv_budget import BlockBudget
 from qwen_chat.engine.core.request_state import Request
+from qwen_chat.engine.core.spec_policy import MIN_ACCEPTANCE
 from qwen_chat.engine.model.spec_sampling import eligible
 from qwen_chat.engine.types import NONFINITE_MESSAGE, NONFINITE_TOKEN, PreparedPrompt, SamplingParams, StepPlan
 
@@ -55,12 +56,12 @@ class Batch:
     Args: as ``Scheduler``: ``num_slots`` (sequences decoded together), ``max_queue`` (requests that may wait),
     ``eos_ids`` (token ids that end every request), ``max_context`` (tokens per sequence, or None),
     ``prefill_token_budget`` (prompt tokens prefilled in one step at most), ``constraints`` (the
-    ``constraints.ConstraintTable`` the sampler masks with, or None: a constrained request's slot is bound to
-    its ``Constraint`` while it runs), ``num_blocks`` and ``block_tokens`` (the runner's KV blocks; None: enough
-    for every slot at ``max_context``), ``conversation_cache`` (keep prefix states for later prompts of the same
+    ``constraints.ConstraintTable`` the sampler masks with, or None: a constrained request's slot is bound to its
+    ``Constraint`` while it runs), ``num_blocks`` and ``block_tokens`` (the runner's KV blocks; None: enough for
+    every slot at ``max_context``), ``conversation_cache`` (keep prefix states for later prompts of the same
     conversation: ``conv_cache``), ``speculative_tokens`` (k drafts per speculative step, 0: off),
-    ``speculative_max_batch`` (larger decode batches never speculate), ``drafter`` (``drafter(request, k) ->
-    k ids`` on the host, e.g. ``spec_policy.OracleDrafter``; None: the runner's MTP head drafts).
+    ``speculative_max_batch`` (larger decode batches never speculate), ``drafter`` (``drafter(request, k) -> k ids``
+    on the host, e.g. ``spec_policy.OracleDrafter``; None: the MTP head drafts), ``speculative_min_acceptance``.
 
     Attributes read by the scheduler: ``cond`` (the lock of everything here), ``stopping`` (no new work; the
     loop ends), ``waiting`` (deque of ``Request``), ``running`` ({slot: Request}), ``totals`` (counters, see
@@ -72,7 +73,7 @@ class Batch:
                  prefill_token_budget: int, constraints=None, num_blocks: Optional[int] = None,
                  block_tokens: int = BLOCK_TOKENS, idle_captures: Optional[list] = None,
                  conversation_cache: bool = False, speculative_tokens: int = 0, speculative_max_batch: int = 8,
-                 drafter=None) -> None:
+                 drafter=None, speculative_min_acceptance: float = MIN_ACCEPTANCE) -> None:
         if prefill_token_budget < 1:
             raise ValueError(f"prefill_token_budget must be >= 1, got {prefill_token_budget}")
         self.num_slots = num_slots
@@ -97,6 +98,7 @@ class Batch:
         self._ids = itertools.count(1)
         self.stopping = False
         self.spec_tokens, self.spec_max_batch = int(speculative_tokens), int(speculative_max_batch)
+        self.spec_min = float(speculative_min_acceptance)
         self.drafter = drafter
         self.totals = {
             "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0,
@@ -149,8 +151,8 @@ class Batch:
             for index, sampling in enumerate(samplings):
                 handle = RequestHandle(next(self._ids), n, cancel, self.notify, index=index, sink=sink)
                 stop_ids = self.eos_ids | frozenset(int(t) for t in sampling.stop_token_ids)
-                group.append(Request(handle, prompt, sampling, stop_ids,
-                                     constraints[index] if constraints is not None else None, key=key))
+                group.append(Request(handle, prompt, sampling, stop_ids, constraints[index] if constraints is not None
+                                     else None, key=key, spec_min=self.spec_min))
             for i, req in enumerate(group):
                 req.siblings = group[i + 1:]
             self.waiting.extend(group)
@@ -292,10 +294,9 @@ class Batch:
 
     def at_limit(self, req: Request, pending: int = 0) -> bool:
         """True when ``req`` has reached max_new_tokens or the context after ``pending`` more tokens."""
-        h = req.handle
-        done = h.completion_tokens + pending
+        done = req.handle.completion_tokens + pending
         return done >= req.sampling.max_new_tokens or (
-            self.max_context is not None and h.prompt_tokens + done >= self.max_context)
+            self.max_context is not None and req.handle.prompt_tokens + done >= self.max_context)
 
     def free_again(self, slots: list[int]) -> None:
         """A step raised: it may have stopped before its frees ran, so the next plan frees ``slots`` again
@@ -309,10 +310,8 @@ class Batch:
         now = time.monotonic()
         with self.cond:
             for req in reqs:
-                if req.slot is None or self.running.get(req.slot) is not req:
-                    continue
-                if req.slot not in tokens:  # a prompt chunk that is not its last: no token yet
-                    continue
+                if req.slot is None or self.running.get(req.slot) is not req or req.slot not in tokens:
+                    continue  # gone, or a prompt chunk that is not its last: no token yet
                 run = tokens[req.slot]
                 if run == NONFINITE_TOKEN or run == [NONFINITE_TOKEN]:  # its logits held a NaN or an infinity
                     self.totals["nonfinite_logits"] += 1

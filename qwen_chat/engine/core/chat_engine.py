@@ -45,6 +45,7 @@ from qwen_chat.engine.core.constraints import StructuredOutput, reply_constraint
 from qwen_chat.engine.output.replies import stream_replies
 from qwen_chat.engine.types import PreparedPrompt, SamplingParams
 from qwen_chat.engine.core.scheduler import Scheduler
+from qwen_chat.engine.core.spec_policy import MIN_ACCEPTANCE, break_even
 from qwen_chat.engine.startup.selfcheck import run_self_check
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ class ChatEngine:
         idle_captures: decode graphs to capture while idle (``Scheduler``).
         conversation_cache: keep prefix states for the next turns of conversations (``Scheduler``).
         speculative_tokens, speculative_max_batch, drafter: speculative decoding (``Scheduler``); on only when
-            the runner has its ``spec`` (``model.spec_step.attach``).
+            the runner has its ``spec`` (``model.spec_step.attach``); its ``cost_ratio`` (measured at start-up,
+            ``Speculation.calibrate``) sets where each sequence stops speculating (``spec_policy.break_even``).
         overlap: launch each step before the previous one's tokens are back (``Scheduler`` ``overlap``);
             None = on for a ``LocalExecutor`` (one process) and for a ``DistributedExecutor`` whose ranks share rank
             0's sampled tokens on the device (its ``tokens_on_device``: ``build_runner`` sets the sampler's
@@ -158,6 +160,11 @@ class ChatEngine:
         self.conversation_cache = bool(conversation_cache)
         model = getattr(loaded, "model", None)
         self.weights = weights_report(model) if hasattr(model, "get_input_embeddings") else None
+        ratio = getattr(getattr(runner, "spec", None), "cost_ratio", None)  # measured at start-up, or None
+        spec_min = break_even(ratio, speculative_tokens) if ratio and speculative_tokens else MIN_ACCEPTANCE
+        if ratio and speculative_tokens:
+            log.info("speculative decoding: a sequence speculates while it keeps more than %.0f %% of its drafts "
+                     "(a step costs %.2f plain steps here)", 100 * spec_min, ratio)
         self.scheduler = Scheduler(executor, num_slots=num_slots, max_queue=max_queue, eos_ids=self.eos_ids,
                                    max_context=self.max_context, on_fatal=on_fatal, overlap=overlap,
                                    constraints=self.structure.table if self.structure is not None else None,
@@ -166,7 +173,8 @@ class ChatEngine:
                                    block_tokens=getattr(runner, "block_tokens", BLOCK_TOKENS),
                                    idle_captures=idle_captures, conversation_cache=conversation_cache,
                                    speculative_tokens=speculative_tokens if getattr(runner, "spec", None) else 0,
-                                   speculative_max_batch=speculative_max_batch, drafter=drafter)
+                                   speculative_max_batch=speculative_max_batch, drafter=drafter,
+                                   speculative_min_acceptance=spec_min)
         log.info("scheduler: %s", "steps launched ahead (overlap)" if overlap else "each step waited for")
         self.stuck_after_s = STUCK_AFTER_S
         self._self_check: Optional[str] = None  # None: not run; "": passed; else the failure

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from qwen_chat.engine.core.handles import RequestHandle
-from qwen_chat.engine.core.spec_policy import SpecStats
+from qwen_chat.engine.core.spec_policy import MIN_ACCEPTANCE, SpecStats
 from qwen_chat.engine.types import PreparedPrompt, SamplingParams
 
 
@@ -21,14 +21,15 @@ class Request:
     (tokens planned into its cache so far), ``generated`` (every token delivered), ``resume`` (the target
     recomputes a preempted sequence).  Conversation cache: ``key`` (``conv_cache.PromptKey`` of the prompt, or
     None with the cache off), ``kept`` (the ``conv_cache.Entry`` of each keep point it made).  Speculative
-    decoding: ``spec`` (``spec_policy.SpecStats``: its drafted and accepted tokens, whether it speculates).
+    decoding: ``spec`` (``spec_policy.SpecStats``: its drafted and accepted tokens, whether it speculates: above
+    ``spec_min``, the acceptance at which speculating pays).
     """
 
     __slots__ = ("handle", "prompt", "sampling", "stop_ids", "slot", "last_token", "siblings", "constraint",
                  "order", "target", "cached", "generated", "resume", "key", "kept", "spec")
 
     def __init__(self, handle: RequestHandle, prompt: PreparedPrompt, sampling: SamplingParams, stop_ids,
-                 constraint=None, key=None):
+                 constraint=None, key=None, spec_min: float = MIN_ACCEPTANCE):
         self.handle = handle
         self.prompt = prompt
         self.sampling = sampling
@@ -44,7 +45,7 @@ class Request:
         self.resume = False
         self.key = key
         self.kept: list = []
-        self.spec = SpecStats()
+        self.spec = SpecStats(spec_min)
 
     @property
     def prefilling(self) -> bool:

@@ -33,6 +33,7 @@ from qwen_chat.chat_types import CancelToken, ChatError, NotReady
 from qwen_chat.engine.model.paged import BLOCK_TOKENS
 from qwen_chat.engine.core.batch import Batch, Request
 from qwen_chat.engine.core.handles import RequestHandle
+from qwen_chat.engine.core.spec_policy import MIN_ACCEPTANCE
 from qwen_chat.engine.types import PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class Scheduler:
             no running sequence needs.
         speculative_tokens, speculative_max_batch, drafter: speculative decoding (``batch.Batch``): k drafts per
             step (0: off), the largest decode batch that speculates, drafts from the host (None: the MTP head).
+        speculative_min_acceptance: the acceptance under which a sequence stops speculating (``spec_policy``).
             A speculative step is run waited for (the step in flight is collected first): what it accepts
             decides the next step's lengths.
     """
@@ -110,6 +112,7 @@ class Scheduler:
         speculative_tokens: int = 0,
         speculative_max_batch: int = 8,
         drafter=None,
+        speculative_min_acceptance: float = MIN_ACCEPTANCE,
     ) -> None:
         if num_slots < 1 or max_queue < 0:
             raise ValueError(f"num_slots must be >= 1 and max_queue >= 0, got {num_slots}, {max_queue}")
@@ -127,7 +130,7 @@ class Scheduler:
                             num_blocks=num_blocks, block_tokens=block_tokens,
                             idle_captures=idle_captures, conversation_cache=conversation_cache,
                             speculative_tokens=speculative_tokens, speculative_max_batch=speculative_max_batch,
-                            drafter=drafter)
+                            drafter=drafter, speculative_min_acceptance=speculative_min_acceptance)
         self._last_collect_at = 0.0
         self._fatal_reported = False
         self._step_started_at: Optional[float] = None  # time.monotonic() when the running step began

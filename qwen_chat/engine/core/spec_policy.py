@@ -14,9 +14,9 @@ the benchmark's simulated acceptance (an untrained MTP head has none) and the te
 from __future__ import annotations
 
 import random
-#: Acceptance (accepted / drafted, smoothed) below which a sequence stops speculating: a step of one draft
-#: that costs about 1.3 plain steps (the verify forward plus the draft's lm_head read, docs/speculative.md)
-#: breaks even at 0.3 kept drafts per step.
+#: Acceptance (accepted / drafted, smoothed) below which a sequence stops speculating when the step costs were
+#: not measured (``break_even``): a step of one given draft costs about 1.3 plain steps on an H200 (the verify
+#: forward, docs/speculative.md), so it breaks even at 0.3 kept drafts per step.
 MIN_ACCEPTANCE = 0.3
 #: Plain tokens after which a sequence that stopped speculating tries one speculative step again: a head that
 #: never agrees then costs one step's extra (about 0.3-0.4 of a plain step) per 64 tokens, well under 1 %.
@@ -26,18 +26,31 @@ PROBE_TOKENS = 64
 SMOOTHING = 0.25
 
 
+def break_even(cost_ratio: float, k: int) -> float:
+    """The kept share of drafts above which speculating pays: a step of k drafts that costs ``cost_ratio`` plain
+    decode steps emits 1 + k * share tokens, so it pays when share > (cost_ratio - 1) / k.  Clamped to
+    [0.05, 1.0] (1.0: only a sequence that keeps every draft speculates; probes still run).  Raises ValueError
+    for k < 1 or a ratio that is not a positive finite number."""
+    if k < 1 or not 0 < cost_ratio < float("inf"):
+        raise ValueError(f"break_even needs k >= 1 and a positive cost ratio, got {k}, {cost_ratio}")
+    return min(1.0, max(0.05, (cost_ratio - 1.0) / k))
+
+
 class SpecStats:
     """One sequence's speculation record: ``drafted`` and ``accepted`` tokens, the smoothed acceptance
-    ``rate`` (starts at 1: a new sequence speculates), ``plain`` tokens decoded since it stopped."""
+    ``rate`` (starts at 1: a new sequence speculates), ``plain`` tokens decoded since it stopped, and
+    ``min_acceptance``, the rate under which it stops (``break_even`` of the measured step costs, else
+    ``MIN_ACCEPTANCE``)."""
 
-    __slots__ = ("drafted", "accepted", "rate", "plain")
+    __slots__ = ("drafted", "accepted", "rate", "plain", "min_acceptance")
 
-    def __init__(self) -> None:
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE) -> None:
         self.drafted, self.accepted, self.rate, self.plain = 0, 0, 1.0, 0
+        self.min_acceptance = float(min_acceptance)
 
     def wants(self) -> bool:
         """True when its next step should speculate (acceptance high enough, or a probe is due)."""
-        return self.rate >= MIN_ACCEPTANCE or self.plain >= PROBE_TOKENS
+        return self.rate >= self.min_acceptance or self.plain >= PROBE_TOKENS
 
     def spec_step(self, drafted: int, accepted: int) -> None:
         """A speculative step drafted ``drafted`` tokens and kept ``accepted`` of them."""
@@ -48,7 +61,7 @@ class SpecStats:
 
     def plain_step(self) -> None:
         """A plain decode step gave it one token."""
-        if self.rate < MIN_ACCEPTANCE:
+        if self.rate < self.min_acceptance:
             self.plain += 1
 
 

@@ -17,6 +17,7 @@ import torch
 
 from qwen_chat.config import ServiceConfig
 from qwen_chat.engine.core.chat_engine import ChatEngine
+from qwen_chat.engine.core.spec_policy import MIN_ACCEPTANCE
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.startup.selfcheck import run_self_check
 from qwen_chat.lifecycle import exit_process_soon
@@ -177,6 +178,14 @@ def build_runner(loaded, config: ServiceConfig):
     sampler.warm_up()  # compiles the fused top-k sampler on CUDA (also without graphs, e.g. ZeRO-3); CPU: nothing
     if sampler.device.type == "cuda":
         log.info("compiled the sampler in %.1f s", time.monotonic() - t0)
+    if runner.spec is not None and runner.spec.drafter is not None:  # where speculating pays on this machine
+        try:
+            ratio = runner.spec.calibrate(sampler)
+            log.info("speculative decoding: a step of %d draft(s) from the MTP head costs %.2f plain decode "
+                     "steps", runner.spec.k, ratio)
+        except Exception as exc:  # noqa: BLE001 - the policy's default threshold still serves
+            log.warning("speculative decoding: measuring its step cost failed (%r); a sequence speculates while "
+                        "it keeps %.0f %% of its drafts", exc, 100 * MIN_ACCEPTANCE)
     log.info("prefill: up to %d prompt tokens per step", chunk)
     warm_up_prefill(runner, loaded, chunk, config.image_token_budget)  # CUDA: no first-use stalls after ready
     return runner, sampler, plan, chunk
