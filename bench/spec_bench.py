@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import statistics
 import sys
 import random
 import threading
@@ -140,31 +139,17 @@ class Engine:
             sched.shutdown()
 
     def step_cost(self, repeats: int, mtp: bool = False) -> dict:
-        """Median ms of one plain decode step and of one speculative step with K drafts (one stream): drafts
-        given (the verify forward, acceptance and state rollback), or ``mtp``: drafted by the MTP head."""
-        r, s = self.runner, self.sampler
-        sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
+        """Median ms of one plain decode step and of one speculative step with K drafts (one stream,
+        ``Speculation.step_time``): drafts given (the verify forward, acceptance and state rollback), or ``mtp``:
+        drafted by the MTP head."""
+        r = self.runner
         p = prompts(1, 100, seed=9)[0]
-        params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, presence_penalty=0.0, seed=0,
-                                max_new_tokens=10 ** 6, stop_token_ids=())
         out = {}
         for k in ((0,) if not mtp else ()) + KS:
             for slot in range(r.num_slots):
                 r.free(slot)
-            s.start(0, params)
-            r.prefill(0, p)
-            times = []
-            for i in range(repeats + 3):
-                sync()
-                t0 = time.perf_counter()
-                if k:
-                    r.spec.decode(s, [0], [5], k, drafts=None if mtp else [[5] * k])
-                else:
-                    s.sample_async([0], r.decode([0], torch.tensor([5])))
-                sync()
-                if i >= 3:
-                    times.append((time.perf_counter() - t0) * 1e3)
-            out[str(k) if k else "plain"] = round(statistics.median(times), 3)
+            t = r.spec.step_time(self.sampler, k, given=not mtp, steps=repeats, warmup=3, prompt=p)
+            out[str(k) if k else "plain"] = round(t * 1e3, 3)
         return out
 
 

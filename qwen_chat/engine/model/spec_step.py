@@ -39,40 +39,46 @@ class Speculation:
         self.cost_ratio: Optional[float] = None  # a step with k drafts in plain decode steps (``calibrate``)
 
     @torch.no_grad()
-    def calibrate(self, sampler, steps: int = 8) -> float:
-        """Measure what a step of ``self.k`` drafts from the MTP head costs in plain decode steps for one sequence
-        (median wall time of ``steps`` steps of each, after 2 unmeasured ones, in slot 0 after a 16-token prompt;
-        greedy) and keep it as ``cost_ratio``.  Slot 0 is free again afterwards.  Returns the ratio.  Raises
-        RuntimeError without an MTP head (nothing drafts), and what the steps raise."""
-        if self.drafter is None:
+    def step_time(self, sampler, k: int = 0, *, given: bool = False, steps: int = 8, warmup: int = 2,
+                  prompt: Optional[PreparedPrompt] = None) -> float:
+        """Median seconds of one decode step of one sequence (slot 0, after ``prompt``, default 16 tokens;
+        greedy) over ``steps`` steps after ``warmup`` unmeasured ones: plain (k = 0), or speculative with k
+        drafts from the MTP head, or ``given`` fixed drafts (the verify forward, acceptance and state rollback
+        alone).  Slot 0 is free again afterwards.  Raises ValueError for k outside 0..``self.k``, RuntimeError
+        for drafting without an MTP head, and what the steps raise."""
+        if not 0 <= k <= self.k:
+            raise ValueError(f"k must be in 0..{self.k}, got {k}")
+        if k and not given and self.drafter is None:
             raise RuntimeError("no MTP head: a speculative step's cost with drafting cannot be measured")
         r = self.runner
         sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
-        prompt = PreparedPrompt(input_ids=torch.arange(1000, 1016))
         params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, presence_penalty=0.0, seed=0,
                                 max_new_tokens=10 ** 6, stop_token_ids=())
-        median = {}
+        times = []
         try:
-            for spec in (False, True):
-                r.free(0)
-                self.forget([0])
-                sampler.start(0, params)
-                r.prefill(0, prompt)
-                times = []
-                for i in range(steps + 2):
-                    sync()
-                    t0 = time.perf_counter()
-                    if spec:
-                        self.decode(sampler, [0], [1000], self.k)
-                    else:
-                        sampler.sample_async([0], r.decode([0], torch.tensor([1000])))
-                    sync()
-                    times.append(time.perf_counter() - t0)
-                median[spec] = statistics.median(times[2:])
+            r.free(0)
+            self.forget([0])
+            sampler.start(0, params)
+            r.prefill(0, prompt or PreparedPrompt(input_ids=torch.arange(1000, 1016)))
+            for _ in range(warmup + steps):
+                sync()
+                t0 = time.perf_counter()
+                if k:
+                    self.decode(sampler, [0], [1000], k, drafts=[[1000] * k] if given else None)
+                else:
+                    sampler.sample_async([0], r.decode([0], torch.tensor([1000])))
+                sync()
+                times.append(time.perf_counter() - t0)
         finally:
             r.free(0)
             self.forget([0])
-        self.cost_ratio = median[True] / median[False]
+        return statistics.median(times[warmup:])
+
+    def calibrate(self, sampler, steps: int = 8) -> float:
+        """Measure what a step of ``self.k`` drafts from the MTP head costs in plain decode steps for one sequence
+        (``step_time`` of each) and keep it as ``cost_ratio``.  Returns the ratio.  Raises as ``step_time``."""
+        spec = self.step_time(sampler, self.k, steps=steps)
+        self.cost_ratio = spec / self.step_time(sampler, 0, steps=steps)
         return self.cost_ratio
 
     def forget(self, slots: Sequence[int]) -> None:
