@@ -29,12 +29,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from spec_bench import Engine, first_difference, prompts, progress  # noqa: E402
+from spec_bench import Engine, prompts, progress  # noqa: E402
 
 from qwen_chat.engine.core.spec_policy import OracleDrafter  # noqa: E402
 from qwen_chat.engine.types import PreparedPrompt, SamplingParams  # noqa: E402
 
 TOKENS = 512
+
+
+def first_difference(a: list[int], b: list[int]):
+    """Index of the first position where two token lists differ (the shorter's length when one is a prefix of
+    the other), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def logit_gap(eng: Engine, prompt: PreparedPrompt, prefix: list[int], plain_tok: int, spec_tok: int) -> dict:

@@ -36,10 +36,6 @@ def blocks_for(n_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
     return -(-int(n_tokens) // int(block_tokens))
 
 
-class _Updates(list):
-    """Table entries (slot, index, block id) changed since the last ``flush``."""
-
-
 class OutOfBlocks(RuntimeError):
     """A slot needed a KV block and none was free (the scheduler admits and preempts so that this never
     happens; seeing it means its accounting and the runner's disagree)."""
@@ -77,7 +73,7 @@ class BlockTables:
         self._owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
         self.device_table = None if device is None else torch.full(
             (num_slots + 1, self.max_blocks), self.null_block, dtype=torch.long, device=device)
-        self._updates = _Updates()  # (slot, index, block): to flush (device) or to take (scheduler)
+        self._updates: list[tuple[int, int, int]] = []  # (slot, index, block): to flush or to take
         self.following = False
 
     @property
