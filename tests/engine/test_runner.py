@@ -201,8 +201,9 @@ def test_options_default_to_production_and_refuse_what_cannot_work(model):
     """``RunnerOptions()`` resolves to what the service runs on this device (on CPU: no graphs, eager glue, no
     Triton), with the identity tensor-parallel path at world size 1; asking for CUDA-only paths on CPU fails."""
     runner = ModelRunner(model, num_slots=1, max_context=32, device="cpu")
-    assert runner.options == RunnerOptions(cuda_graphs=False, compile_glue=False, fast_gemv=False, gdn_kernel=False)
-    assert runner.graphs is None
+    assert runner.options == RunnerOptions(cuda_graphs=False, compile_glue=False, fast_gemv=False, gdn_kernel=False,
+                                           prefill_graphs=False)
+    assert runner.graphs is None and runner.graph_prefill is None
     assert isinstance(runner.tp, LocalDecode) and runner.impl["tp_all_reduce"] is None
     for bad in (RunnerOptions(cuda_graphs=True), RunnerOptions(fast_gemv=True)):
         with pytest.raises(ValueError, match="CUDA"):

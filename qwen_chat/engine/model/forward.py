@@ -116,10 +116,7 @@ class ModelForward:
                 x = self._linear_prefill(i, layer.linear_attn, seqs, meta, x)
             else:
                 x = self._attn_prefill(i, layer.self_attn, seqs, x, cos, sin)
-            h = h + x
-            mlp = layer.mlp
-            gate, up = self._project(i, "mlp", layer.post_attention_layernorm(h))
-            h = h + mlp.down_proj(mlp.act_fn(gate) * up)
+            h = self.mlp_block(i, layer, h + x)
         if self.keep_hidden:  # every token's hidden state and rotary angles, for the MTP drafter (``mtp``)
             self.prefill_hidden, self.prefill_cos, self.prefill_sin = h[0], cos[0], sin[0]
         if not any(s.logits for s in seqs):
@@ -183,39 +180,54 @@ class ModelForward:
             return tuple(m(x) for m in self._groups[i][group])
         return tuple(y for w, sizes in fused for y in fp8.linear(x, w, fast=self._opts.fast_gemv).split(sizes, dim=-1))
 
-    def _attn_prefill(self, i, at, seqs, x, cos, sin):
-        g = self._geo[i]
-        _, T, _ = x.shape
-        hd, nkv = g["hd"], g["nkv"]
+    def mlp_block(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s MLP half for prefill: h + down(act(gate) * up) of its post-attention norm; h [1, T, hidden]."""
+        mlp = layer.mlp
+        gate, up = self._project(i, "mlp", layer.post_attention_layernorm(h))
+        return h + mlp.down_proj(mlp.act_fn(gate) * up)
+
+    def attn_inputs(self, i: int, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The full-attention layer ``i``'s projections for prefill rows x [1, T, hidden] with cos/sin [1, T, rot]:
+        returns q [1, nq, T, hd] and k [1, nkv, T, hd] (normed, rotated), v [1, nkv, T, hd] and the output gate
+        [1, T, nq * hd]."""
+        hd = self._geo[i]["hd"]
+        T = x.shape[1]
         qg, kx, vx = self._project(i, "mix", x)
         q, gate = torch.chunk(qg.reshape(1, T, -1, 2 * hd), 2, dim=-1)
-        gate = gate.reshape(1, T, -1)
-        q = at.q_norm(q).transpose(1, 2)                                     # [1, nq, T, hd]
-        k = at.k_norm(kx.reshape(1, T, -1, hd)).transpose(1, 2)             # [1, nkv, T, hd]
+        q = at.q_norm(q).transpose(1, 2)
+        k = at.k_norm(kx.reshape(1, T, -1, hd)).transpose(1, 2)
         v = vx.reshape(1, T, -1, hd).transpose(1, 2)
         c, s = cos[:, None], sin[:, None]
-        q, k = apply_rotary(q, c, s), apply_rotary(k, c, s)
-        kc, vc = self.k_cache[i].view(-1, nkv, hd), self.v_cache[i].view(-1, nkv, hd)
-        outs = []
-        for sq in seqs:
-            lo, hi = sq.offset, sq.offset + sq.n
-            new_rows = sq.rows[sq.start:]
-            kc[new_rows] = k[0, :, lo:hi].transpose(0, 1).to(kc.dtype)
-            vc[new_rows] = v[0, :, lo:hi].transpose(0, 1).to(vc.dtype)
-            qi = q[:, :, lo:hi]
-            if sq.start == 0:
-                o = F.scaled_dot_product_attention(qi, k[:, :, lo:hi], v[:, :, lo:hi], is_causal=True,
-                                                   scale=g["scale"], enable_gqa=True)
-            else:  # a later chunk: the slot's cached positions, then this chunk's, causal from the bottom right
-                keys = kc[sq.rows].transpose(0, 1)[None].to(q.dtype)          # [1, nkv, start + n, hd]
-                vals = vc[sq.rows].transpose(0, 1)[None].to(q.dtype)
-                mask = causal_lower_right(sq.n, sq.start + sq.n)
-                o = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=g["scale"],
-                                                   enable_gqa=True)
-            outs.append(o)
+        return apply_rotary(q, c, s), apply_rotary(k, c, s), v, gate.reshape(1, T, -1)
+
+    def attn_core(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                  start: int) -> torch.Tensor:
+        """Causal attention of one chunk of n tokens continuing its sequence at position ``start``: q [1, nq, n, hd],
+        k/v [1, nkv, n, hd]; rows int64 [start + n] (device), the KV-cache rows of positions 0..start+n-1.  Writes
+        the chunk's keys and values into rows[start:], then attends over the cached positions and the chunk's own
+        (causal from the bottom right).  Returns o [1, nq, n, hd]."""
+        g = self._geo[i]
+        kc, vc = self.k_cache[i].view(-1, g["nkv"], g["hd"]), self.v_cache[i].view(-1, g["nkv"], g["hd"])
+        kc[rows[start:]], vc[rows[start:]] = k[0].transpose(0, 1).to(kc.dtype), v[0].transpose(0, 1).to(vc.dtype)
+        if start == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=g["scale"], enable_gqa=True)
+        keys = kc[rows].transpose(0, 1)[None].to(q.dtype)                   # [1, nkv, start + n, hd]
+        vals = vc[rows].transpose(0, 1)[None].to(q.dtype)
+        mask = causal_lower_right(q.shape[2], rows.shape[0])
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"], enable_gqa=True)
+
+    @staticmethod
+    def attn_output(at, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o_proj(o * sigmoid(gate)) for o and gate [1, T, nq * hd]."""
+        return at.o_proj(o * torch.sigmoid(gate))
+
+    def _attn_prefill(self, i, at, seqs, x, cos, sin):
+        T = x.shape[1]
+        q, k, v, gate = self.attn_inputs(i, at, x, cos, sin)
+        outs = [self.attn_core(i, q[:, :, sq.offset:sq.offset + sq.n], k[:, :, sq.offset:sq.offset + sq.n],
+                               v[:, :, sq.offset:sq.offset + sq.n], sq.rows, sq.start) for sq in seqs]
         o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        o = o.transpose(1, 2).reshape(1, T, -1) * torch.sigmoid(gate)
-        return at.o_proj(o)
+        return self.attn_output(at, o.transpose(1, 2).reshape(1, T, -1), gate)
 
     def _conv_prefill(self, i, la, seqs, meta, qkv):
         """Causal depthwise conv of packed chunks, each continuing from its slot's conv ring.  qkv: [T, C]
@@ -244,25 +256,37 @@ class ModelForward:
         out = F.conv1d(ext.to(w.dtype), w, la.conv1d.bias, groups=w.shape[0])  # window j: ext[j .. j + K - 1]
         return out[0].index_select(1, meta["take"]).t()
 
-    def _linear_prefill(self, i, la, seqs, meta, x):
+    def gdn_inputs(self, i: int, la, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]):
+        """The Gated DeltaNet layer ``i``'s inputs to the chunked delta rule for prefill rows x [1, T, hidden];
+        ``conv`` maps the in_proj_qkv output [T, C] to the causal conv's pre-activation output [T, C].  Returns
+        q, k [1, T, HV, dk] (l2-normalised, key heads repeated to the value heads), v [1, T, HV, dv], beta and
+        the log decay g [1, T, HV] (g fp32), and z [1, T, HV * dv] (the output gate's input)."""
         g = self._geo[i]
-        _, T, _ = x.shape
+        T = x.shape[1]
         qkv, z, b, a = self._project(i, "mix", x)
-        mixed = ACT2FN[la.activation](self._conv_prefill(i, la, seqs, meta, qkv[0])).to(x.dtype)[None]  # [1, T, C]
+        mixed = ACT2FN[la.activation](conv(qkv[0])).to(x.dtype)[None]  # [1, T, C]
         q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
-        q = q.reshape(1, T, -1, g["dk"])
-        k = k.reshape(1, T, -1, g["dk"])
-        v = v.reshape(1, T, -1, g["dv"])
+        q, k, v = q.reshape(1, T, -1, g["dk"]), k.reshape(1, T, -1, g["dk"]), v.reshape(1, T, -1, g["dv"])
         # q, k l2-normalised here rather than inside fla's kernel: fla's l2norm kernel is autotuned per
         # ceil(L * heads / 65536), so every further 2,048 tokens of prompt cost seconds of one-off tuning
         # (measured: docs/performance.md); this is the same formula (glue.l2norm, fp32) at no such cost.
-        q = l2norm(q.float()).to(q.dtype)
-        k = l2norm(k.float()).to(k.dtype)
+        q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
         rep = g["nv"] // g["nk"]
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
         beta = b.sigmoid()
         gdecay = -la.A_log.float().exp() * F.softplus(a.float() + la.dt_bias)
+        return q, k, v, beta, gdecay, z
+
+    def gdn_output(self, i: int, la, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """out_proj(norm(out, z)) of the delta rule's output out [1, T, HV, dv] and z [1, T, HV * dv]."""
+        dv = self._geo[i]["dv"]
+        T = z.shape[1]
+        core = la.norm(out.reshape(-1, dv).to(dtype), z.reshape(-1, dv))
+        return la.out_proj(core.reshape(1, T, -1))
+
+    def _linear_prefill(self, i, la, seqs, meta, x):
+        q, k, v, beta, gdecay, z = self.gdn_inputs(i, la, x, lambda qkv: self._conv_prefill(i, la, seqs, meta, qkv))
         slots = meta["slots"]
         rec = self.rec_state[i]
         h0 = torch.where(meta["past"][:, None, None, None], rec.index_select(0, slots), 0.0)
@@ -273,8 +297,7 @@ class ModelForward:
         rec.index_copy_(0, slots, state.float().transpose(-1, -2).contiguous())
         if kept.shape[0]:
             rec.index_copy_(0, meta["keep_rows"], kept.float().transpose(-1, -2).contiguous())
-        core = la.norm(out.reshape(-1, g["dv"]).to(x.dtype), z.reshape(-1, g["dv"]))
-        return la.out_proj(core.reshape(1, T, -1))
+        return self.gdn_output(i, la, out, z, x.dtype)
 
     # ------------------------------------------------------------------ decode
     def decode(self, slot_idx, tokens, pos, rope_pos, ctx: int) -> torch.Tensor:

@@ -105,7 +105,7 @@ class CudaGraphs:
         return len(self._decode)
 
     # ------------------------------------------------------------------ capture
-    def _warm_and_capture(self, fn: Callable, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def warm_and_capture(self, fn: Callable, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Run ``fn(*args)`` twice on a side stream (Inductor compilation, Triton autotuning and cuBLAS
         workspaces happen there, outside the capture), then capture one call into a CUDA graph that shares the
         pool of this runner's graphs.  Returns (graph, the captured call's output tensor, rewritten by each
@@ -131,7 +131,7 @@ class CudaGraphs:
         self._s_in.zero_()
         self._s_slots.fill_(self._scratch)
         args = (self._s_slots[:batch], self._s_tokens[:batch], self._s_pos[:batch], self._s_rope[:batch], ctx)
-        self._decode[(batch, ctx)], self._decode_out[(batch, ctx)] = self._warm_and_capture(self._decode_step, args)
+        self._decode[(batch, ctx)], self._decode_out[(batch, ctx)] = self.warm_and_capture(self._decode_step, args)
 
     # ------------------------------------------------------------------ replay
     def decode(self, slots: Sequence[int], tokens: Optional[torch.Tensor], pos: Sequence[int], rope: Sequence[int],

@@ -29,6 +29,10 @@ class RunnerOptions:
         gdn_kernel: run each Gated DeltaNet decode token as one Triton kernel (``gdn.gdn_decode``) instead of the
             glue's ``gdn_step``.  Auto: as ``fast_gemv`` where ``gdn.supports`` every layer.  True needs
             ``gdn.supports`` (CUDA, or Triton's interpreter on CPU for tests).
+        prefill_graphs: run a step's single prompt chunk of <= 1,024 tokens padded to a bucket, in pieces between
+            attention calls (``prefill_graph``), CUDA graphs when ``cuda_graphs``.  Auto: as ``cuda_graphs``
+            without tensor parallelism (its prefill all-reduces are not captured).  True on CPU runs the padded
+            pieces eagerly (tests).
         tp_allreduce: under tensor parallelism, the all-reduce kind of ``collectives.TensorParallelComm``:
             "auto", "symm_mem" or "nccl" (``collectives.BACKENDS``).
         tp_fused: under tensor parallelism, offer the fused all-reduce + residual add + RMSNorm kernels.
@@ -38,16 +42,18 @@ class RunnerOptions:
     compile_glue: Optional[bool] = None
     fast_gemv: Optional[bool] = None
     gdn_kernel: Optional[bool] = None
+    prefill_graphs: Optional[bool] = None
     tp_allreduce: str = "auto"
     tp_fused: bool = True
 
 
 def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool,
-                    gdn_fits: bool) -> RunnerOptions:
-    """``options`` with every auto switch decided (all four are then bools).
+                    gdn_fits: bool, tensor_parallel: bool = False) -> RunnerOptions:
+    """``options`` with every auto switch decided (all five are then bools).
 
     device: the model's device; zero3: parameters partitioned by DeepSpeed ZeRO-3; gdn_fits: ``gdn.supports``
-    the state of every Gated DeltaNet layer and its norm is ``Qwen3_5RMSNormGated`` (false under ZeRO-3).
+    the state of every Gated DeltaNet layer and its norm is ``Qwen3_5RMSNormGated`` (false under ZeRO-3);
+    tensor_parallel: the model is sharded over several ranks.
 
     Raises ValueError: ``cuda_graphs=True`` off CUDA or under ZeRO-3; ``fast_gemv=True`` off CUDA or without
     Triton; ``gdn_kernel=True`` where ``gdn_fits`` is false.
@@ -68,5 +74,9 @@ def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool
         raise ValueError("gdn_kernel needs Triton, CUDA (or TRITON_INTERPRET=1), SiLU, Qwen3_5RMSNormGated and "
                          "power-of-two head dims")
     gdn_kernel = gdn_fits and (bool(fast_gemv) if options.gdn_kernel is None else bool(options.gdn_kernel))
+    prefill_graphs = options.prefill_graphs
+    if prefill_graphs is None:
+        prefill_graphs = graphs and not tensor_parallel
     return dataclasses.replace(options, cuda_graphs=bool(graphs), compile_glue=bool(compile_glue),
-                               fast_gemv=bool(fast_gemv), gdn_kernel=bool(gdn_kernel))
+                               fast_gemv=bool(fast_gemv), gdn_kernel=bool(gdn_kernel),
+                               prefill_graphs=bool(prefill_graphs))

@@ -70,3 +70,23 @@ def restore(runner, src: int, dst: int) -> int:
     runner.lengths[dst] = n
     runner.rope_deltas[dst] = rope_delta
     return n
+
+
+def check_keeps(runner, chunks, slots: set) -> None:
+    """Refuse the keep points of a prefill's chunks (``types.PrefillItem``) before any state changes: raises
+    ValueError for keep points out of order or outside their chunk, and for a keep row out of range, among the
+    step's slots ``slots``, kept twice in the step or holding anything."""
+    rows = set()
+    for c in chunks:
+        points = [p for p, _ in c.keeps]
+        if points != sorted(set(points)):
+            raise ValueError(f"keep points {points} of one chunk are not in increasing order")
+        for p, row in c.keeps:
+            if not 0 <= row < runner.num_slots:
+                raise ValueError(f"keep row {row} out of range 0..{runner.num_slots - 1}")
+            if not c.start < p <= c.stop():
+                raise ValueError(f"keep point {p} is outside the chunk {c.start}..{c.stop()}")
+            held = runner.tables.count(row) and not runner.tables.following  # a plan gave it the shared blocks
+            if row in slots or row in rows or runner.lengths[row] or held:
+                raise ValueError(f"keep row {row} is in use")
+            rows.add(row)

@@ -20,7 +20,8 @@ The runner owns the slots and the public calls; the other concerns live next to 
   lm_head), run on their local weight and completed across the tensor-parallel ranks (the identity at world
   size 1); prefill calls the sharded modules;
 - ``graphs``: on CUDA (not ZeRO-3) the decode step is captured in CUDA graphs, one per (batch size, context
-  bucket); prefill runs eagerly (its packed shape changes every step);
+  bucket); ``prefill_graph``: a step's one short prompt chunk runs padded through piecewise prefill graphs,
+  other prefills eagerly (their packed shape changes every step);
 - ``glue``: the element-wise glue between the projections, fused with ``torch.compile`` on CUDA;
 - ``options``: which of these run (``RunnerOptions``; the defaults are production's).
 
@@ -42,10 +43,11 @@ from qwen_chat.engine.model.fusion import Fused, fuse_layers
 from qwen_chat.engine.model.glue import glue_functions
 from qwen_chat.engine.model.options import RunnerOptions, resolve_options
 from qwen_chat.engine.model.paged import BLOCK_TOKENS, BlockTables, blocks_for
+from qwen_chat.engine.model.prefill_graph import PREFILL_BUCKETS, GraphPrefill
 from qwen_chat.engine.model.prompt_inputs import PromptInputs
 from qwen_chat.engine.model.state import Geometry, SlotState, probe_geometry
 from qwen_chat.engine.parallel.sharding import is_zero3_partitioned
-from qwen_chat.engine.parallel.tp_decode import decode_projections
+from qwen_chat.engine.parallel.tp_decode import decode_projections, is_tensor_parallel
 from qwen_chat.engine.types import PrefillItem, PreparedPrompt
 
 log = logging.getLogger(__name__)
@@ -112,7 +114,8 @@ class ModelRunner:
         self.k_cache, self.v_cache = state.k_cache, state.v_cache
         self.conv_state, self.rec_state = state.conv_state, state.rec_state
         self.options = opts = resolve_options(options, device=self.device, zero3=zero3,
-                                              gdn_fits=state.gdn_kernel_fits(layers, zero3))
+                                              gdn_fits=state.gdn_kernel_fits(layers, zero3),
+                                              tensor_parallel=is_tensor_parallel(model, zero3))
         self.use_cuda_graphs = opts.cuda_graphs
         glue = glue_functions(opts.compile_glue)
         self.tp = decode_projections(model, device=self.device, dtype=self.dtype, fast_gemv=opts.fast_gemv,
@@ -132,6 +135,10 @@ class ModelRunner:
         self.graphs: Optional[graphs.CudaGraphs] = None
         if self.use_cuda_graphs:
             self.graphs = graphs.CudaGraphs(device=self.device, scratch_slot=self.num_slots, decode_step=fwd.decode)
+        self.graph_prefill: Optional[GraphPrefill] = None
+        if opts.prefill_graphs:
+            self.graph_prefill = GraphPrefill(fwd, scratch_slot=self.num_slots, max_context=self.max_context,
+                                              graphs=self.graphs)
         glue_name = "torch.compile" if opts.compile_glue else "eager"
         self.impl = {"chunk_delta_rule": chunk_name, "recurrent_delta_rule": "torch", "conv1d": "torch",
                      "attention": "torch.sdpa (prefill), paged %d-token blocks" % self.block_tokens,
@@ -142,7 +149,10 @@ class ModelRunner:
                                      if opts.fast_gemv else "torch"),
                      "tp_all_reduce": self.tp.kind, "tp_fused_all_reduce_norm": self.tp.fused,
                      "gdn_decode": "triton (one kernel)" if opts.gdn_kernel else glue_name,
-                     "prefill": "eager, prompt chunks packed"}
+                     "prefill": "eager, prompt chunks packed" + (
+                         "; one chunk of <= %d tokens in piecewise %s" % (
+                             PREFILL_BUCKETS[-1], "CUDA graphs" if self.graphs else "padded pieces")
+                         if self.graph_prefill else "")}
         log.info("ModelRunner: %d slots, %d KV blocks x %d tokens, context %d, dtype %s, impl %s", self.num_slots,
                  self.num_blocks, self.block_tokens, self.max_context, self.dtype, self.impl)
 
@@ -242,6 +252,11 @@ class ModelRunner:
                 self.graphs.capture_decode(bp, ctx)
         return self.graphs.count()
 
+    def capture_prefill(self) -> int:
+        """Capture the piecewise prefill graphs of every bucket (``prefill_graph``).  Returns the number held (0
+        without them)."""
+        return self.graph_prefill.capture_all() if self.graph_prefill and self.graphs else 0
+
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
     def prefill_batch(self, chunks: Sequence[PrefillItem]) -> Optional[torch.Tensor]:
@@ -277,7 +292,7 @@ class ModelRunner:
                                  f"{self.lengths[c.slot]} tokens)")
             if not c.start < end <= L:
                 raise ValueError(f"chunk {c.start}..{end} is outside the prompt of {L} tokens")
-        self._check_keeps(chunks, seen)
+        prefix_cache.check_keeps(self, chunks, seen)
         deltas = {}
         starting = [c for c in chunks if c.start == 0 or c.slot in self._restored]
         try:
@@ -307,7 +322,10 @@ class ModelRunner:
             offset += end - c.start
         self.tables.flush()
         emb, cos, sin = self._inputs.embed([(c.slot, c.prompt, c.start, c.stop()) for c in chunks])
-        logits = self._forward.prefill(emb, cos, sin, seqs)
+        if self.graph_prefill is not None and self.graph_prefill.takes(seqs):
+            logits = self.graph_prefill.run(emb, cos, sin, seqs[0])
+        else:
+            logits = self._forward.prefill(emb, cos, sin, seqs)
         for c in chunks:
             for p, row in c.keeps:
                 prefix_cache.keep_blocks(self, c.slot, row, p, self.rope_deltas[c.slot])
@@ -316,23 +334,6 @@ class ModelRunner:
                 self._active[c.slot] = True
                 self._inputs.done(c.slot)
         return logits
-
-    def _check_keeps(self, chunks: Sequence[PrefillItem], slots: set) -> None:
-        """Raise ValueError for a keep point outside its chunk or out of order, or into a row out of range, in
-        this batch, kept twice or holding anything."""
-        rows = set()
-        for c in chunks:
-            points = [p for p, _ in c.keeps]
-            if points != sorted(set(points)):
-                raise ValueError(f"keep points {points} of one chunk are not in increasing order")
-            for p, row in c.keeps:
-                self._check_slot(row)
-                if not c.start < p <= c.stop():
-                    raise ValueError(f"keep point {p} is outside the chunk {c.start}..{c.stop()}")
-                held = self.tables.count(row) and not self.tables.following  # a plan gave it the shared blocks
-                if row in slots or row in rows or self.lengths[row] or held:
-                    raise ValueError(f"keep row {row} is in use")
-                rows.add(row)
 
     def last_hidden(self, i: int) -> torch.Tensor:
         """The final normed hidden state [hidden] of the i-th logits row of the last ``prefill_batch``."""

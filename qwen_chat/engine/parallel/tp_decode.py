@@ -208,16 +208,21 @@ class TensorParallelDecode(LocalDecode):
         return y
 
 
+def is_tensor_parallel(model: torch.nn.Module, zero3: bool) -> bool:
+    """Whether ``model`` runs tensor parallel: torch.distributed runs several ranks and the model holds a
+    row-parallel layer (``tp_layers.row_parallel_weight``), not under ZeRO-3."""
+    return (not zero3 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+            and any(row_parallel_weight(m) is not None for m in model.modules()))
+
+
 def decode_projections(model: torch.nn.Module, *, device, dtype: torch.dtype, fast_gemv: bool, cuda_graphs: bool,
                        add_norm: AddNorm, zero3: bool, backend: str = "auto", fused: bool = True) -> LocalDecode:
-    """The decode projections for ``model``: ``TensorParallelDecode`` over the default process group when
-    torch.distributed runs several ranks and the model holds a row-parallel layer (``tp_layers
-    .row_parallel_weight``), not under ZeRO-3; else ``LocalDecode``.  ``backend``/``fused``: the
+    """The decode projections for ``model``: ``TensorParallelDecode`` over the default process group when it
+    ``is_tensor_parallel``; else ``LocalDecode``.  ``backend``/``fused``: the
     ``TensorParallelComm``'s all-reduce kind and fused kernels.  Collective under TP: every rank calls it at
     the same time (the comm's rendezvous).  Raises ValueError for an unknown ``backend`` (under TP only)."""
     local = dict(dtype=dtype, fast_gemv=fast_gemv, add_norm=add_norm, zero3=zero3)
-    if (zero3 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
-            or not any(row_parallel_weight(m) is not None for m in model.modules())):
+    if not is_tensor_parallel(model, zero3):
         return LocalDecode(model, **local)
     comm = TensorParallelComm(None, device, dtype, backend=backend, fused=fused)
     return TensorParallelDecode(model, comm=comm, cuda_graphs=cuda_graphs, **local)

@@ -174,6 +174,12 @@ def build_runner(loaded, config: ServiceConfig):
                             "lower --gpu-memory-utilization (or --speculative-max-batch) to use it")
         log.info("captured %d decode graphs in %.1f s (the rest while idle or on first use)", held,
                  time.monotonic() - t0)
+        t0, before = time.monotonic(), torch.cuda.memory_reserved(device)
+        held = runner.capture_prefill()
+        if held:
+            log.info("captured %d prefill graphs (%d pieces x buckets %s tokens) in %.1f s, %.2f GiB", held,
+                     held // len(runner.graph_prefill.buckets), list(runner.graph_prefill.buckets),
+                     time.monotonic() - t0, (torch.cuda.memory_reserved(device) - before) / 2**30)
     t0 = time.monotonic()
     sampler.warm_up()  # compiles the fused top-k sampler on CUDA (also without graphs, e.g. ZeRO-3); CPU: nothing
     if sampler.device.type == "cuda":

@@ -1,0 +1,220 @@
+"""Prefill benchmark of the engine alone (no HTTP; for kernel work, not a claim about the service): one prompt
+chunk through the piecewise prefill CUDA graphs (``qwen_chat/engine/model/prefill_graph.py``) against the packed
+eager prefill, on the full published Qwen3.5-9B config with random bf16 weights.
+
+Usage (one GPU host, from the repository root):
+
+    python bench/prefill_bench.py --out bench/results/<date>-<gpu>-prefill   # writes <out>.json, prints a table
+    python bench/prefill_bench.py --smoke --out /tmp/p                        # tiny config on CPU: checks the script
+
+Measures: the capture time and memory of the prefill graphs; per prompt length the prefill latency (prefill +
+synchronise, median of 5 after a warm-up) through the graphs and eagerly (graph prefill switched off); a
+follow-up turn (restore the state kept after a long history, then prefill 30 new tokens with a keep point, as the
+conversation cache does) both ways; the GPU kernel time and kernel count of a 1k prefill both ways (torch
+profiler); agreement of the graph path with the eager path and of both with an fp32 copy of the model
+(transformers' own forward): relative error of the last token's logits and whether the argmax agrees.
+Every section is guarded: a failure is recorded and the run goes on.  The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from decode_bench import build_config, random_ids, sync, timed  # noqa: E402
+from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
+from qwen_chat.engine.types import PrefillItem, PreparedPrompt  # noqa: E402
+
+
+def latency(runner, dev, prompt: PreparedPrompt, graphs: bool, repeats: int = 5) -> float:
+    """Median ms of ``runner.prefill`` of ``prompt`` into slot 0 (after one warm-up run)."""
+    held = runner.graph_prefill
+    runner.graph_prefill = held if graphs else None
+    try:
+        def once():
+            runner.free(0)
+            return runner.prefill(0, prompt)
+
+        once()
+        times = [timed(once, dev)[0] for _ in range(repeats)]
+    finally:
+        runner.graph_prefill = held
+        runner.free(0)
+    return statistics.median(times) * 1e3
+
+
+def follow_up(runner, dev, history: int, new: int, gen, graphs: bool, repeats: int = 5) -> float:
+    """Median ms of a follow-up turn: restore the state kept after ``history`` tokens into slot 1 and prefill
+    ``new`` tokens keeping the state 3 tokens before the end (the conversation cache's keep point)."""
+    ids = random_ids(history + new, gen)
+    prompt = PreparedPrompt(input_ids=ids)
+    runner.free(3)
+    runner.prefill_batch([PrefillItem(0, prompt, start=0, end=history, resume=True, keeps=((history, 3),))])
+    runner.free(0)
+    held = runner.graph_prefill
+    runner.graph_prefill = held if graphs else None
+    try:
+        def once():
+            runner.free(1)
+            runner.free(2)
+            runner.restore(3, 1)
+            return runner.prefill_batch([PrefillItem(1, prompt, start=history, keeps=((history + new - 3, 2),))])
+
+        once()
+        times = [timed(once, dev)[0] for _ in range(repeats)]
+    finally:
+        runner.graph_prefill = held
+        for s in (1, 2, 3):
+            runner.free(s)
+    return statistics.median(times) * 1e3
+
+
+def kernels(runner, dev, prompt: PreparedPrompt, graphs: bool) -> dict:
+    """GPU kernel ms and kernel launches of one prefill (torch profiler), and its profiled wall ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    held = runner.graph_prefill
+    runner.graph_prefill = held if graphs else None
+    try:
+        runner.free(0)
+        runner.prefill(0, prompt)
+        runner.free(0)
+        sync(dev)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            runner.prefill(0, prompt)
+            sync(dev)
+        wall = time.perf_counter() - t0
+    finally:
+        runner.graph_prefill = held
+        runner.free(0)
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)  # noqa: E731
+    ev = [e for e in prof.key_averages() if dev_t(e) > 0]
+    return {"gpu_kernel_ms": sum(dev_t(e) for e in ev) / 1e3, "kernels": sum(e.count for e in ev),
+            "wall_ms_profiled": wall * 1e3}
+
+
+def agreement(runner, model, dev, lengths, gen) -> list:
+    """Per prompt length: the graph path's last-token logits against the eager path's and both against an fp32
+    copy of the model (transformers' forward): relative errors and argmax agreement."""
+    ref_model = copy.deepcopy(model).float()
+    out = []
+    try:
+        for n in lengths:
+            prompt = PreparedPrompt(input_ids=random_ids(n, gen))
+            held = runner.graph_prefill
+            got = {}
+            for name, gp in (("graph", held), ("eager", None)):
+                runner.graph_prefill = gp
+                runner.free(0)
+                got[name] = runner.prefill(0, prompt).float()
+                runner.graph_prefill = held
+            runner.free(0)
+            with torch.no_grad():
+                ref = ref_model(input_ids=prompt.input_ids[None].to(dev)).logits[0, -1].float()
+            rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+            out.append({"tokens": n, "graph_vs_eager": rel(got["graph"], got["eager"]),
+                        "graph_vs_fp32": rel(got["graph"], ref), "eager_vs_fp32": rel(got["eager"], ref),
+                        "argmax_graph_eager_fp32": [int(got["graph"].argmax()), int(got["eager"].argmax()),
+                                                    int(ref.argmax())]})
+    finally:
+        del ref_model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="output path without extension (.json is added)")
+    ap.add_argument("--smoke", action="store_true", help="tiny config on CPU (checks the script)")
+    args = ap.parse_args(argv)
+    dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    lengths = (20, 60, 100, 300, 500, 1000, 2000, 8000) if not args.smoke else (5, 20, 40)
+    doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "torch": torch.__version__, "errors": {}}
+    try:
+        import transformers
+        doc["transformers"] = transformers.__version__
+    except Exception:  # noqa: BLE001
+        pass
+
+    def section(name, fn):
+        try:
+            doc[name] = fn()
+        except Exception:  # noqa: BLE001 - recorded, the run goes on
+            doc["errors"][name] = traceback.format_exc()[-2000:]
+            print(f"section {name} failed:\n{doc['errors'][name]}", flush=True)
+        Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
+
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = Qwen3_5ForConditionalGeneration(build_config(args.smoke)).eval()
+    torch.set_default_dtype(torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    from qwen_chat.engine.model.options import RunnerOptions
+
+    opts = RunnerOptions(prefill_graphs=True)
+    runner = ModelRunner(model, num_slots=4, max_context=16384 if not args.smoke else 256, device=dev, options=opts)
+    doc["impl"] = runner.impl
+
+    def capture():
+        before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        t, held = timed(runner.capture_prefill, dev)
+        after = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        return {"graphs": held, "buckets": list(runner.graph_prefill.buckets), "seconds": t,
+                "reserved_gib": (after - before) / 2**30}
+
+    section("capture", capture)
+    section("latency_ms", lambda: {str(n): {"graph": latency(runner, dev, PreparedPrompt(input_ids=random_ids(n, gen)), True),
+                                            "eager": latency(runner, dev, PreparedPrompt(input_ids=random_ids(n, gen)), False)}
+                                   for n in lengths})
+    hist = 8000 if not args.smoke else 100
+    section("follow_up_ms", lambda: {"history": hist, "new": 30,
+                                     "graph": follow_up(runner, dev, hist, 30, gen, True),
+                                     "eager": follow_up(runner, dev, hist, 30, gen, False)})
+    k_prompt = PreparedPrompt(input_ids=random_ids(1000 if not args.smoke else 40, gen))
+    section("kernels_1k", lambda: {"graph": kernels(runner, dev, k_prompt, True),
+                                   "eager": kernels(runner, dev, k_prompt, False)})
+    section("agreement", lambda: agreement(runner, model, dev, (50, 300, 1000) if not args.smoke else (7, 30), gen))
+    Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
+    print(f"\n## prefill, {doc['device']}, torch {doc['torch']}, {doc['date']}")
+    if "capture" in doc:
+        c = doc["capture"]
+        print(f"capture: {c['graphs']} graphs, buckets {c['buckets']}, {c['seconds']:.1f} s, "
+              f"{c['reserved_gib']:.2f} GiB")
+    print("| prompt tokens | graph ms | eager ms |\n|---|---|---|")
+    for n, v in doc.get("latency_ms", {}).items():
+        print(f"| {n} | {v['graph']:.1f} | {v['eager']:.1f} |")
+    if "follow_up_ms" in doc:
+        f = doc["follow_up_ms"]
+        print(f"| follow-up: {f['new']} new after {f['history']} | {f['graph']:.1f} | {f['eager']:.1f} |")
+    if "kernels_1k" in doc:
+        for name, k in doc["kernels_1k"].items():
+            print(f"1k {name}: {k['gpu_kernel_ms']:.1f} ms GPU kernels, {k['kernels']} kernels, "
+                  f"{k['wall_ms_profiled']:.1f} ms profiled wall")
+    for a in doc.get("agreement", []):
+        print(f"agreement {a['tokens']} tokens: graph/eager {a['graph_vs_eager']:.2e}, graph/fp32 "
+              f"{a['graph_vs_fp32']:.2e}, eager/fp32 {a['eager_vs_fp32']:.2e}, argmax {a['argmax_graph_eager_fp32']}")
+    if doc["errors"]:
+        print("errors in:", ", ".join(doc["errors"]))
+    return 1 if doc["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
