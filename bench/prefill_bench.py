@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         t, held = timed(runner.capture_prefill, dev)
         after = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
         return {"graphs": held, "buckets": list(runner.graph_prefill.buckets), "seconds": t,
-                "reserved_gib": (after - before) / 2**30}
+                "seconds_per_bucket": runner.graph_prefill.capture_seconds, "reserved_gib": (after - before) / 2**30}
 
     section("capture", capture)
     section("latency_ms", lambda: {str(n): {"graph": latency(runner, dev, PreparedPrompt(input_ids=random_ids(n, gen)), True),
@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     if "capture" in doc:
         c = doc["capture"]
         print(f"capture: {c['graphs']} graphs, buckets {c['buckets']}, {c['seconds']:.1f} s, "
-              f"{c['reserved_gib']:.2f} GiB")
+              f"{c['reserved_gib']:.2f} GiB; per bucket {c['seconds_per_bucket']}")
     print("| prompt tokens | graph ms | eager ms |\n|---|---|---|")
     for n, v in doc.get("latency_ms", {}).items():
         print(f"| {n} | {v['graph']:.1f} | {v['eager']:.1f} |")

@@ -79,6 +79,7 @@ class CudaGraphs:
         self._decode_step = decode_step
         self._ladder = tuple(ladder)
         self._pool = None
+        self._warm_stream = torch.cuda.Stream(device)
         self._decode: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._decode_out: dict[tuple[int, int], torch.Tensor] = {}
         n = self._ladder[-1]
@@ -105,15 +106,17 @@ class CudaGraphs:
         return len(self._decode)
 
     # ------------------------------------------------------------------ capture
-    def warm_and_capture(self, fn: Callable, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Run ``fn(*args)`` twice on a side stream (Inductor compilation, Triton autotuning and cuBLAS
-        workspaces happen there, outside the capture), then capture one call into a CUDA graph that shares the
-        pool of this runner's graphs.  Returns (graph, the captured call's output tensor, rewritten by each
-        replay)."""
-        stream = torch.cuda.Stream(self._device)
+    def warm_and_capture(self, fn: Callable, args: tuple, warm_runs: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run ``fn(*args)`` ``warm_runs`` times on the side stream (Inductor compilation, Triton autotuning and
+        cuBLAS workspaces happen there, outside the capture), then capture one call into a CUDA graph that shares
+        the pool of this runner's graphs.  One side stream for every capture: the caching allocator keeps a
+        stream's freed blocks for that stream only, so a new stream per capture kept every warm-up's activations
+        reserved (measured: 55 GiB for the prefill graphs, docs/performance.md).  Returns (graph, the captured
+        call's output tensor, rewritten by each replay)."""
+        stream = self._warm_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
+            for _ in range(warm_runs):
                 fn(*args)
         torch.cuda.current_stream(self._device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

@@ -22,6 +22,7 @@ Without CUDA (tests) the same pieces run eagerly, padded, so CPU tests check the
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -96,6 +97,7 @@ class GraphPrefill:
         self._ring_cols = d[o + K + 1:o + 3 * K + 1].view(2, K)
         self._ring_ext = d[o + 3 * K + 1:o + 5 * K + 1].view(2, K)
         self._held: dict[int, list] = {}  # bucket -> per piece (graph, output)
+        self.capture_seconds: dict[int, float] = {}
         self.last_hidden: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ which chunks
@@ -227,11 +229,16 @@ class GraphPrefill:
             return self._held[T]
         rows = torch.zeros(T, dtype=torch.long)
         self._inputs(PrefillRows(self._scratch, 0, T, 0, rows, True, ((T, self._scratch),)))
-        self._held[T] = [self._graphs.warm_and_capture(self._piece, (j, T)) for j in range(len(self._attn) + 1)]
+        self._held[T] = [self._graphs.warm_and_capture(self._piece, (j, T), warm_runs=1)
+                         for j in range(len(self._attn) + 1)]
         return self._held[T]
 
     def capture_all(self) -> int:
-        """Capture every bucket's pieces.  Returns the number of graphs held."""
+        """Capture every bucket's pieces.  Returns the number of graphs held; ``capture_seconds``: seconds per
+        bucket."""
         for T in self.buckets:
+            t0 = time.perf_counter()
             self.capture(T)
+            torch.cuda.synchronize()
+            self.capture_seconds[T] = round(time.perf_counter() - t0, 2)
         return sum(len(p) for p in self._held.values())
