@@ -227,8 +227,8 @@ class GraphPrefill:
         the pieces' (graph, output) pairs."""
         if T in self._held:
             return self._held[T]
-        rows = torch.zeros(T, dtype=torch.long)
-        self._inputs(PrefillRows(self._scratch, 0, T, 0, rows, True, ((T, self._scratch),)))
+        no_rows = torch.zeros(0, dtype=torch.long)  # the pieces read no KV rows: attention runs between them
+        self._inputs(PrefillRows(self._scratch, 0, T, 0, no_rows, True, ((T, self._scratch),)))
         self._held[T] = [self._graphs.warm_and_capture(self._piece, (j, T), warm_runs=1)
                          for j in range(len(self._attn) + 1)]
         return self._held[T]
