@@ -142,13 +142,16 @@ def prefill_chunk(text_config, geometry: Geometry, *, free_after_weights: int) -
     return CHUNK_CHOICES[-1]
 
 
-def activation_reserve(text_config, geometry: Geometry, *, prefill_tokens: int, max_slots: int) -> int:
+def activation_reserve(text_config, geometry: Geometry, *, prefill_tokens: int, max_slots: int,
+                       graph_prefill_tokens: int = 0) -> int:
     """Bytes to keep free for activations: a prefill step of ``prefill_tokens`` packed tokens
     (``activation_bytes_per_token``), the fp32 logits and sampler buffers of ``max_slots`` decode rows, and
-    ``FIXED_RESERVE_BYTES``.  (What grows with the context is priced per token by ``plan_memory``.)"""
+    ``FIXED_RESERVE_BYTES``; with prefill graphs (``prefill_graph``) also twice the activations of their largest
+    bucket, ``graph_prefill_tokens`` (their memory pool is held apart from the eager prefill's, and their delta
+    rule runs two rows).  (What grows with the context is priced per token by ``plan_memory``.)"""
     per_token = activation_bytes_per_token(text_config, geometry)
     logits = 3 * max_slots * int(text_config.vocab_size) * 4
-    return int(prefill_tokens * per_token + logits + FIXED_RESERVE_BYTES)
+    return int((prefill_tokens + 2 * graph_prefill_tokens) * per_token + logits + FIXED_RESERVE_BYTES)
 
 
 def gpu_memory(device: torch.device, *, utilization: float) -> tuple[int, int, str]:

@@ -24,7 +24,9 @@ from qwen_chat.lifecycle import exit_process_soon
 from qwen_chat.engine.model import fusion, graphs, memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
 from qwen_chat.engine.model.mtp import with_mtp_layer
+from qwen_chat.engine.model.prefill_graph import PREFILL_BUCKETS
 from qwen_chat.engine.model.state import Geometry, probe_geometry
+from qwen_chat.engine.parallel.tp_decode import is_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +79,10 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device,
         usable, held, how = memory.gpu_memory(device, utilization=config.gpu_memory_utilization)
         chunk = chunk or memory.prefill_chunk(tc, geometry, free_after_weights=usable - held)
         slots = max(1, memory.state_slots(geometry, usable - held, config.max_batch))
-        reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots)
         gathered = _largest_gathered_parameter(model)
+        graph_tokens = 0 if gathered or is_tensor_parallel(model, False) else PREFILL_BUCKETS[-1]
+        reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots,
+                                            graph_prefill_tokens=graph_tokens)
         dequant = fusion.dequant_bytes(model, dtype)
         budget = usable - held - reserve - gathered - dequant
         how += (f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
@@ -175,7 +179,13 @@ def build_runner(loaded, config: ServiceConfig):
         log.info("captured %d decode graphs in %.1f s (the rest while idle or on first use)", held,
                  time.monotonic() - t0)
         t0, before = time.monotonic(), torch.cuda.memory_reserved(device)
-        held = runner.capture_prefill()
+        try:
+            held = runner.capture_prefill()
+        except torch.OutOfMemoryError:  # serve with the eager prefill rather than not at all
+            runner.graph_prefill, held = None, 0
+            torch.cuda.empty_cache()
+            log.warning("prefill graphs are off: capturing them ran out of GPU memory; lower "
+                        "--gpu-memory-utilization to use them")
         if held:
             log.info("captured %d prefill graphs (%d pieces x buckets %s tokens) in %.1f s, %.2f GiB", held,
                      held // len(runner.graph_prefill.buckets), list(runner.graph_prefill.buckets),
