@@ -189,6 +189,7 @@ class GraphPrefill:
         if self._copied is not None:
             self._copied.record()
 
+    @torch.no_grad()
     def run(self, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sq: PrefillRows) -> Optional[torch.Tensor]:
         """The prefill of one chunk (``takes``): emb [n, hidden], cos/sin [n, rot] as ``ModelForward.prefill``.
         Writes its KV and states as the packed prefill does.  Returns fp32 logits [1, V] of its last token when
@@ -222,6 +223,7 @@ class GraphPrefill:
             f.prefill_hidden, f.prefill_cos, f.prefill_sin = self._h[0, :n], self._cos[:n], self._sin[:n]
         return logits if sq.logits else None
 
+    @torch.no_grad()
     def capture(self, T: int) -> list:
         """Capture every piece at bucket T (CUDA graphs; inputs point at the scratch slot meanwhile).  Returns
         the pieces' (graph, output) pairs."""

@@ -252,6 +252,7 @@ class ModelRunner:
                 self.graphs.capture_decode(bp, ctx)
         return self.graphs.count()
 
+    @torch.no_grad()
     def capture_prefill(self) -> int:
         """Capture the piecewise prefill graphs of every bucket (``prefill_graph``).  Returns the number held (0
         without them)."""

@@ -9,6 +9,7 @@ reserve (``memory.gpu_memory``, ``memory.activation_reserve``, plus ``fusion.deq
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Callable, Optional
@@ -182,7 +183,10 @@ def build_runner(loaded, config: ServiceConfig):
         try:
             held = runner.capture_prefill()
         except torch.OutOfMemoryError:  # serve with the eager prefill rather than not at all
+            held = -1
+        if held < 0:  # outside the handler: its traceback no longer holds the graphs, so their pool is freed
             runner.graph_prefill, held = None, 0
+            gc.collect()
             torch.cuda.empty_cache()
             log.warning("prefill graphs are off: capturing them ran out of GPU memory; lower "
                         "--gpu-memory-utilization to use them")
