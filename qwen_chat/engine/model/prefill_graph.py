@@ -30,9 +30,10 @@ import torch.nn.functional as F
 
 from qwen_chat.engine.model.forward import ModelForward, PrefillRows
 
-#: Token counts a chunk is padded to; a chunk longer than the last runs the eager packed prefill.  The graph
-#: against eager for one prompt was 15 vs 76 ms at 100 tokens and 44 vs 81 ms at 1,000, and no better than
-#: eager above 2,000 (H200, docs/performance.md): buckets stop at 1,024.
+#: Token counts a chunk is padded to; a chunk longer than the last runs the eager packed prefill.  Graphs
+#: against eager for one prompt (H200, docs/performance.md, "Short prefills"): 16 vs 105 ms at 100 tokens,
+#: 48 vs 80 ms at 1,000; at 2,000 tokens the eager prefill (88 ms) is GPU-bound, and an earlier whole-prompt
+#: graph of 2,048 tokens saved 4 ms of 85: buckets stop at 1,024.
 PREFILL_BUCKETS = (32, 64, 128, 256, 512, 1024)
 #: Keep points one chunk may hold to run here (rows of the delta rule: 1 + this).
 MAX_KEEPS = 1
