@@ -106,12 +106,13 @@ class CudaGraphs:
         return len(self._decode)
 
     # ------------------------------------------------------------------ capture
-    def warm_and_capture(self, fn: Callable, args: tuple, warm_runs: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def warm_and_capture(self, fn: Callable, args: tuple, warm_runs: int = 2,
+                         pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Run ``fn(*args)`` ``warm_runs`` times on the side stream (Inductor compilation, Triton autotuning and
-        cuBLAS workspaces happen there, outside the capture), then capture one call into a CUDA graph that shares
-        the pool of this runner's graphs.  One side stream for every capture: the caching allocator keeps a
-        stream's freed blocks for that stream only, so a new stream per capture would keep every warm-up's
-        activations reserved.  Call it under ``torch.no_grad()``: with autograd on, each captured graph keeps its
+        cuBLAS workspaces happen there, outside the capture), then capture one call into a CUDA graph in the memory
+        pool ``pool`` (``torch.cuda.graph_pool_handle()``; default: the one this runner's decode graphs share).
+        One side stream for every capture: the caching allocator keeps a stream's freed blocks for that stream
+        only, so a new stream per capture would keep every warm-up's activations reserved.  Call it under ``torch.no_grad()``: with autograd on, each captured graph keeps its
         activations alive for a backward pass (measured: 40 GiB for the prefill graphs, docs/performance.md).
         Returns (graph, the captured call's output tensor, rewritten by each replay)."""
         stream = self._warm_stream
@@ -121,9 +122,11 @@ class CudaGraphs:
                 fn(*args)
         torch.cuda.current_stream(self._device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        if pool is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            pool = self._pool
+        with torch.cuda.graph(graph, pool=pool):
             out = fn(*args)
         return graph, out
 

@@ -56,7 +56,8 @@ def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool
     tensor_parallel: the model is sharded over several ranks.
 
     Raises ValueError: ``cuda_graphs=True`` off CUDA or under ZeRO-3; ``fast_gemv=True`` off CUDA or without
-    Triton; ``gdn_kernel=True`` where ``gdn_fits`` is false.
+    Triton; ``gdn_kernel=True`` where ``gdn_fits`` is false; ``prefill_graphs=True`` under ZeRO-3 or tensor
+    parallelism.
     """
     cuda = device.type == "cuda"
     graphs = options.cuda_graphs
@@ -77,6 +78,8 @@ def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool
     prefill_graphs = options.prefill_graphs
     if prefill_graphs is None:
         prefill_graphs = graphs and not tensor_parallel
+    if prefill_graphs and (zero3 or tensor_parallel):
+        raise ValueError("prefill graphs cannot be used under ZeRO-3 or tensor parallelism")
     return dataclasses.replace(options, cuda_graphs=bool(graphs), compile_glue=bool(compile_glue),
                                fast_gemv=bool(fast_gemv), gdn_kernel=bool(gdn_kernel),
                                prefill_graphs=bool(prefill_graphs))

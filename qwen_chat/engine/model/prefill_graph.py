@@ -98,6 +98,7 @@ class GraphPrefill:
         self._ring_cols = d[o + K + 1:o + 3 * K + 1].view(2, K)
         self._ring_ext = d[o + 3 * K + 1:o + 5 * K + 1].view(2, K)
         self._held: dict[int, list] = {}  # bucket -> per piece (graph, output)
+        self._pool = None  # a memory pool of their own: dropping these graphs frees it (the decode graphs keep theirs)
         self.capture_seconds: dict[int, float] = {}
         self.last_hidden: Optional[torch.Tensor] = None
 
@@ -146,9 +147,10 @@ class GraphPrefill:
         f = self._f
         q, k, v, beta, g, z = f.gdn_inputs(i, la, x, lambda qkv: self._conv(i, qkv, T))
         pos = torch.arange(T, device=x.device)
-        keep = torch.stack([pos < self._n, pos < self._keep])            # [2, T]: all real tokens, up to the keep
-        beta = beta * keep[:, :, None].to(beta.dtype)                    # [2, T, HV]
-        g = g * keep[:, :, None].to(g.dtype)
+        keep = torch.stack([pos < self._n, pos < self._keep])[:, :, None]  # [2, T, 1]: real tokens, up to the keep
+        beta, g = torch.where(keep, beta, 0.0), torch.where(keep, g, 0.0)  # [2, T, HV]
+        real = keep[:1, :, :, None]  # selected, not multiplied: a padded row's inf must not become NaN
+        k, v = torch.where(real, k, 0.0), torch.where(real, v, 0.0)
         rec = f.rec_state[i]
         h0 = torch.where(self._past.bool()[:, None, None, None], rec.index_select(0, self._slot), 0.0)
         h0 = h0.transpose(-1, -2).expand(2, -1, -1, -1).contiguous()     # key-major, as the rule takes it
@@ -232,7 +234,9 @@ class GraphPrefill:
             return self._held[T]
         no_rows = torch.zeros(0, dtype=torch.long)  # the pieces read no KV rows: attention runs between them
         self._inputs(PrefillRows(self._scratch, 0, T, 0, no_rows, True, ((T, self._scratch),)))
-        self._held[T] = [self._graphs.warm_and_capture(self._piece, (j, T), warm_runs=1)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        self._held[T] = [self._graphs.warm_and_capture(self._piece, (j, T), warm_runs=1, pool=self._pool)
                          for j in range(len(self._attn) + 1)]
         return self._held[T]
 

@@ -85,10 +85,13 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device,
         reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots,
                                             graph_prefill_tokens=graph_tokens)
         dequant = fusion.dequant_bytes(model, dtype)
+        if graph_tokens:  # the prefill graphs' own pool holds a dequantised FP8 / 4-bit weight too
+            dequant *= 2
         budget = usable - held - reserve - gathered - dequant
         how += (f" - {held / GIB:.2f} GiB held (weights) - {reserve / GIB:.2f} GiB activation reserve"
                 + (f" - {gathered / GIB:.2f} GiB for the largest parameter ZeRO-3 gathers" if gathered else "")
-                + (f" - {dequant / GIB:.2f} GiB for the largest FP8 weight a prefill dequantises" if dequant else ""))
+                + (f" - {dequant / GIB:.2f} GiB for the largest FP8 weight a prefill dequantises (twice with prefill "
+                   "graphs)" if dequant else ""))
     else:
         budget, how = int(CPU_BUDGET_GIB * GIB), f"CPU default ({CPU_BUDGET_GIB} GiB)"
         chunk = chunk or memory.CHUNK_CHOICES[0]
@@ -184,8 +187,9 @@ def build_runner(loaded, config: ServiceConfig):
             held = runner.capture_prefill()
         except torch.OutOfMemoryError:  # serve with the eager prefill rather than not at all
             held = -1
-        if held < 0:  # outside the handler: its traceback no longer holds the graphs, so their pool is freed
+        if held < 0:  # outside the handler (whose traceback holds them): the graphs and their own pool are freed
             runner.graph_prefill, held = None, 0
+            runner.impl["prefill"] = "eager, prompt chunks packed"
             gc.collect()
             torch.cuda.empty_cache()
             log.warning("prefill graphs are off: capturing them ran out of GPU memory; lower "
