@@ -112,8 +112,9 @@ class CudaGraphs:
         cuBLAS workspaces happen there, outside the capture), then capture one call into a CUDA graph in the memory
         pool ``pool`` (``torch.cuda.graph_pool_handle()``; default: the one this runner's decode graphs share).
         One side stream for every capture: the caching allocator keeps a stream's freed blocks for that stream
-        only, so a new stream per capture would keep every warm-up's activations reserved.  Call it under ``torch.no_grad()``: with autograd on, each captured graph keeps its
-        activations alive for a backward pass (measured: 40 GiB for the prefill graphs, docs/performance.md).
+        only, so a new stream per capture would keep every warm-up's activations reserved.  Call it under
+        ``torch.no_grad()``: with autograd on, each captured graph keeps its activations alive for a backward pass
+        (measured: 40 GiB for the prefill graphs, docs/performance.md).
         Returns (graph, the captured call's output tensor, rewritten by each replay)."""
         stream = self._warm_stream
         stream.wait_stream(torch.cuda.current_stream(self._device))
