@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen_chat.engine.model.options import RunnerOptions
+from qwen_chat.engine.model.options import RunnerOptions, resolve_options
 from qwen_chat.engine.model.prefill_graph import GraphPrefill
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.types import PrefillItem
@@ -119,3 +119,14 @@ def test_the_padding_leaves_the_same_state_as_the_packed_prefill(model):
                 kc_a = padded.k_cache[i].view(-1, *padded.k_cache[i].shape[-2:])
                 kc_b = packed.k_cache[i].view(-1, *packed.k_cache[i].shape[-2:])
                 torch.testing.assert_close(kc_a[rows_a], kc_b[rows_b], rtol=1e-4, atol=1e-5)
+
+
+def test_prefill_graphs_are_refused_where_their_pieces_cannot_run():
+    """Auto: off without CUDA graphs and under tensor parallelism (its all-reduces are not captured); asked for
+    under ZeRO-3 or tensor parallelism: a ValueError that says why."""
+    cpu = torch.device("cpu")
+    assert resolve_options(RunnerOptions(), device=cpu, zero3=False, gdn_fits=False).prefill_graphs is False
+    assert resolve_options(RunnerOptions(prefill_graphs=True), device=cpu, zero3=False, gdn_fits=False).prefill_graphs
+    for where in (dict(zero3=True), dict(zero3=False, tensor_parallel=True)):
+        with pytest.raises(ValueError, match="prefill graphs cannot be used under ZeRO-3 or tensor parallelism"):
+            resolve_options(RunnerOptions(prefill_graphs=True), device=cpu, gdn_fits=False, **where)
