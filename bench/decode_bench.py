@@ -405,7 +405,7 @@ def profile_prefill(runner, dev, prompt_len: int, gen) -> dict:
     gpu = sorted(((dev_t(e), e.count, e.key) for e in ev if dev_t(e) > 0), reverse=True)
     cpu = sorted(((e.self_cpu_time_total, e.count, e.key) for e in ev), reverse=True)
     return {"prompt_tokens": prompt_len, "wall_ms_profiled": wall * 1e3,
-            "gpu_kernel_ms": sum(g[0] for g in gpu) / 1e3,
+            "gpu_kernel_ms": sum(g[0] for g in gpu) / 1e3, "kernels": sum(g[1] for g in gpu),
             "top_gpu": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in gpu[:15]],
             "top_cpu_self": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in cpu[:15]]}
 

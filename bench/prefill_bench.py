@@ -23,7 +23,6 @@ import datetime as dt
 import json
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode_bench import build_config, random_ids, sync, timed  # noqa: E402
+from decode_bench import build_config, profile_prefill, random_ids, timed  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
 from qwen_chat.engine.types import PrefillItem, PreparedPrompt  # noqa: E402
 
@@ -80,29 +79,16 @@ def follow_up(runner, dev, history: int, new: int, gen, graphs: bool, repeats: i
     return statistics.median(times) * 1e3
 
 
-def kernels(runner, dev, prompt: PreparedPrompt, graphs: bool) -> dict:
-    """GPU kernel ms and kernel launches of one prefill (torch profiler), and its profiled wall ms."""
-    from torch.profiler import ProfilerActivity, profile
-
+def kernels(runner, dev, prompt_len: int, gen, graphs: bool) -> dict:
+    """GPU kernel ms, kernel launches and profiled wall ms of one prefill of ``prompt_len`` random tokens
+    (``decode_bench.profile_prefill``), through the graphs or eagerly."""
     held = runner.graph_prefill
     runner.graph_prefill = held if graphs else None
     try:
-        runner.free(0)
-        runner.prefill(0, prompt)
-        runner.free(0)
-        sync(dev)
-        t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            runner.prefill(0, prompt)
-            sync(dev)
-        wall = time.perf_counter() - t0
+        got = profile_prefill(runner, dev, prompt_len, gen)
     finally:
         runner.graph_prefill = held
-        runner.free(0)
-    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)  # noqa: E731
-    ev = [e for e in prof.key_averages() if dev_t(e) > 0]
-    return {"gpu_kernel_ms": sum(dev_t(e) for e in ev) / 1e3, "kernels": sum(e.count for e in ev),
-            "wall_ms_profiled": wall * 1e3}
+    return {key: got[key] for key in ("gpu_kernel_ms", "kernels", "wall_ms_profiled")}
 
 
 def agreement(runner, model, dev, lengths, gen) -> list:
@@ -188,9 +174,9 @@ def main(argv=None) -> int:
     section("follow_up_ms", lambda: {"history": hist, "new": 30,
                                      "graph": follow_up(runner, dev, hist, 30, gen, True),
                                      "eager": follow_up(runner, dev, hist, 30, gen, False)})
-    k_prompt = PreparedPrompt(input_ids=random_ids(1000 if not args.smoke else 40, gen))
-    section("kernels_1k", lambda: {"graph": kernels(runner, dev, k_prompt, True),
-                                   "eager": kernels(runner, dev, k_prompt, False)})
+    k_len = 1000 if not args.smoke else 40
+    section("kernels_1k", lambda: {"graph": kernels(runner, dev, k_len, gen, True),
+                                   "eager": kernels(runner, dev, k_len, gen, False)})
     section("agreement", lambda: agreement(runner, model, dev, (50, 300, 1000) if not args.smoke else (7, 30), gen))
     Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
     print(f"\n## prefill, {doc['device']}, torch {doc['torch']}, {doc['date']}")

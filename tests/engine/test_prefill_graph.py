@@ -11,7 +11,7 @@ from qwen_chat.engine.model.options import RunnerOptions, resolve_options
 from qwen_chat.engine.model.prefill_graph import GraphPrefill
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.types import PrefillItem
-from tests.support.small_model import TOL, Seq, image_seq, rel_err, small_model, text_ids
+from tests.support.small_model import TOL, Seq, decode_steps, image_seq, rel_err, small_model, text_ids
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +33,6 @@ def padded_runner(model, buckets=(8, 16, 32, 96), **kw) -> tuple[ModelRunner, li
     return runner, ran
 
 
-def decode_on(runner, model, seqs: dict, gen, steps: int = 3) -> list[float]:
-    """``steps`` batched decode steps of every slot in ``seqs`` ({slot: Seq}); the errors against transformers."""
-    errs = []
-    for _ in range(steps):
-        slots = list(seqs)
-        toks = torch.randint(0, 290, (len(slots),), generator=gen)
-        for s, t in zip(slots, toks.tolist()):
-            seqs[s].ids.append(t)
-        out = runner.decode(slots, toks)
-        errs += [rel_err(out[r], seqs[s].reference(model)) for r, s in enumerate(slots)]
-    return errs
-
-
 @pytest.mark.parametrize("n", [1, 8, 9, 33, 70], ids=lambda n: f"{n}-tokens")
 def test_a_padded_prompt_equals_the_reference_and_decodes_on(model, n):
     """Lengths at and just past a bucket's edge, and one padded across the delta rule's 64-token chunks (70 in
@@ -54,7 +41,7 @@ def test_a_padded_prompt_equals_the_reference_and_decodes_on(model, n):
     seq = Seq(text_ids(gen, n))
     runner, ran = padded_runner(model)
     errs = [rel_err(runner.prefill(2, seq.prompt()), seq.reference(model))]
-    errs += decode_on(runner, model, {2: seq}, gen)
+    errs += decode_steps(runner, model, {2: seq}, gen, 3)
     assert ran == [(2, n)]
     assert max(errs) <= TOL, errs
 
@@ -73,12 +60,12 @@ def test_a_keep_point_a_later_chunk_and_a_restored_follow_up(model, make_first):
     logits = runner.prefill_batch([PrefillItem(0, first.prompt(), start=cut, keeps=((p, 4),))])
     errs = [rel_err(logits[0], first.reference(model))]
     assert runner.lengths[4] == p
-    errs += decode_on(runner, model, {0: first}, gen, steps=2)
+    errs += decode_steps(runner, model, {0: first}, gen, 2)
     follow = Seq(first.ids[:p] + text_ids(gen, 11), first.image)
     assert runner.restore(4, 1) == p
     logits = runner.prefill_batch([PrefillItem(1, follow.prompt(), start=p)])
     errs.append(rel_err(logits[0], follow.reference(model)))
-    errs += decode_on(runner, model, {0: first, 1: follow}, gen)
+    errs += decode_steps(runner, model, {0: first, 1: follow}, gen, 3)
     assert [slot for slot, _ in ran] == [0, 0, 1], ran
     assert max(errs) <= TOL, errs
 

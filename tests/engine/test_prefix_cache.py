@@ -10,22 +10,12 @@ import torch
 
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.types import PrefillItem
-from tests.support.small_model import TOL, Seq, image_seq, rel_err, small_model, text_ids
+from tests.support.small_model import TOL, Seq, decode_steps, image_seq, rel_err, small_model, text_ids
 
 
 @pytest.fixture(scope="module")
 def model():
     return small_model()
-
-
-def step(runner, model, seqs: dict, gen) -> list[float]:
-    """One batched decode step of every slot in ``seqs`` ({slot: Seq}) with random tokens; the errors."""
-    slots = list(seqs)
-    toks = torch.randint(0, 290, (len(slots),), generator=gen)
-    for s, t in zip(slots, toks.tolist()):
-        seqs[s].ids.append(t)
-    out = runner.decode(slots, toks)
-    return [rel_err(out[r], seqs[s].reference(model)) for r, s in enumerate(slots)]
 
 
 @pytest.mark.parametrize("make_first", [lambda g: Seq(text_ids(g, 40)), image_seq], ids=["text", "image"])
@@ -50,7 +40,7 @@ def test_a_follow_up_prefills_only_its_new_tokens_and_matches_the_whole_prompt(m
         logits = runner.prefill_batch([PrefillItem(3, other.prompt()), PrefillItem(0, first.prompt(), keeps=((p, 5),))])
         errs += [rel_err(logits[0], other.reference(model)), rel_err(logits[1], first.reference(model))]
     assert runner.lengths[5] == p and runner.tables.count(5) == -(-p // 16)
-    errs += step(runner, model, {0: first, 3: other}, gen)   # the owner writes on into the shared block
+    errs += decode_steps(runner, model, {0: first, 3: other}, gen, 1)   # the owner writes on into the shared block
     followups = {}
     for slot in (1, 2):
         seq = Seq(first.ids[:p] + text_ids(gen, 9 + 7 * slot), first.image)
@@ -59,7 +49,7 @@ def test_a_follow_up_prefills_only_its_new_tokens_and_matches_the_whole_prompt(m
         errs.append(rel_err(logits[0], seq.reference(model)))
         followups[slot] = seq
     for _ in range(3):
-        errs += step(runner, model, {0: first, 3: other, **followups}, gen)
+        errs += decode_steps(runner, model, {0: first, 3: other, **followups}, gen, 1)
     assert max(errs) <= TOL, errs
     if first.image is not None:
         assert runner.rope_deltas[1] == runner.rope_deltas[0] != 0
@@ -156,7 +146,7 @@ def test_a_kept_row_taken_over_in_place_continues_its_state(model, owner):
     kept = runner.tables.blocks(1)
     seqs = {}
     if owner == "running":
-        errs += step(runner, model, {0: first}, gen)  # the owner writes into the partly filled block they share
+        errs += decode_steps(runner, model, {0: first}, gen, 1)  # the owner writes into the partly filled block they share
         seqs[0] = first
     else:
         runner.free(0)
@@ -167,7 +157,7 @@ def test_a_kept_row_taken_over_in_place_continues_its_state(model, owner):
     logits = runner.prefill_batch([PrefillItem(1, seq.prompt(), start=p)])
     errs.append(rel_err(logits[0], seq.reference(model)))
     for _ in range(3):
-        errs += step(runner, model, {**seqs, 1: seq}, gen)
+        errs += decode_steps(runner, model, {**seqs, 1: seq}, gen, 1)
     assert max(errs) <= TOL, errs
     runner.free(0)
     runner.free(1)

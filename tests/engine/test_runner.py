@@ -19,8 +19,8 @@ from qwen_chat.engine.model.paged import OutOfBlocks
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.types import PrefillItem
 from qwen_chat.engine.parallel.tp_decode import LocalDecode
-from tests.support.small_model import (IMAGE, TOL, VOCAB, LiveBatch, Seq, image_seq, rel_err, small_config,
-                                       small_model, text_ids)
+from tests.support.small_model import (IMAGE, TOL, VOCAB, LiveBatch, Seq, decode_steps, image_seq, rel_err,
+                                       small_config, small_model, text_ids)
 
 
 @pytest.fixture(scope="module")
@@ -218,19 +218,6 @@ def test_graph_ladder_and_context_buckets(model):
     assert runner.capture_all() == 0  # CPU: no graphs, nothing to capture
 
 
-def decode_both(runner, model, seqs: dict, gen, steps: int) -> list[float]:
-    """``steps`` batched decode steps of every slot in ``seqs`` ({slot: Seq}) with random tokens; errors."""
-    errs = []
-    for _ in range(steps):
-        slots = list(seqs)
-        toks = torch.randint(0, 290, (len(slots),), generator=gen)
-        for s, t in zip(slots, toks.tolist()):
-            seqs[s].ids.append(t)
-        out = runner.decode(slots, toks)
-        errs += [rel_err(out[r], seqs[s].reference(model)) for r, s in enumerate(slots)]
-    return errs
-
-
 @pytest.mark.parametrize("cuts", [
     [37],              # whole
     [5, 20, 37],       # three chunks, boundaries inside the KV blocks and the delta rule's 64-token chunks
@@ -251,7 +238,7 @@ def test_chunked_prefill_matches_the_whole_prompt(model, cuts):
         start = end
     errs = [rel_err(logits[0], seq.reference(model))]
     assert runner.lengths[0] == len(seq.ids)
-    errs += decode_both(runner, model, {0: seq, 1: other}, gen, 8)
+    errs += decode_steps(runner, model, {0: seq, 1: other}, gen, 8)
     assert max(errs) <= TOL, errs
 
 
@@ -265,7 +252,7 @@ def test_chunk_boundary_inside_an_image(model):
     assert runner.prefill_batch([PrefillItem(0, prompt, start=0, end=9)]) is None
     logits = runner.prefill_batch([PrefillItem(0, prompt, start=9, end=prompt.num_tokens)])
     assert runner.rope_deltas[0] == -3
-    errs = [rel_err(logits[0], seq.reference(model))] + decode_both(runner, model, {0: seq}, gen, 6)
+    errs = [rel_err(logits[0], seq.reference(model))] + decode_steps(runner, model, {0: seq}, gen, 6)
     assert max(errs) <= TOL, errs
 
 
@@ -281,7 +268,7 @@ def test_batched_prefill_of_different_lengths_matches_each_alone(model):
                                    PrefillItem(3, d.prompt(), resume=True)])
     assert logits.shape == (3, VOCAB)
     errs = [rel_err(logits[i], s.reference(model)) for i, s in enumerate((a, b, c))]
-    errs += decode_both(runner, model, {0: a, 1: b, 2: c, 3: d}, gen, 5)
+    errs += decode_steps(runner, model, {0: a, 1: b, 2: c, 3: d}, gen, 5)
     assert max(errs) <= TOL, errs
 
 

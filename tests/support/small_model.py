@@ -77,6 +77,20 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+def decode_steps(runner, model, seqs: dict, gen: torch.Generator, steps: int) -> list[float]:
+    """``steps`` batched decode steps of every slot in ``seqs`` ({slot: Seq}) with random tokens (< 290); each
+    row's relative error against transformers on the whole sequence (``Seq.reference``)."""
+    errs = []
+    for _ in range(steps):
+        slots = list(seqs)
+        toks = torch.randint(0, 290, (len(slots),), generator=gen)
+        for s, t in zip(slots, toks.tolist()):
+            seqs[s].ids.append(t)
+        out = runner.decode(slots, toks)
+        errs += [rel_err(out[r], seqs[s].reference(model)) for r, s in enumerate(slots)]
+    return errs
+
+
 class Seq:
     """One sequence fed to the runner, with what the reference needs to recompute it from scratch."""
 
