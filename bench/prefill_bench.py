@@ -10,8 +10,8 @@ Usage (one GPU host, from the repository root):
 Measures: the capture time and memory of the prefill graphs; per prompt length the prefill latency (prefill +
 synchronise, median of 5 after a warm-up) through the graphs and eagerly (graph prefill switched off); a
 follow-up turn (restore the state kept after a long history, then prefill 30 new tokens with a keep point, as the
-conversation cache does) both ways; the GPU kernel time and kernel count of a 1k prefill both ways (torch
-profiler); agreement of the graph path with the eager path and of both with an fp32 copy of the model
+conversation cache does) both ways; the GPU kernel time, kernel count and top kernels of a 1k prefill both ways
+(torch profiler); agreement of the graph path with the eager path and of both with an fp32 copy of the model
 (transformers' own forward): relative error of the last token's logits and whether the argmax agrees.
 Every section is guarded: a failure is recorded and the run goes on.  The table is printed last.
 """
@@ -88,7 +88,7 @@ def kernels(runner, dev, prompt_len: int, gen, graphs: bool) -> dict:
         got = profile_prefill(runner, dev, prompt_len, gen)
     finally:
         runner.graph_prefill = held
-    return {key: got[key] for key in ("gpu_kernel_ms", "kernels", "wall_ms_profiled")}
+    return {key: got[key] for key in ("gpu_kernel_ms", "kernels", "wall_ms_profiled", "top_gpu")}
 
 
 def agreement(runner, model, dev, lengths, gen) -> list:
@@ -193,7 +193,8 @@ def main(argv=None) -> int:
     if "kernels_1k" in doc:
         for name, k in doc["kernels_1k"].items():
             print(f"1k {name}: {k['gpu_kernel_ms']:.1f} ms GPU kernels, {k['kernels']} kernels, "
-                  f"{k['wall_ms_profiled']:.1f} ms profiled wall")
+                  f"{k['wall_ms_profiled']:.1f} ms profiled wall; top: "
+                  + ", ".join(f"{t['name'][:40]} {t['ms']:.1f} ms x{t['calls']}" for t in k["top_gpu"][:6]))
     for a in doc.get("agreement", []):
         print(f"agreement {a['tokens']} tokens: graph/eager {a['graph_vs_eager']:.2e}, graph/fp32 "
               f"{a['graph_vs_fp32']:.2e}, eager/fp32 {a['eager_vs_fp32']:.2e}, argmax {a['argmax_graph_eager_fp32']}")
