@@ -510,7 +510,7 @@ def test_not_ready_is_503_then_ok(tmp_path):
         with pytest.raises(openai.InternalServerError) as info:
             srv.client().chat.completions.create(model=MODEL, messages=USER)
         assert info.value.status_code == 503
-        assert info.value.body["type"] == "not_ready"
+        assert (info.value.body["type"], info.value.body["code"]) == ("server_error", "not_ready")
         assert info.value.response.headers["retry-after"] == "10"
         health = httpx.get(srv.url + "/healthz")
         assert health.status_code == 503 and health.json() == {"status": "unavailable", "reason": "loading model"}
@@ -619,6 +619,21 @@ def test_concurrent_streams_do_not_mix(tmp_path):
 # --------------------------------------------------------------------------------------------- metrics
 
 
+def test_every_error_type_follows_its_status_and_code_names_the_reason(server):
+    """One rule for ``error.type`` (OpenAI's types by HTTP status); ``code`` says what was wrong."""
+    url = f"{server.url}/v1/chat/completions"
+    cases = [(httpx.post(url, json={"messages": USER, "top_p": 0}), 400, "invalid_request_error", "out_of_range"),
+             (httpx.post(url, json={"model": "nope", "messages": USER}), 404, "invalid_request_error",
+              "model_not_found"),
+             (httpx.post(url, content=b"{}", headers={"Content-Type": "text/plain"}), 415, "invalid_request_error",
+              "unsupported_media_type"),
+             (httpx.get(f"{server.url}/v1/nothing-here"), 404, "invalid_request_error", "unknown_route")]
+    for response, status, type_, code in cases:
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert (error["type"], error["code"]) == (type_, code), error
+
+
 def test_metrics_count_the_requests_made(server, client):
     client.chat.completions.create(model=MODEL, messages=USER)
     list(client.chat.completions.create(model=MODEL, messages=USER, stream=True))
@@ -631,8 +646,8 @@ def test_metrics_count_the_requests_made(server, client):
     assert refused.status_code == 415
     m = scrape(server.url)
     assert m[("qwen_chat_requests_total", ())] == 6
-    assert m[("qwen_chat_errors_total", (("kind", "invalid_request_error"),))] == 1
-    assert m[("qwen_chat_errors_total", (("kind", "invalid_input"),))] == 1
+    assert m[("qwen_chat_errors_total", (("kind", "unsupported_media_type"),))] == 1
+    assert m[("qwen_chat_errors_total", (("kind", "out_of_range"),))] == 1
     assert m[("qwen_chat_errors_total", (("kind", "context_too_long"),))] == 1
     assert m[("qwen_chat_finished_total", (("finish_reason", "stop"),))] == 3
     assert m[("qwen_chat_ttft_seconds_count", ())] == 3

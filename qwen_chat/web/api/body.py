@@ -17,7 +17,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     ``Content-Length`` says more than ``limit`` bytes (before any of it is read) or when more arrives."""
     def too_large() -> APIRequestError:
         return APIRequestError(f"the request body is larger than the limit of {limit / 2**20:.1f} MB "
-                               "(--max-request-mb)", status=413, type="invalid_request_error",
+                               "(--max-request-mb)", status=413,
                                code="request_too_large")
 
     declared = request.headers.get("content-length")

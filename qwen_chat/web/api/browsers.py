@@ -38,7 +38,7 @@ def check_origin(request: Request, allowed: Sequence[str]) -> None:
         return
     raise APIRequestError(f"requests from the web page at {origin} are refused: start the service with "
                           f"--allowed-origins {origin} to let that site's pages use the API", status=403,
-                          type="permission_error", code="origin_not_allowed")
+                          code="origin_not_allowed")
 
 
 def check_json_body(request: Request) -> None:
@@ -48,7 +48,7 @@ def check_json_body(request: Request) -> None:
     if kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json")):
         return
     raise APIRequestError(f"the request body must be JSON sent with 'Content-Type: application/json' (got "
-                          f"{kind or 'no Content-Type'})", status=415, type="invalid_request_error",
+                          f"{kind or 'no Content-Type'})", status=415,
                           code="unsupported_media_type")
 
 

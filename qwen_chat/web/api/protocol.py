@@ -36,21 +36,31 @@ from qwen_chat.web.api.tools import check_tool_turns, message_tool_calls, tool_s
 NOT_READY_RETRY_AFTER_S = 10  # Retry-After (seconds) of a 503 while the model loads (the 9B takes minutes)
 
 
+def error_type(status: int) -> str:
+    """OpenAI's ``error.type`` for an HTTP status, the one rule for every error the API sends: 401
+    ``authentication_error``, 403 ``permission_error``, 429 ``rate_limit_error``, other 4xx
+    ``invalid_request_error``, 5xx ``server_error`` (OpenAI's API reference, "Error codes"); the specific
+    reason is ``error.code``."""
+    fixed = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+    return fixed.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
 class APIRequestError(Exception):
     """A request refused at the API boundary (before the engine), rendered as an OpenAI error.
 
-    ``status`` HTTP status; ``type`` OpenAI ``error.type``; ``param`` the offending request field (JSON path
-    like ``messages[1].content[0].image_url``) or None; ``code`` a stable machine-readable code or None.
+    ``status`` HTTP status (``type``: ``error_type(status)``); ``param`` the offending request field (JSON path
+    like ``messages[1].content[0].image_url``) or None; ``code`` a stable machine-readable code (default
+    ``invalid_input`` for a 400, else None).
     """
 
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_input",
-                 param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 code: Optional[str] = None):
         super().__init__(message)
         self.message = message
         self.status = status
-        self.type = type
+        self.type = error_type(status)
         self.param = param
-        self.code = code
+        self.code = code if code is not None or status != 400 else "invalid_input"
 
 
 def error_response(exc: BaseException, param: Optional[str] = None) -> JSONResponse:
@@ -67,7 +77,8 @@ def error_response(exc: BaseException, param: Optional[str] = None) -> JSONRespo
         if status == 401:
             headers = {"WWW-Authenticate": "Bearer"}
     elif isinstance(exc, ChatError):
-        status, message, type_, code = exc.http_status, str(exc) or exc.kind, exc.kind, exc.kind
+        status, message, code = exc.http_status, str(exc) or exc.kind, exc.kind
+        type_ = error_type(status)
         param = param or getattr(exc, "param", None)
         if isinstance(exc, ContextTooLong):
             code, param = "context_length_exceeded", param or "messages"
@@ -77,7 +88,8 @@ def error_response(exc: BaseException, param: Optional[str] = None) -> JSONRespo
         elif status == 503:
             headers = {"Retry-After": str(NOT_READY_RETRY_AFTER_S)}
     else:
-        status, message, type_, code = 500, "internal server error; see the service log", "internal_error", None
+        status, message, code = 500, "internal server error; see the service log", "internal_error"
+        type_ = error_type(status)
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -108,14 +120,14 @@ def check_key(request: Request, cfg: ServiceConfig) -> None:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise APIRequestError("missing API key: send 'Authorization: Bearer <key>'", status=401,
-                              type="authentication_error", code="invalid_api_key")
+                              code="invalid_api_key")
     given = token.encode("utf-8")
     # Compare against every key (no early exit) so timing does not tell which prefix matched.
     matched = False
     for key in cfg.api_keys:
         matched |= hmac.compare_digest(given, key.encode("utf-8"))
     if not matched:
-        raise APIRequestError("invalid API key", status=401, type="authentication_error", code="invalid_api_key")
+        raise APIRequestError("invalid API key", status=401, code="invalid_api_key")
 
 
 # ------------------------------------------------------------------------------------------- requests
@@ -232,7 +244,7 @@ def _load_image(url: str, param: str, cfg: ServiceConfig, max_bytes: int, images
     try:
         return _stored_image(url, param, cfg, max_bytes, images)
     except InvalidImage as exc:
-        raise APIRequestError(str(exc), type=exc.kind, param=param, code=exc.kind) from None
+        raise APIRequestError(str(exc), param=param, code=exc.kind) from None
 
 
 def _stored_image(url: str, param: str, cfg: ServiceConfig, max_bytes: int, images: ApiImageStore) -> str:

@@ -76,7 +76,7 @@ def model_not_found(model: str, served: str) -> APIRequestError:
     long one shown cut to ``SHOWN_ID_CHARS`` characters)."""
     shown = repr(model) if len(model) <= SHOWN_ID_CHARS else repr(model[:SHOWN_ID_CHARS]) + "..."
     return APIRequestError(f"model {shown} does not exist; this server has {served!r}", status=404,
-                           type="not_found", param="model", code="model_not_found")
+                           param="model", code="model_not_found")
 
 
 def create_router(backend: ChatBackend, cfg: ServiceConfig,
@@ -155,7 +155,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             admit(request)
             check_json_body(request)
         except APIRequestError as exc:
-            record_rejection(exc.type)
+            record_rejection(exc.code or exc.type)
             return error_response(exc)
         try:
             body = await run(parse_body, await read_body(request, body_limit))
@@ -164,7 +164,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
             settings = await run(settings_from_request, body)  # schemas: checked off the event loop
             messages = await run(parse_messages, body.get("messages"), cfg, store)
         except (APIRequestError, ChatError) as exc:
-            record_rejection(exc.kind if isinstance(exc, ChatError) else exc.type)
+            record_rejection(exc.kind if isinstance(exc, ChatError) else exc.code or exc.type)
             return error_response(exc)
         except Exception as exc:
             log.exception("chat completion request could not be read")
@@ -206,7 +206,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
         failed = next((last for last in lasts if last is not None and last.finish_reason == "error"), None)
         if failed is not None:
             return error_response(APIRequestError(failed.notice or "generation failed; see the service log",
-                                                  status=500, type="generation_error"))
+                                                  status=500, code="generation_error"))
         if any(cut_by_shutdown(last, cancel) for last in lasts):
             return JSONResponse({"error": SHUTDOWN_ERROR}, status_code=503)
         choices = []
@@ -236,7 +236,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
                 return answer
             response = error_response(APIRequestError(
                 f"{request.method} is not allowed on {request.url.path}; use {allowed}", status=405,
-                type="invalid_request_error", code="method_not_allowed"))
+                code="method_not_allowed"))
             response.headers["Allow"] = allowed
             return response
         return refuse
@@ -251,7 +251,7 @@ def create_router(backend: ChatBackend, cfg: ServiceConfig,
     @router.api_route("/{path:path}", methods=others, include_in_schema=False)
     async def unknown_route(path: str) -> Response:
         return error_response(APIRequestError(f"unknown API route /v1/{path}; this server has /v1/models and "
-                                              "/v1/chat/completions", status=404, type="not_found",
+                                              "/v1/chat/completions", status=404,
                                               code="unknown_route"))
 
     return router

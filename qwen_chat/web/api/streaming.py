@@ -24,6 +24,7 @@ from fastapi import Request
 from qwen_chat.chat_types import CancelToken, StreamUpdate
 from qwen_chat.history.turns import INTERRUPTED, reply_status
 from qwen_chat.web.api.choices import logprobs_body, usage
+from qwen_chat.web.api.protocol import error_type
 from qwen_chat.web.api.tools import tool_call_deltas
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ def openai_finish_reason(last: Optional[StreamUpdate]) -> str:
 
 
 #: The error of a reply the engine cut off because the service is shutting down (SSE event or 503 body).
-SHUTDOWN_ERROR = {"message": "the service is shutting down; the reply was cut off", "type": "server_error",
+SHUTDOWN_ERROR = {"message": "the service is shutting down; the reply was cut off", "type": error_type(503),
                   "param": None, "code": "service_unavailable"}
 
 
@@ -235,7 +236,8 @@ async def event_stream(updates: AsyncIterator[StreamUpdate], first: Optional[Str
             yield sse({"error": SHUTDOWN_ERROR})
         elif failed is not None:
             message = failed.notice or "generation failed; see the service log"
-            yield sse({"error": {"message": message, "type": "generation_error", "param": None, "code": None}})
+            yield sse({"error": {"message": message, "type": error_type(500), "param": None,
+                                 "code": "generation_error"}})
         else:
             for index in range(n):
                 if index not in finished:  # the stream ended without this choice's last update
@@ -245,8 +247,8 @@ async def event_stream(updates: AsyncIterator[StreamUpdate], first: Optional[Str
         yield "data: [DONE]\n\n"
     except Exception:
         log.exception("stream failed mid-way")
-        yield sse({"error": {"message": "internal server error; see the service log", "type": "internal_error",
-                             "param": None, "code": None}})
+        yield sse({"error": {"message": "internal server error; see the service log", "type": error_type(500),
+                             "param": None, "code": "internal_error"}})
         yield "data: [DONE]\n\n"
     finally:
         cancel.cancel()  # no-op if the generation already finished
