@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings
+from qwen_chat.engine.model.options import RunnerOptions
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
 from qwen_chat.engine.parallel.executors import LocalExecutor
@@ -21,8 +22,9 @@ IMAGES = Path(__file__).parents[1] / "fixtures" / "images"
 CONTEXT = 1024
 
 
-def make(loaded, cache: bool, num_slots: int = 4, num_blocks=None) -> ChatEngine:
-    runner = ModelRunner(loaded.model, num_slots=num_slots, max_context=CONTEXT, num_blocks=num_blocks, device="cpu")
+def make(loaded, cache: bool, num_slots: int = 4, num_blocks=None, options=RunnerOptions()) -> ChatEngine:
+    runner = ModelRunner(loaded.model, num_slots=num_slots, max_context=CONTEXT, num_blocks=num_blocks, device="cpu",
+                         options=options)
     executor = LocalExecutor(runner, Sampler(num_slots, runner.vocab_size, "cpu"))
     return ChatEngine(loaded, runner, executor, image_token_budget=64, max_context=CONTEXT, max_queue=16,
                       num_slots=num_slots, conversation_cache=cache)
@@ -255,3 +257,29 @@ def test_the_same_new_prompt_from_several_users_in_one_step_is_answered_for_each
         assert reply(on, convs[0])[:3] == solo[0]
     finally:
         on.close()
+
+
+def test_turns_through_the_padded_prefill_pieces_equal_the_packed_prefill(engines, tiny_loaded):
+    """The prefill graphs' padded pieces (CUDA graphs on a GPU, run eagerly here) inside the engine: a conversation
+    with a photo and a long system prompt, follow-ups restored from the cache, a Regenerate and a new conversation
+    starting from the shared system block give the greedy replies of the engine without the cache, turn by turn."""
+    padded = make(tiny_loaded, True, num_slots=8, options=RunnerOptions(prefill_graphs=True))
+    ran = []
+    gp = padded.runner.graph_prefill
+    run = gp.run
+    gp.run = lambda emb, cos, sin, sq: ran.append((sq.start, sq.n)) or run(emb, cos, sin, sq)
+    pair = (padded, engines[1])
+    try:
+        system = ChatMessage(role="system", text=LONG_SYSTEM)
+        msgs = [system, u("Describe this picture.", "chelsea.png")]
+        t1 = both(pair, msgs, thinking=True)
+        msgs += [a(t1), u("And the colours?")]
+        t2 = both(pair, msgs, thinking=True)
+        assert t2[3] > 0
+        msgs += [a(t2), u("Compare it with the first answer.")]
+        t3 = both(pair, msgs, thinking=True)
+        assert both(pair, msgs, thinking=True)[:3] == t3[:3]     # Regenerate
+        assert both(pair, [system, u("Something else.")])[3] > 0  # from the kept system block
+        assert sum(start > 0 for start, _ in ran) >= 3, ran      # the follow-ups ran through the pieces
+    finally:
+        padded.close()
