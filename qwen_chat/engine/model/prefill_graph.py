@@ -72,16 +72,15 @@ class GraphPrefill:
         self._h = torch.zeros(1, T, hidden, device=device, dtype=dtype)  # the residual stream between pieces
         self._qkv: Optional[list[torch.Tensor]] = None  # q, k, v, gate of the attention a piece ends at
         self._o: Optional[torch.Tensor] = None  # the attention's output [1, T, nq * hd]
-        if self._attn:
+        if self._attn:  # the buffers' shapes, from one probe token through the first attention layer's projections
             i = self._attn[0]
-            g = geo[i]
             probe = self._h[:, :1]
-            q, k, v, gate = fwd.attn_inputs(i, layers[i].self_attn, layers[i].input_layernorm(probe),
-                                            self._cos[None, :1], self._sin[None, :1])
+            with torch.no_grad():
+                q, k, v, gate = fwd.attn_inputs(i, layers[i].self_attn, layers[i].input_layernorm(probe),
+                                                self._cos[None, :1], self._sin[None, :1])
             self._qkv = [x.new_zeros(x.shape[:2] + (T,) + x.shape[3:]) for x in (q, k, v)]
             self._qkv.append(gate.new_zeros(1, T, gate.shape[-1]))
             self._o = gate.new_zeros(1, T, gate.shape[-1])
-            assert q.shape[-1] == g["hd"]
         # int64 inputs: slot, past, n, keep, last, keep row, prev_cols [K-1], ring rows [2], ring cols [2, K],
         # ring ext [2, K], then the chunk's KV rows (positions 0..start+n-1)
         K = self._K
@@ -100,7 +99,6 @@ class GraphPrefill:
         self._held: dict[int, list] = {}  # bucket -> per piece (graph, output)
         self._pool = None  # a memory pool of their own: dropping these graphs frees it (the decode graphs keep theirs)
         self.capture_seconds: dict[int, float] = {}
-        self.last_hidden: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ which chunks
     def bucket(self, n: int) -> Optional[int]:
