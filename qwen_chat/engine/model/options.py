@@ -47,6 +47,12 @@ class RunnerOptions:
     tp_fused: bool = True
 
 
+def auto_prefill_graphs(*, cuda: bool, zero3: bool, tensor_parallel: bool) -> bool:
+    """Whether production runs the prefill graphs (``RunnerOptions.prefill_graphs`` left auto): with CUDA graphs
+    (CUDA, not ZeRO-3) and without tensor parallelism.  The memory budget asks too, to reserve their pool."""
+    return cuda and not zero3 and not tensor_parallel
+
+
 def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool,
                     gdn_fits: bool, tensor_parallel: bool = False) -> RunnerOptions:
     """``options`` with every auto switch decided (all five are then bools).
@@ -77,7 +83,7 @@ def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool
     gdn_kernel = gdn_fits and (bool(fast_gemv) if options.gdn_kernel is None else bool(options.gdn_kernel))
     prefill_graphs = options.prefill_graphs
     if prefill_graphs is None:
-        prefill_graphs = graphs and not tensor_parallel
+        prefill_graphs = graphs and auto_prefill_graphs(cuda=cuda, zero3=zero3, tensor_parallel=tensor_parallel)
     if prefill_graphs and (zero3 or tensor_parallel):
         raise ValueError("prefill graphs cannot be used under ZeRO-3 or tensor parallelism")
     return dataclasses.replace(options, cuda_graphs=bool(graphs), compile_glue=bool(compile_glue),

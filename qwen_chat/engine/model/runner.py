@@ -51,6 +51,7 @@ from qwen_chat.engine.parallel.tp_decode import decode_projections, is_tensor_pa
 from qwen_chat.engine.types import PrefillItem, PreparedPrompt
 
 log = logging.getLogger(__name__)
+EAGER_PREFILL = "eager, prompt chunks packed"  # ``impl["prefill"]`` without the prefill graphs
 
 
 class ModelRunner:
@@ -149,10 +150,9 @@ class ModelRunner:
                                      if opts.fast_gemv else "torch"),
                      "tp_all_reduce": self.tp.kind, "tp_fused_all_reduce_norm": self.tp.fused,
                      "gdn_decode": "triton (one kernel)" if opts.gdn_kernel else glue_name,
-                     "prefill": "eager, prompt chunks packed" + (
-                         "; one chunk of <= %d tokens in piecewise %s" % (
-                             PREFILL_BUCKETS[-1], "CUDA graphs" if self.graphs else "padded pieces")
-                         if self.graph_prefill else "")}
+                     "prefill": EAGER_PREFILL + (f"; one chunk of <= {PREFILL_BUCKETS[-1]} tokens in piecewise "
+                                                 + ("CUDA graphs" if self.graphs else "padded pieces")
+                                                 if self.graph_prefill else "")}
         log.info("ModelRunner: %d slots, %d KV blocks x %d tokens, context %d, dtype %s, impl %s", self.num_slots,
                  self.num_blocks, self.block_tokens, self.max_context, self.dtype, self.impl)
 
@@ -254,9 +254,12 @@ class ModelRunner:
 
     @torch.no_grad()
     def capture_prefill(self) -> int:
-        """Capture the piecewise prefill graphs of every bucket (``prefill_graph``).  Returns the number held (0
-        without them)."""
+        """Capture the prefill graphs of every bucket (``prefill_graph``); returns the number held (0: none)."""
         return self.graph_prefill.capture_all() if self.graph_prefill and self.graphs else 0
+
+    def drop_prefill_graphs(self) -> None:
+        """Prefill eagerly from now on (capturing the prefill graphs failed); their graphs and pool go too."""
+        self.graph_prefill, self.impl["prefill"] = None, EAGER_PREFILL
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()

@@ -25,7 +25,9 @@ from qwen_chat.lifecycle import exit_process_soon
 from qwen_chat.engine.model import fusion, graphs, memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
 from qwen_chat.engine.model.mtp import with_mtp_layer
+from qwen_chat.engine.model.options import auto_prefill_graphs
 from qwen_chat.engine.model.prefill_graph import PREFILL_BUCKETS
+from qwen_chat.engine.parallel.sharding import is_zero3_partitioned
 from qwen_chat.engine.model.state import Geometry, probe_geometry
 from qwen_chat.engine.parallel.tp_decode import is_tensor_parallel
 
@@ -81,7 +83,9 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device,
         chunk = chunk or memory.prefill_chunk(tc, geometry, free_after_weights=usable - held)
         slots = max(1, memory.state_slots(geometry, usable - held, config.max_batch))
         gathered = _largest_gathered_parameter(model)
-        graph_tokens = 0 if gathered or is_tensor_parallel(model, False) else PREFILL_BUCKETS[-1]
+        zero3 = is_zero3_partitioned(model)
+        graph_tokens = PREFILL_BUCKETS[-1] if auto_prefill_graphs(
+            cuda=True, zero3=zero3, tensor_parallel=is_tensor_parallel(model, zero3)) else 0
         reserve = memory.activation_reserve(tc, geometry, prefill_tokens=chunk, max_slots=slots,
                                             graph_prefill_tokens=graph_tokens)
         dequant = fusion.dequant_bytes(model, dtype)
@@ -188,8 +192,8 @@ def build_runner(loaded, config: ServiceConfig):
         except torch.OutOfMemoryError:  # serve with the eager prefill rather than not at all
             held = -1
         if held < 0:  # outside the handler (whose traceback holds them): the graphs and their own pool are freed
-            runner.graph_prefill, held = None, 0
-            runner.impl["prefill"] = "eager, prompt chunks packed"
+            runner.drop_prefill_graphs()
+            held = 0
             gc.collect()
             torch.cuda.empty_cache()
             log.warning("prefill graphs are off: capturing them ran out of GPU memory; lower "
