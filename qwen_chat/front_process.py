@@ -84,6 +84,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threading.Thread(target=serve, name="uvicorn", daemon=True).start()
     lifecycle.install_sigterm_exit()
     gone: list[str] = []
+    serving, stop = threading.Event(), threading.Event()
+
+    def on_stop() -> None:  # the first SIGTERM (lifecycle.stop_wakes)
+        if not serving.is_set():
+            raise SystemExit(0)  # still starting: leave through the clean-up below
+        stop.set()  # ends the serving loop; nothing is raised into the clean-up
 
     def engine_gone(reason: str) -> None:
         if hub.failure is not None and not hub.ready.is_set():  # a start-up failure: app.py reports and exits
@@ -96,49 +102,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     folder = Path(cfg.model).expanduser()
     if (folder / "tokenizer_config.json").is_file():  # a local checkpoint: its processor loads beside the engine
         hub.start_prompts(folder, cfg.image_token_budget)
-    try:
-        from qwen_chat.history.store import HistoryStore
-        from qwen_chat.web import server as web_app  # Gradio: seconds of imports, while /healthz answers
-
-        app = web_app.build_app(cfg, backend, HistoryStore(cfg.history_dir))
-        front.attach(app, end_streams=lambda: web_app.end_streams(app))
-        from qwen_chat.web import file_access
-
-        file_access.start_sweeper()  # the temporary copies an earlier run left, then old ones hourly
+    with lifecycle.stop_wakes(on_stop):
         try:
-            clients = hub.wait_ready(ENGINE_READY_TIMEOUT_S, stop=parent_gone)
-        except (RuntimeError, TimeoutError) as exc:
-            backend.fail(str(exc))
-            while not parent_gone() and not web_done.wait(PARENT_POLL_S):
-                pass
-            return 0 if hub.failure else 1
-        if not hub.prompts.wait_warm(PROMPT_WARM_TIMEOUT_S):  # /healthz 200 only once prompts can be built
-            log.warning("front: the prompt workers are still loading after %.0f s", PROMPT_WARM_TIMEOUT_S)
-        backend.attach(_backend_over(clients))
-        if len(clients) > 1:
-            log.info("data parallel: all %d replicas ready behind the web front", len(clients))
-        while not web_done.wait(PARENT_POLL_S):
-            if parent_gone():
-                gone.append("the engine process of replica 0 exited")
-            if gone:
-                server.stop_accepting()  # the port is free for the next group at once
-                hub.lose_all(gone[0])  # open streams end with an error; /healthz turns 503
-                print(f"front: {gone[0]}; exiting so that the whole group restarts", file=sys.stderr)
-                if 0 in hub.silent and not parent_gone():
-                    # replica 0's engine process is there but silent (stopped, or every thread hung): it would
-                    # not notice this exit, and Supervisor restarts only once it is gone
-                    print("front: ending the silent engine process of replica 0", file=sys.stderr)
-                    os.kill(os.getppid(), signal.SIGKILL)
-                time.sleep(1.0)
-                return 1
-        print("front: the web server stopped unexpectedly", file=sys.stderr)
-        return 1
-    finally:
-        if not gone:
-            backend.close()  # engines first: their open replies end and their last chunks go out
-        server.should_exit = True
-        web_done.wait(timeout=15)
-        hub.close()
+            from qwen_chat.history.store import HistoryStore
+            from qwen_chat.web import server as web_app  # Gradio: seconds of imports, while /healthz answers
+
+            app = web_app.build_app(cfg, backend, HistoryStore(cfg.history_dir))
+            front.attach(app, end_streams=lambda: web_app.end_streams(app))
+            from qwen_chat.web import file_access
+
+            file_access.start_sweeper()  # the temporary copies an earlier run left, then old ones hourly
+            try:
+                clients = hub.wait_ready(ENGINE_READY_TIMEOUT_S, stop=parent_gone)
+            except (RuntimeError, TimeoutError) as exc:
+                backend.fail(str(exc))
+                while not parent_gone() and not web_done.wait(PARENT_POLL_S):
+                    pass
+                return 0 if hub.failure else 1
+            if not hub.prompts.wait_warm(PROMPT_WARM_TIMEOUT_S):  # /healthz 200 only once prompts can be built
+                log.warning("front: the prompt workers are still loading after %.0f s", PROMPT_WARM_TIMEOUT_S)
+            backend.attach(_backend_over(clients))
+            if len(clients) > 1:
+                log.info("data parallel: all %d replicas ready behind the web front", len(clients))
+            serving.set()
+            while not stop.wait(PARENT_POLL_S) and not web_done.is_set():
+                if parent_gone():
+                    gone.append("the engine process of replica 0 exited")
+                if gone:
+                    server.stop_accepting()  # the port is free for the next group at once
+                    hub.lose_all(gone[0])  # open streams end with an error; /healthz turns 503
+                    print(f"front: {gone[0]}; exiting so that the whole group restarts", file=sys.stderr)
+                    if 0 in hub.silent and not parent_gone():
+                        # replica 0's engine process is there but silent (stopped, or every thread hung): it would
+                        # not notice this exit, and Supervisor restarts only once it is gone
+                        print("front: ending the silent engine process of replica 0", file=sys.stderr)
+                        os.kill(os.getppid(), signal.SIGKILL)
+                    time.sleep(1.0)
+                    return 1
+            if stop.is_set():
+                return 0
+            print("front: the web server stopped unexpectedly", file=sys.stderr)
+            return 1
+        finally:
+            serving.set()  # from here on a first stop signal must not cut this clean-up short
+            if not gone:
+                backend.close()  # engines first: their open replies end and their last chunks go out
+            server.should_exit = True
+            web_done.wait(timeout=15)
+            hub.close()
 
 
 def _backend_over(clients: list):

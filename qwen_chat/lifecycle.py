@@ -8,11 +8,14 @@ operator) cannot interrupt the shutdown already under way, and the launcher watc
 Handlers, each installed by one caller (signal handlers can only be installed from the main thread):
 
 - ``install_sigterm_exit()``: app.py, before the engine starts.  SIGTERM raises ``SystemExit(0)`` in the main
-  thread, once, so app.py's ``finally`` ends the open streams and stops the web server gracefully.
+  thread, once, so app.py's ``finally`` ends the open streams and stops the web server gracefully.  Inside a
+  ``stop_wakes(wake)`` block (a serving loop: the engine's link, the web front) it calls ``wake()`` instead,
+  so that nothing is raised into the loop's own shutdown.
 - ``install_rank0_sigterm(close_workers)``: rank 0 of several ranks, once its ``DistributedExecutor`` exists
   (replaces the handler above).  SIGTERM first sends the exit message to every worker rank
   (``close_workers() -> bool``), then raises ``SystemExit(0)``; when a worker was already gone it leaves at once
-  with ``FAILURE_EXIT_CODE``.
+  with ``FAILURE_EXIT_CODE``.  Inside a ``stop_wakes`` block it only calls ``wake()``: the serving loop's
+  shutdown closes the engine, whose executor sends the exit message.
 - ``install_worker_stop_signals(rank)``: every worker rank, entering its worker loop.  SIGTERM and SIGINT are
   held off for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit message can arrive; after that the
   worker leaves with 128 + the signal number.
@@ -25,13 +28,14 @@ vanished, ``exit_process_soon(reason)`` with code 1 after
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +62,36 @@ def _first_stop() -> bool:
     return True
 
 
+#: The ``wake`` callbacks of the open ``stop_wakes`` blocks, innermost last.
+_WAKES: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def stop_wakes(wake: Callable[[], None]) -> Iterator[None]:
+    """Within the block, the first stop signal calls ``wake()`` (in the main thread, from the signal handler)
+    instead of raising ``SystemExit``: for a serving loop whose own shutdown must run to its end.  A
+    ``SystemExit`` raised at an arbitrary line could land inside that shutdown (the front's "close" can end the
+    loop a moment before this process's own SIGTERM arrives) and skip closing the engine, so that a reply went
+    on until the web server cut its connection.  ``wake`` sets what the loop waits on; it may itself raise
+    ``SystemExit`` (a phase that should still be interrupted)."""
+    _WAKES.append(wake)
+    try:
+        yield
+    finally:
+        _WAKES.remove(wake)
+
+
+def _wake() -> bool:
+    """Call the innermost ``stop_wakes`` callback; False when no block is open."""
+    if not _WAKES:
+        return False
+    _WAKES[-1]()
+    return True
+
+
 def install_sigterm_exit() -> None:
-    """SIGTERM -> ``SystemExit(0)`` in the main thread, once; a repeated SIGTERM is logged and ignored.
+    """SIGTERM -> ``SystemExit(0)`` in the main thread (or the ``stop_wakes`` callback), once; a repeated
+    SIGTERM is logged and ignored.
 
     Raises: ValueError when called outside the main thread (``signal.signal``)."""
 
@@ -68,7 +100,8 @@ def install_sigterm_exit() -> None:
             log.info("SIGTERM again: already shutting down")
             return
         log.info("SIGTERM: shutting down")
-        raise SystemExit(0)
+        if not _wake():
+            raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -78,8 +111,8 @@ def install_rank0_sigterm(close_workers: Callable[[], bool]) -> None:
     every rank; True when it reached them all), then leaves with code 0 (``SystemExit``, so that app.py's
     clean-up still runs), or at once with ``FAILURE_EXIT_CODE`` when a worker was already gone.  A repeated
     SIGTERM does nothing: a second run inside the first one's ``close_workers()`` would deadlock on the
-    executor's lock.  Does nothing outside the main thread.  uvicorn runs in another thread and installs no
-    handler, so this one stays in charge while serving."""
+    executor's lock.  Inside a ``stop_wakes`` block (serving) it calls ``wake()`` instead: the serving loop's
+    shutdown closes the engine and, through it, the worker ranks.  Does nothing outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
 
@@ -87,6 +120,8 @@ def install_rank0_sigterm(close_workers: Callable[[], bool]) -> None:
         if not _first_stop():
             return
         log.info("rank 0: SIGTERM; stopping all ranks")
+        if _wake():  # serving: the loop's shutdown closes the engine, and its executor the worker ranks
+            return
         if not close_workers():
             die("rank 0: a worker rank was already gone at shutdown")
         raise SystemExit(0)

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -488,14 +489,22 @@ def test_sigterm_ends_an_open_api_stream_properly(tmp_path, tiny_cache):
                 "messages": [{"role": "user", "content": "Write a very long story about a lighthouse keeper."}]}
         lines: list[str] = []
         signalled = False
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():  # raises if the response is cut off before its end
-                lines.append(line)
-                if not signalled and len([x for x in lines if x.startswith("data: {")]) == 5:
-                    os.killpg(svc.proc.pid, signal.SIGTERM)
-                    os.killpg(svc.proc.pid, signal.SIGTERM)
-                    signalled = True
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():  # raises if the response is cut off before its end
+                    lines.append(line)
+                    if not signalled and len([x for x in lines if x.startswith("data: {")]) == 5:
+                        os.killpg(svc.proc.pid, signal.SIGTERM)
+                        os.killpg(svc.proc.pid, signal.SIGTERM)
+                        signalled = True
+        except httpx.HTTPError as exc:
+            try:
+                svc.proc.wait(timeout=30)  # the whole log, shutdown included
+            except subprocess.TimeoutExpired:
+                pass
+            raise AssertionError(f"the stream was cut off ({exc}); signalled: {signalled}; last lines: "
+                                 f"{lines[-4:]}; service log:\n{svc.log_text()[-6000:]}") from exc
         chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
         assert [x for x in lines if x][-1] == "data: [DONE]", lines[-4:]
         # The reply was cut by the shutdown, and the client is told so: an OpenAI-shaped error event, then [DONE].

@@ -37,6 +37,62 @@ def test_leave_runs_the_atexit_handlers_and_exits_with_the_code(code, status, st
     assert done.stdout == "buffered atexit ran\n" and done.stderr.strip() == stderr
 
 
+def test_a_sigterm_during_a_serving_loops_shutdown_lets_the_shutdown_finish():
+    """The engine's link and the web front serve inside ``lifecycle.stop_wakes``: the first SIGTERM only wakes
+    the loop, so a signal that arrives while the shutdown already runs (the front's "close" ended the loop a
+    moment earlier) cannot cut the shutdown short; outside such a block SIGTERM raises SystemExit(0), and a
+    wake that raises (the front still starting) does the same."""
+    done = run_python("""
+        import os, signal, threading, time
+        from qwen_chat import lifecycle
+        lifecycle.install_sigterm_exit()
+        woken = threading.Event()
+        with lifecycle.stop_wakes(woken.set):
+            try:
+                pass  # the serving loop, ended by the front's "close"
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # this process's own stop, during the shutdown
+                steps = []
+                for i in range(5):
+                    time.sleep(0.05)
+                    steps.append(i)
+                print("shutdown complete", steps, "woken", woken.is_set())
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeated signal: ignored
+        time.sleep(0.1)
+        print("left the block; stopping", lifecycle.STOPPING.is_set())
+        """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["shutdown complete [0, 1, 2, 3, 4] woken True",
+                                        "left the block; stopping True"]
+    outside = run_python("""
+        import os, signal, time
+        from qwen_chat import lifecycle
+        lifecycle.install_sigterm_exit()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            print("not interrupted")
+        except SystemExit as stop:
+            print("SystemExit", stop.code)
+        """)
+    assert outside.stdout.strip() == "SystemExit 0", outside.stderr
+    raising = run_python("""
+        import os, signal, time
+        from qwen_chat import lifecycle
+        lifecycle.install_sigterm_exit()
+        def still_starting():
+            raise SystemExit(0)
+        with lifecycle.stop_wakes(still_starting):
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+                print("not interrupted")
+            except SystemExit as stop:
+                print("SystemExit", stop.code)
+        """)
+    assert raising.stdout.strip() == "SystemExit 0", raising.stderr
+
+
 def test_a_rank_whose_launcher_was_killed_exits_within_about_a_second(tmp_path):
     """The launcher (here: the leader of a new session, parent of the rank) is killed with SIGKILL; the rank's
     watchdog notices within ``LAUNCHER_WATCH_INTERVAL_S``, waits ``LAUNCHER_GONE_GRACE_S`` and leaves with

@@ -197,8 +197,8 @@ def _join_replicas(layout: ReplicaLayout):
 
 def _serve_replica(engine, world):
     """The lead of a replica >= 1 with its engine started: serve it to the web front (the link's address and
-    secret from the launcher's store) and leave the process (code 0 after the front's orderly close; SIGTERM
-    raises SystemExit through here)."""
+    secret from the launcher's store) and leave the process (code 0 after the front's orderly close or this
+    process's SIGTERM)."""
     from qwen_chat.engine.core.link import serve_engine
 
     layout = world.layout
