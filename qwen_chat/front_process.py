@@ -28,7 +28,6 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 from qwen_chat import lifecycle
@@ -65,6 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     address, token = os.environ[LINK_ENV], os.environ[TOKEN_ENV]
     replicas = int(os.environ.get(REPLICAS_ENV) or 1)
 
+    from qwen_chat.engine.checkpoints.folders import cached_checkpoint
     from qwen_chat.engine.client.engine_hub import EngineHub, parent_watch
     from qwen_chat.pending import PendingBackend, provisional_info
     from qwen_chat.web.front import Front, WebServer, server_config
@@ -99,8 +99,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     hub = EngineHub(address, token, replicas, stream_interval=cfg.stream_interval, on_engine_gone=engine_gone,
                     prompt_workers=cfg.prompt_workers)
-    folder = Path(cfg.model).expanduser()
-    if (folder / "tokenizer_config.json").is_file():  # a local checkpoint: its processor loads beside the engine
+    folder = cached_checkpoint(cfg.model, cfg.cache_dir)
+    if folder is not None:  # on this machine already: its processor loads while the engine loads
         hub.start_prompts(folder, cfg.image_token_budget)
     with lifecycle.stop_wakes(on_stop):
         try:

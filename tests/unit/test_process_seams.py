@@ -43,6 +43,8 @@ def test_the_front_process_never_imports_torch():
             "import qwen_chat.engine.client.engine_hub, qwen_chat.engine.client.engine_client;"
             "import qwen_chat.engine.client.router, qwen_chat.engine.text.prompt_worker;"
             "from qwen_chat.engine.output.replies import ReplyAssembler;"
+            "from qwen_chat.engine.checkpoints.folders import cached_checkpoint; cached_checkpoint('tiny');"
+            "cached_checkpoint('owner/not-cached');"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'));"
             "assert not bad, bad[:5]")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)

@@ -1,12 +1,13 @@
-"""The front starts its prompt workers early (``EngineHub.start_prompts``: with ``--model`` a local folder,
-beside the engine's loading) and the engine's hello keeps them when it loaded that folder, or starts them
-again on the folder it names."""
+"""The front starts its prompt workers early (``EngineHub.start_prompts``: with ``--model`` a checkpoint on this
+machine already, ``folders.cached_checkpoint``, beside the engine's loading) and the engine's hello keeps them
+when it loaded that folder, or starts them again on the folder it names."""
 from __future__ import annotations
 
 import socket
 
 import pytest
 
+from qwen_chat.engine.checkpoints import folders
 from qwen_chat.engine.client import engine_hub
 from qwen_chat.engine.text import prompt_worker
 
@@ -57,3 +58,36 @@ def test_another_folder_or_budget_restarts_them_and_close_stops_them(hub, tmp_pa
     assert hub.prompts.closed
     hub.start_prompts(a, 1024)                    # nothing is started after close
     assert len(FakePool.made) == 3
+
+
+def _checkpoint(folder):
+    folder.mkdir(parents=True)
+    for name in ("config.json", "tokenizer_config.json"):
+        (folder / name).write_text("{}")
+    return folder
+
+
+def test_the_front_finds_the_checkpoint_folder_before_the_engine_for_each_kind_of_model_value(tmp_path,
+                                                                                              monkeypatch):
+    """What the front's early start looks at: the tiny model once built (in ``--cache-dir``), a local folder, a
+    hub id's snapshot in the Hugging Face cache (no network: ``local_files_only``); nothing for what the engine
+    must still build or download, or for a folder without its tokenizer."""
+    cache = tmp_path / "cache"
+    assert folders.cached_checkpoint("tiny", cache) is None  # not built yet: the engine builds it
+    tiny = _checkpoint(folders.tiny_checkpoint_dir(cache))
+    assert folders.cached_checkpoint("tiny", cache) == tiny
+    local = _checkpoint(tmp_path / "my-ckpt")
+    assert folders.cached_checkpoint(str(local)) == local.resolve()
+    (local / "tokenizer_config.json").unlink()
+    assert folders.cached_checkpoint(str(local)) is None
+    hf = tmp_path / "hf"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hf))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(hf))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert folders.cached_checkpoint("Qwen/Qwen3.5-9B") is None  # not downloaded: the engine downloads it
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (hf / "models--Qwen--Qwen3.5-9B" / "refs").mkdir(parents=True)
+    (hf / "models--Qwen--Qwen3.5-9B" / "refs" / "main").write_text(commit)
+    snapshot = _checkpoint(hf / "models--Qwen--Qwen3.5-9B" / "snapshots" / commit)
+    assert folders.cached_checkpoint("Qwen/Qwen3.5-9B") == snapshot
+    assert folders.cached_checkpoint("not a hub id!") is None

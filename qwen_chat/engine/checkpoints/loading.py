@@ -48,6 +48,7 @@ from transformers.utils import is_torchvision_available
 
 from qwen_chat.chat_types import ModelInfo
 from qwen_chat.config import MODEL_HINT, local_checkpoint_problem
+from qwen_chat.engine.checkpoints.folders import DEFAULT_CACHE_DIR, HUB_ALLOW_PATTERNS
 from qwen_chat.engine.checkpoints.fp8_loading import config_without_quantization, convert_fp8_modules, scales_ignored
 from qwen_chat.engine.checkpoints.int4_loading import convert_int4_modules, int4_keys_ignored, missing_besides_int4
 from qwen_chat.engine.checkpoints.layout import (CheckpointReport, check_loading_info, check_tokenizer,
@@ -56,11 +57,6 @@ from qwen_chat.engine.checkpoints.tiny import DEMO_CONFIG_KEY, DEMO_MARKER_FILE,
 from qwen_chat.engine.model import precision
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CACHE_DIR = Path("~/.cache/qwen_chat")
-
-# Files a checkpoint needs for inference; weights of other formats, MTP-only extras and docs are skipped.
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.tiktoken", "*.model"]
 
 
 class ModelUnavailable(RuntimeError):

@@ -33,13 +33,10 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from qwen_chat.engine.checkpoints.folders import TINY_MODEL_VERSION, tiny_checkpoint_dir  # noqa: F401 - re-exported
 from qwen_chat.engine.checkpoints.layout import INDEX_FILE, write_model
 from qwen_chat.engine.text.tokenizer_build import build_qwen35_tokenizer
 from qwen_chat.pending import DEMO_MARKER
-
-#: Bump whenever the config, weights recipe, tokenizer or template of the tiny model changes; the cache
-#: folder name includes it, so an old build is never reused by mistake.
-TINY_MODEL_VERSION = "4"  # 4: the published layout (sharded, MTP head, vocab.json/merges.txt)
 
 #: Marker key in config.json and marker file name in the checkpoint folder.
 DEMO_CONFIG_KEY = "qwen_chat_demo"
@@ -139,11 +136,6 @@ def tiny_config() -> Qwen3_5Config:
         tie_word_embeddings=False,
         architectures=["Qwen3_5ForConditionalGeneration"],
     )
-
-
-def tiny_checkpoint_dir(cache_dir: Path) -> Path:
-    """Folder where ``build_tiny_checkpoint(cache_dir)`` puts the current version (may not exist yet)."""
-    return Path(cache_dir) / f"qwen3_5-tiny-v{TINY_MODEL_VERSION}"
 
 
 def _is_complete(folder: Path) -> bool:
