@@ -37,7 +37,10 @@ def test_read_only_history_mid_reply_shows_a_notice_and_the_tab_stays_usable(pag
     with RunningServer(build_app(ServiceConfig(history_dir=tmp_path), backend, store)) as running:
         open_app(page, running.url)
         send(page, "tell me a story")
-        wait_until(lambda: any(history.load(s.id).messages[-1].text for s in history.list()), timeout_s=60,
+        # the reply's own save (the user's message alone, saved a moment before the reply is created, is not
+        # enough: a folder turned read-only in between refuses the whole turn, which is another case)
+        wait_until(lambda: any(history.load(s.id).messages[-1].role == "assistant"
+                               and history.load(s.id).messages[-1].text for s in history.list()), timeout_s=60,
                    what="a save of the reply with some text")
         folder.on = True
         try:
