@@ -122,6 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     if layout.rank != 0:  # no web front: a worker rank, or the lead of replica >= 1 (it serves its engine to
         # rank 0's front); neither returns from start_engine
+        if layout.is_lead:  # SIGTERM closes its engine as rank 0's does (a worker rank installs its own handler)
+            lifecycle.install_sigterm_exit()
         return _start_engine_or_exit(cfg, None)
 
     try:

@@ -84,12 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     threading.Thread(target=serve, name="uvicorn", daemon=True).start()
     lifecycle.install_sigterm_exit()
     gone: list[str] = []
-    serving, stop = threading.Event(), threading.Event()
+    serving = [False]  # a plain flag: read inside the signal handler, which must take no lock
 
-    def on_stop() -> None:  # the first SIGTERM (lifecycle.stop_wakes)
-        if not serving.is_set():
+    def on_stop() -> None:  # the first SIGTERM (lifecycle.stop_polled); the serving loop polls STOPPING
+        if not serving[0]:
             raise SystemExit(0)  # still starting: leave through the clean-up below
-        stop.set()  # ends the serving loop; nothing is raised into the clean-up
 
     def engine_gone(reason: str) -> None:
         if hub.failure is not None and not hub.ready.is_set():  # a start-up failure: app.py reports and exits
@@ -102,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     folder = cached_checkpoint(cfg.model, cfg.cache_dir)
     if folder is not None:  # on this machine already: its processor loads while the engine loads
         hub.start_prompts(folder, cfg.image_token_budget)
-    with lifecycle.stop_wakes(on_stop):
+    with lifecycle.stop_polled(on_stop):
         try:
             from qwen_chat.history.store import HistoryStore
             from qwen_chat.web import server as web_app  # Gradio: seconds of imports, while /healthz answers
@@ -124,8 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             backend.attach(_backend_over(clients))
             if len(clients) > 1:
                 log.info("data parallel: all %d replicas ready behind the web front", len(clients))
-            serving.set()
-            while not stop.wait(PARENT_POLL_S) and not web_done.is_set():
+            serving[0] = True
+            while not web_done.wait(PARENT_POLL_S) and not lifecycle.STOPPING.is_set():
                 if parent_gone():
                     gone.append("the engine process of replica 0 exited")
                 if gone:
@@ -139,12 +138,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         os.kill(os.getppid(), signal.SIGKILL)
                     time.sleep(1.0)
                     return 1
-            if stop.is_set():
+            if lifecycle.STOPPING.is_set():
                 return 0
             print("front: the web server stopped unexpectedly", file=sys.stderr)
             return 1
         finally:
-            serving.set()  # from here on a first stop signal must not cut this clean-up short
+            serving[0] = True  # from here on a first stop signal must not cut this clean-up short
             if not gone:
                 backend.close()  # engines first: their open replies end and their last chunks go out
             server.should_exit = True

@@ -9,12 +9,12 @@ Handlers, each installed by one caller (signal handlers can only be installed fr
 
 - ``install_sigterm_exit()``: app.py, before the engine starts.  SIGTERM raises ``SystemExit(0)`` in the main
   thread, once, so app.py's ``finally`` ends the open streams and stops the web server gracefully.  Inside a
-  ``stop_wakes(wake)`` block (a serving loop: the engine's link, the web front) it calls ``wake()`` instead,
-  so that nothing is raised into the loop's own shutdown.
+  ``stop_polled()`` block (a serving loop: the engine's link, the web front) it only sets ``STOPPING``, which
+  the loop polls, so that nothing is raised into the loop's own shutdown.
 - ``install_rank0_sigterm(close_workers)``: rank 0 of several ranks, once its ``DistributedExecutor`` exists
   (replaces the handler above).  SIGTERM first sends the exit message to every worker rank
   (``close_workers() -> bool``), then raises ``SystemExit(0)``; when a worker was already gone it leaves at once
-  with ``FAILURE_EXIT_CODE``.  Inside a ``stop_wakes`` block it only calls ``wake()``: the serving loop's
+  with ``FAILURE_EXIT_CODE``.  Inside a ``stop_polled`` block it only sets ``STOPPING``: the serving loop's
   shutdown closes the engine, whose executor sends the exit message.
 - ``install_worker_stop_signals(rank)``: every worker rank, entering its worker loop.  SIGTERM and SIGINT are
   held off for ``WORKER_SIGTERM_GRACE_S`` seconds so that rank 0's exit message can arrive; after that the
@@ -35,12 +35,37 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
+class StopFlag:
+    """A flag set once, by a signal handler, and read from any thread (``is_set``).  No lock: a handler runs in
+    the main thread between any two bytecodes, also inside a lock that thread holds (a ``threading.Event``'s
+    own, or the first handler's while a repeated signal arrives), and taking that lock again would hang."""
+
+    __slots__ = ("_set", "_unclaimed")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._unclaimed = [True]  # popped once: list.pop is atomic, so exactly one caller claims the flag
+
+    def claim(self) -> bool:
+        """Set the flag; True only for the first call ever."""
+        try:
+            self._unclaimed.pop()
+        except IndexError:
+            return False
+        self._set = True
+        return True
+
+    def is_set(self) -> bool:
+        """Whether the flag is set."""
+        return self._set
+
+
 #: Set once this process has begun an orderly shutdown (its first stop signal).
-STOPPING = threading.Event()
+STOPPING = StopFlag()
 
 #: Exit code of a process that left because of a failure (Supervisor restarts the service on any non-zero code).
 FAILURE_EXIT_CODE = 1
@@ -56,42 +81,45 @@ FATAL_EXIT_DELAY_S = 2.0
 
 def _first_stop() -> bool:
     """Set ``STOPPING``; True only for the call that set it (the first stop signal)."""
-    if STOPPING.is_set():
-        return False
-    STOPPING.set()
-    return True
+    return STOPPING.claim()
 
 
-#: The ``wake`` callbacks of the open ``stop_wakes`` blocks, innermost last.
-_WAKES: list[Callable[[], None]] = []
+#: The ``on_stop`` callbacks (or None) of the open ``stop_polled`` blocks, innermost last.
+_POLLED: list[Optional[Callable[[], None]]] = []
 
 
 @contextlib.contextmanager
-def stop_wakes(wake: Callable[[], None]) -> Iterator[None]:
-    """Within the block, the first stop signal calls ``wake()`` (in the main thread, from the signal handler)
-    instead of raising ``SystemExit``: for a serving loop whose own shutdown must run to its end.  A
-    ``SystemExit`` raised at an arbitrary line could land inside that shutdown (the front's "close" can end the
-    loop a moment before this process's own SIGTERM arrives) and skip closing the engine, so that a reply went
-    on until the web server cut its connection.  ``wake`` sets what the loop waits on; it may itself raise
-    ``SystemExit`` (a phase that should still be interrupted)."""
-    _WAKES.append(wake)
+def stop_polled(on_stop: Optional[Callable[[], None]] = None) -> Iterator[None]:
+    """Within the block, the first stop signal only sets ``STOPPING`` (and calls ``on_stop()``, if given)
+    instead of raising ``SystemExit``: for a serving loop that polls ``STOPPING`` and whose own shutdown must
+    run to its end.  A ``SystemExit`` raised at an arbitrary line could land inside that shutdown (the front's
+    "close" can end the engine's loop a moment before this process's own SIGTERM arrives) and skip closing the
+    engine, so that a reply went on until the web server cut its connection.
+
+    ``on_stop`` runs inside the signal handler, in the main thread, between any two bytecodes: it must take no
+    lock (not even ``threading.Event.set`` of an event the main thread waits on: the handler may run while the
+    main thread holds that event's own lock, and the process would hang).  It may raise ``SystemExit`` (a
+    phase that should still be interrupted)."""
+    _POLLED.append(on_stop)
     try:
         yield
     finally:
-        _WAKES.remove(wake)
+        _POLLED.pop()
 
 
-def _wake() -> bool:
-    """Call the innermost ``stop_wakes`` callback; False when no block is open."""
-    if not _WAKES:
+def _polled() -> bool:
+    """Inside a ``stop_polled`` block: call its ``on_stop`` (if any) and return True; False outside."""
+    if not _POLLED:
         return False
-    _WAKES[-1]()
+    on_stop = _POLLED[-1]
+    if on_stop is not None:
+        on_stop()
     return True
 
 
 def install_sigterm_exit() -> None:
-    """SIGTERM -> ``SystemExit(0)`` in the main thread (or the ``stop_wakes`` callback), once; a repeated
-    SIGTERM is logged and ignored.
+    """SIGTERM -> ``SystemExit(0)`` in the main thread (inside a ``stop_polled`` block: only ``STOPPING``), once;
+    a repeated SIGTERM is logged and ignored.
 
     Raises: ValueError when called outside the main thread (``signal.signal``)."""
 
@@ -100,7 +128,7 @@ def install_sigterm_exit() -> None:
             log.info("SIGTERM again: already shutting down")
             return
         log.info("SIGTERM: shutting down")
-        if not _wake():
+        if not _polled():
             raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -111,7 +139,7 @@ def install_rank0_sigterm(close_workers: Callable[[], bool]) -> None:
     every rank; True when it reached them all), then leaves with code 0 (``SystemExit``, so that app.py's
     clean-up still runs), or at once with ``FAILURE_EXIT_CODE`` when a worker was already gone.  A repeated
     SIGTERM does nothing: a second run inside the first one's ``close_workers()`` would deadlock on the
-    executor's lock.  Inside a ``stop_wakes`` block (serving) it calls ``wake()`` instead: the serving loop's
+    executor's lock.  Inside a ``stop_polled`` block (serving) it only sets ``STOPPING``: the serving loop's
     shutdown closes the engine and, through it, the worker ranks.  Does nothing outside the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
@@ -120,7 +148,7 @@ def install_rank0_sigterm(close_workers: Callable[[], bool]) -> None:
         if not _first_stop():
             return
         log.info("rank 0: SIGTERM; stopping all ranks")
-        if _wake():  # serving: the loop's shutdown closes the engine, and its executor the worker ranks
+        if _polled():  # serving: the loop's shutdown closes the engine, and its executor the worker ranks
             return
         if not close_workers():
             die("rank 0: a worker rank was already gone at shutdown")

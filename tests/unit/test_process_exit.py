@@ -38,32 +38,52 @@ def test_leave_runs_the_atexit_handlers_and_exits_with_the_code(code, status, st
 
 
 def test_a_sigterm_during_a_serving_loops_shutdown_lets_the_shutdown_finish():
-    """The engine's link and the web front serve inside ``lifecycle.stop_wakes``: the first SIGTERM only wakes
-    the loop, so a signal that arrives while the shutdown already runs (the front's "close" ended the loop a
-    moment earlier) cannot cut the shutdown short; outside such a block SIGTERM raises SystemExit(0), and a
-    wake that raises (the front still starting) does the same."""
+    """The engine's link and the web front serve inside ``lifecycle.stop_polled``: the first SIGTERM only sets
+    ``STOPPING`` (and calls the block's ``on_stop``), which the serving loop polls, so a signal that arrives
+    while the loop waits, or while its shutdown already runs (the front's "close" ended the loop a moment
+    earlier), cannot cut the shutdown short or hang it; a repeated signal is ignored.  Outside such a block
+    SIGTERM raises SystemExit(0), and an ``on_stop`` that raises (the front still starting) does the same."""
     done = run_python("""
         import os, signal, threading, time
         from qwen_chat import lifecycle
         lifecycle.install_sigterm_exit()
-        woken = threading.Event()
-        with lifecycle.stop_wakes(woken.set):
+        calls, done = [], threading.Event()
+        with lifecycle.stop_polled(lambda: calls.append("on_stop")):
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            t0 = time.monotonic()
             try:
-                pass  # the serving loop, ended by the front's "close"
+                while not done.wait(0.0005):  # the serving loop: many short waits, so the signal lands in one
+                    if lifecycle.STOPPING.is_set():
+                        break
+                print("loop ended", round(time.monotonic() - t0) <= 1, calls)
             finally:
-                os.kill(os.getpid(), signal.SIGTERM)  # this process's own stop, during the shutdown
+                os.kill(os.getpid(), signal.SIGTERM)  # a repeated signal, during the shutdown: ignored
                 steps = []
                 for i in range(5):
                     time.sleep(0.05)
                     steps.append(i)
-                print("shutdown complete", steps, "woken", woken.is_set())
-        os.kill(os.getpid(), signal.SIGTERM)  # a repeated signal: ignored
-        time.sleep(0.1)
+                print("shutdown complete", steps)
         print("left the block; stopping", lifecycle.STOPPING.is_set())
         """)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == ["shutdown complete [0, 1, 2, 3, 4] woken True",
+    assert done.stdout.splitlines() == ["loop ended True ['on_stop']", "shutdown complete [0, 1, 2, 3, 4]",
                                         "left the block; stopping True"]
+    late = run_python("""
+        import os, signal, time
+        from qwen_chat import lifecycle
+        lifecycle.install_sigterm_exit()
+        with lifecycle.stop_polled():
+            try:
+                pass  # the serving loop, ended by the front's "close"
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # this process's own first stop, during the shutdown
+                steps = []
+                for i in range(5):
+                    time.sleep(0.05)
+                    steps.append(i)
+                print("shutdown complete", steps)
+        """)
+    assert late.stdout.strip() == "shutdown complete [0, 1, 2, 3, 4]", late.stderr
     outside = run_python("""
         import os, signal, time
         from qwen_chat import lifecycle
@@ -82,7 +102,7 @@ def test_a_sigterm_during_a_serving_loops_shutdown_lets_the_shutdown_finish():
         lifecycle.install_sigterm_exit()
         def still_starting():
             raise SystemExit(0)
-        with lifecycle.stop_wakes(still_starting):
+        with lifecycle.stop_polled(still_starting):
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(5)

@@ -10,6 +10,7 @@ import pytest
 from qwen_chat.engine.checkpoints import folders
 from qwen_chat.engine.client import engine_hub
 from qwen_chat.engine.text import prompt_worker
+from qwen_chat.pending import DEMO_MARKER
 
 
 class FakePool:
@@ -75,6 +76,9 @@ def test_the_front_finds_the_checkpoint_folder_before_the_engine_for_each_kind_o
     cache = tmp_path / "cache"
     assert folders.cached_checkpoint("tiny", cache) is None  # not built yet: the engine builds it
     tiny = _checkpoint(folders.tiny_checkpoint_dir(cache))
+    assert folders.cached_checkpoint("tiny", cache) is None  # no weight index or demo marker: the engine rebuilds
+    (tiny / folders.INDEX_FILE).write_text("{}")
+    (tiny / DEMO_MARKER).write_text("demo")
     assert folders.cached_checkpoint("tiny", cache) == tiny
     local = _checkpoint(tmp_path / "my-ckpt")
     assert folders.cached_checkpoint(str(local)) == local.resolve()

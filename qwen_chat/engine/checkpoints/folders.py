@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from qwen_chat.pending import DEMO_MARKER
+
 #: Default ``--cache-dir``: where the built-in tiny checkpoint is built (hub downloads use ``HF_HOME``).
 DEFAULT_CACHE_DIR = Path("~/.cache/qwen_chat")
 
@@ -21,6 +23,16 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.tiktoken
 #: Version of the built-in tiny checkpoint: bump whenever its config, weights recipe, tokenizer or template
 #: changes; the cache folder name includes it, so an old build is never reused by mistake.
 TINY_MODEL_VERSION = "4"  # 4: the published layout (sharded, MTP head, vocab.json/merges.txt)
+
+
+#: The weight index of a sharded safetensors checkpoint (the published layout).
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def tiny_is_complete(folder: Path) -> bool:
+    """Whether ``folder`` holds a whole tiny checkpoint (its config, weight index and demo marker; the builder
+    writes a temporary folder and renames it, so a half-written one never has this name)."""
+    return all((Path(folder) / name).is_file() for name in ("config.json", INDEX_FILE, DEMO_MARKER))
 
 
 def tiny_checkpoint_dir(cache_dir: Path) -> Path:
@@ -35,6 +47,8 @@ def cached_checkpoint(model: str, cache_dir: Optional[Path] = None) -> Optional[
     Never builds, downloads or reaches the network; raises nothing."""
     if model == "tiny":
         folder = tiny_checkpoint_dir(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
+        if not tiny_is_complete(folder):  # the engine builds it (again)
+            return None
     elif Path(model).expanduser().is_dir():
         folder = Path(model).expanduser().resolve()
     else:

@@ -32,10 +32,10 @@ import torch
 from safetensors.torch import save_file
 
 from qwen_chat.engine.checkpoints.errors import CheckpointError  # raised here; other modules import it from here too
+from qwen_chat.engine.checkpoints.folders import INDEX_FILE  # noqa: F401 - part of this module's layout names
 from qwen_chat.engine.checkpoints.fp8_format import check_fp8_tensors, check_quantization
 from qwen_chat.engine.checkpoints.int4_format import check_int4_config, check_int4_tensors, check_no_int4, is_int4_config
 
-INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
 MODEL_TYPE = "qwen3_5"
 MTP_PREFIX = "mtp."

@@ -33,8 +33,9 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from qwen_chat.engine.checkpoints.folders import TINY_MODEL_VERSION, tiny_checkpoint_dir  # noqa: F401 - re-exported
-from qwen_chat.engine.checkpoints.layout import INDEX_FILE, write_model
+from qwen_chat.engine.checkpoints.folders import (TINY_MODEL_VERSION, tiny_checkpoint_dir,  # noqa: F401 - re-exported
+                                                  tiny_is_complete)
+from qwen_chat.engine.checkpoints.layout import write_model
 from qwen_chat.engine.text.tokenizer_build import build_qwen35_tokenizer
 from qwen_chat.pending import DEMO_MARKER
 
@@ -138,10 +139,6 @@ def tiny_config() -> Qwen3_5Config:
     )
 
 
-def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in ("config.json", INDEX_FILE, DEMO_MARKER_FILE))
-
-
 def _update_json(path: Path, updates: dict) -> None:
     data = json.loads(path.read_text())
     data.update(updates)
@@ -192,7 +189,7 @@ def build_tiny_checkpoint(cache_dir: Path) -> Path:
     """
     cache_dir = Path(cache_dir).expanduser()
     target = tiny_checkpoint_dir(cache_dir)
-    if _is_complete(target):
+    if tiny_is_complete(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=cache_dir))
@@ -200,12 +197,12 @@ def build_tiny_checkpoint(cache_dir: Path) -> Path:
         _write_checkpoint(tmp)
         for path in [tmp, *tmp.iterdir()]:  # mkdtemp/safetensors create owner-only modes
             path.chmod(0o755 if path.is_dir() else 0o644)
-        if target.exists() and not _is_complete(target):
+        if target.exists() and not tiny_is_complete(target):
             shutil.rmtree(target, ignore_errors=True)  # leftover of an old, interrupted non-atomic copy
         try:
             os.replace(tmp, target)
         except OSError:
-            if not _is_complete(target):  # not a lost race: a real error
+            if not tiny_is_complete(target):  # not a lost race: a real error
                 raise
     finally:
         if tmp.exists():

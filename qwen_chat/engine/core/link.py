@@ -207,8 +207,8 @@ class _EngineServer:
 def serve_engine(engine, front_address: str, token: str, replica: int, ranks: Sequence[int], host: str,
                  setup: Optional[dict] = None, until=None) -> None:
     """Serve ``engine`` (a ``ChatEngine``) to the web front at ``front_address`` (its PULL socket) until the
-    front's "close", this process's SIGTERM (which returns from here: ``lifecycle.stop_wakes``), or ``until()``
-    turning True (checked every 0.2 s; rank 0 passes "the front process exited").  The engine is closed on the
+    front's "close", this process's SIGTERM (which returns from here: ``lifecycle.stop_polled``), or ``until()``
+    turning True (both checked every 0.2 s; rank 0 passes "the front process exited").  The engine is closed on the
     way out, whatever signals arrive meanwhile.  ``token``: the link's
     secret (the front ignores engines that do not know it); ``host``: where this engine's input socket binds;
     ``setup``: what the front needs to decode (checkpoint folder, special token ids; ``engine_setup``)."""
@@ -221,12 +221,13 @@ def serve_engine(engine, front_address: str, token: str, replica: int, ranks: Se
     threading.Thread(target=server.input_loop, name="front-recv", daemon=True).start()
     threading.Thread(target=server.status_loop, name="engine-status", daemon=True).start()
     log.info("replica %d: serving the web front (input %s)", replica, server.input_address)
-    # A stop signal only ends the wait below: raised as SystemExit it could land inside the shutdown (when the
-    # front's "close" came first) and leave the engine generating until the web server cut the connections.
-    with lifecycle.stop_wakes(server.done.set):
+    # A stop signal only sets STOPPING, polled below: raised as SystemExit it could land inside the shutdown
+    # (when the front's "close" came first) and leave the engine generating until the web server cut the
+    # connections.
+    with lifecycle.stop_polled():
         try:
             while not server.done.wait(0.2):
-                if until is not None and until():
+                if lifecycle.STOPPING.is_set() or (until is not None and until()):
                     break
         finally:
             server.done.set()
