@@ -165,8 +165,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from qwen_chat.engine.core.link import serve_engine
 
         layout_ranks = list(layout.ranks_of(0)) if layout.replicas > 1 else list(range(layout.world_size))
-        serve_engine(engine, link.address, link.token, replica=0, ranks=layout_ranks, host=_link_host(),
-                     until=front_exited)
+        clean = serve_engine(engine, link.address, link.token, replica=0, ranks=layout_ranks, host=_link_host(),
+                             until=front_exited)
+        if not clean:
+            print("app.py: a worker rank was already gone at shutdown", file=sys.stderr)
+            return lifecycle.FAILURE_EXIT_CODE
         if front_exited() and not lifecycle.STOPPING.is_set():
             print(f"app.py: the web front exited with code {front.returncode}; stopping the engine",
                   file=sys.stderr)

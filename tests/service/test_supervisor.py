@@ -166,7 +166,8 @@ def crash_drill(sup: Supervisor, url: str, history: Path, crash, min_chars: int 
         f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
 
     # Nothing of the old process group or tree survives; the port belongs to the new process tree.
-    assert group_pids(old_pid) == [], f"processes of the old group {old_pid} left: {group_pids(old_pid)}"
+    assert group_pids(old_pid) == [], f"processes of the old group {old_pid} left: " + "; ".join(
+        f"{p} {' '.join(_cmdline(p))[:160]}" for p in group_pids(old_pid))
     assert not [p for p in old_tree if p in descendants(new_pid) or _alive(p)], old_tree
     assert listening_pids(port) and set(listening_pids(port)) <= set(descendants(new_pid))
 

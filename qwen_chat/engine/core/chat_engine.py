@@ -379,14 +379,14 @@ class ChatEngine:
             self._self_check = f"{type(exc).__name__}: {exc}"
         return self._self_check == ""
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Cancel everything queued or running, stop the scheduler thread, then close the executor if it has a
-        ``close`` (``DistributedExecutor`` sends the worker ranks their exit).  Idempotent."""
+        ``close`` (``DistributedExecutor`` sends the worker ranks their exit).  Idempotent.  Returns False when
+        a worker rank was already gone (its exit message could not be sent), else True."""
         self._closed = True
         self.scheduler.shutdown()
         executor_close = getattr(self.executor, "close", None)
-        if callable(executor_close):
-            executor_close()
+        return (executor_close() is not False) if callable(executor_close) else True
 
     def __enter__(self) -> "ChatEngine":
         return self

@@ -196,20 +196,23 @@ class _EngineServer:
             self.output.handles[rid] = handles
         self.outq.put(["accepted", rid, prompt.num_tokens, prompt.notice, prompt.dropped_messages])
 
-    def shutdown(self) -> None:
-        """Close the engine (open streams end "cancelled"; their last updates go out), then say "closed"."""
-        self.engine.close()
+    def shutdown(self) -> bool:
+        """Close the engine (open streams end "cancelled"; their last updates go out), then say "closed".
+        Returns ``ChatEngine.close``'s answer (False: a worker rank was already gone)."""
+        clean = self.engine.close()
         self.output.flush()
         self.outq.put(["closed"])
         self.outq.put(None)
+        return clean is not False
 
 
 def serve_engine(engine, front_address: str, token: str, replica: int, ranks: Sequence[int], host: str,
-                 setup: Optional[dict] = None, until=None) -> None:
+                 setup: Optional[dict] = None, until=None) -> bool:
     """Serve ``engine`` (a ``ChatEngine``) to the web front at ``front_address`` (its PULL socket) until the
     front's "close", this process's SIGTERM (which returns from here: ``lifecycle.stop_polled``), or ``until()``
     turning True (both checked every 0.2 s; rank 0 passes "the front process exited").  The engine is closed on the
-    way out, whatever signals arrive meanwhile.  ``token``: the link's
+    way out, whatever signals arrive meanwhile; returns False when a worker rank of this replica was already
+    gone by then (the process should leave with ``lifecycle.FAILURE_EXIT_CODE``), else True.  ``token``: the link's
     secret (the front ignores engines that do not know it); ``host``: where this engine's input socket binds;
     ``setup``: what the front needs to decode (checkpoint folder, special token ids; ``engine_setup``)."""
     server = _EngineServer(engine, front_address, token, replica, ranks, host)
@@ -231,8 +234,9 @@ def serve_engine(engine, front_address: str, token: str, replica: int, ranks: Se
                     break
         finally:
             server.done.set()
-            server.shutdown()
+            clean = server.shutdown()
             sender.join(CLOSE_TIMEOUT_S)
+    return clean
 
 
 def engine_setup(engine) -> dict:

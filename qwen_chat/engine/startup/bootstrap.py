@@ -206,9 +206,10 @@ def _serve_replica(engine, world):
         address, token = world.link()
     except Exception as exc:  # noqa: BLE001 - store timeout
         raise StartupError(f"replica {layout.replica}: cannot find the web front's link: {exc}") from exc
-    serve_engine(engine, address, token, layout.replica, list(layout.ranks_of(layout.replica)),
-                 host=world.engine_host())
-    die(f"replica {layout.replica}: lead stopped cleanly", code=0)
+    if serve_engine(engine, address, token, layout.replica, list(layout.ranks_of(layout.replica)),
+                    host=world.engine_host()):
+        die(f"replica {layout.replica}: lead stopped cleanly", code=0)
+    die(f"replica {layout.replica}: a worker rank was already gone at shutdown")
 
 
 def _start(cfg: ServiceConfig, info: qdist.RankInfo, device: torch.device, plan: sharding.ShardingPlan,

@@ -223,6 +223,12 @@ class PromptPool:
         return self._result(self._submit(messages, settings, context_length).result())
 
     def close(self) -> None:
-        """Stop the worker processes."""
+        """Stop the worker processes now (SIGTERM: they hold no state).  Only asking them to leave is not
+        enough: a front leaving after its engine died was found waiting forever in the interpreter's exit
+        (multiprocessing joins its child processes) for workers still blocked on their call queue."""
         for pool in self._pools:
+            processes = list((getattr(pool, "_processes", None) or {}).values())  # (ProcessPoolExecutor's own)
             pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                if process.is_alive():
+                    process.terminate()
