@@ -39,15 +39,15 @@ from typing import Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
+
 class StopFlag:
     """A flag set once, by a signal handler, and read from any thread (``is_set``).  No lock: a handler runs in
     the main thread between any two bytecodes, also inside a lock that thread holds (a ``threading.Event``'s
     own, or the first handler's while a repeated signal arrives), and taking that lock again would hang."""
 
-    __slots__ = ("_set", "_unclaimed")
+    __slots__ = ("_unclaimed",)
 
     def __init__(self) -> None:
-        self._set = False
         self._unclaimed = [True]  # popped once: list.pop is atomic, so exactly one caller claims the flag
 
     def claim(self) -> bool:
@@ -56,12 +56,11 @@ class StopFlag:
             self._unclaimed.pop()
         except IndexError:
             return False
-        self._set = True
         return True
 
     def is_set(self) -> bool:
         """Whether the flag is set."""
-        return self._set
+        return not self._unclaimed
 
 
 #: Set once this process has begun an orderly shutdown (its first stop signal).
@@ -77,11 +76,6 @@ WORKER_SIGTERM_GRACE_S = 20.0
 #: Seconds between an engine failure and the process exit: the failed streams' last updates reach their
 #: clients and the UI saves the interrupted turns first.
 FATAL_EXIT_DELAY_S = 2.0
-
-
-def _first_stop() -> bool:
-    """Set ``STOPPING``; True only for the call that set it (the first stop signal)."""
-    return STOPPING.claim()
 
 
 #: The ``on_stop`` callbacks (or None) of the open ``stop_polled`` blocks, innermost last.
@@ -124,7 +118,7 @@ def install_sigterm_exit() -> None:
     Raises: ValueError when called outside the main thread (``signal.signal``)."""
 
     def on_sigterm(signum, frame) -> None:
-        if not _first_stop():
+        if not STOPPING.claim():
             log.info("SIGTERM again: already shutting down")
             return
         log.info("SIGTERM: shutting down")
@@ -145,7 +139,7 @@ def install_rank0_sigterm(close_workers: Callable[[], bool]) -> None:
         return
 
     def on_sigterm(signum, frame) -> None:
-        if not _first_stop():
+        if not STOPPING.claim():
             return
         log.info("rank 0: SIGTERM; stopping all ranks")
         if _polled():  # serving: the loop's shutdown closes the engine, and its executor the worker ranks
@@ -166,7 +160,7 @@ def install_worker_stop_signals(rank: int) -> None:
         return
 
     def on_stop_signal(signum, frame) -> None:
-        if not _first_stop():  # one grace timer is enough
+        if not STOPPING.claim():  # one grace timer is enough
             return
         name = signal.Signals(signum).name
         log.info("rank %d: %s; waiting up to %.0f s for rank 0's exit message", rank, name, WORKER_SIGTERM_GRACE_S)

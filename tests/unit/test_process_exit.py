@@ -84,33 +84,22 @@ def test_a_sigterm_during_a_serving_loops_shutdown_lets_the_shutdown_finish():
                 print("shutdown complete", steps)
         """)
     assert late.stdout.strip() == "shutdown complete [0, 1, 2, 3, 4]", late.stderr
-    outside = run_python("""
-        import os, signal, time
-        from qwen_chat import lifecycle
-        lifecycle.install_sigterm_exit()
-        try:
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(5)
-            print("not interrupted")
-        except SystemExit as stop:
-            print("SystemExit", stop.code)
-        """)
-    assert outside.stdout.strip() == "SystemExit 0", outside.stderr
-    raising = run_python("""
-        import os, signal, time
-        from qwen_chat import lifecycle
-        lifecycle.install_sigterm_exit()
-        def still_starting():
-            raise SystemExit(0)
-        with lifecycle.stop_polled(still_starting):
-            try:
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(5)
-                print("not interrupted")
-            except SystemExit as stop:
-                print("SystemExit", stop.code)
-        """)
-    assert raising.stdout.strip() == "SystemExit 0", raising.stderr
+    for opening in ("if True:", "with lifecycle.stop_polled(still_starting):"):  # outside a block; a raising on_stop
+        stopped = run_python(f"""
+            import os, signal, time
+            from qwen_chat import lifecycle
+            lifecycle.install_sigterm_exit()
+            def still_starting():
+                raise SystemExit(0)
+            {opening}
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)
+                    print("not interrupted")
+                except SystemExit as stop:
+                    print("SystemExit", stop.code)
+            """)
+        assert stopped.stdout.strip() == "SystemExit 0", (opening, stopped.stderr)
 
 
 def test_a_rank_whose_launcher_was_killed_exits_within_about_a_second(tmp_path):

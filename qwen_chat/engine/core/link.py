@@ -32,7 +32,6 @@ from qwen_chat.chat_types import CancelToken
 from qwen_chat.engine import wire
 from qwen_chat.engine.text.prompt_worker import unpack_prompt
 from qwen_chat import lifecycle
-from qwen_chat.lifecycle import die_unless_stopping
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +167,8 @@ class _EngineServer:
             elif time.monotonic() - self.last_heard > wire.FRONT_SILENT_S:
                 log.critical("replica %d: nothing heard from the web front for %.0f s", self.replica,
                              wire.FRONT_SILENT_S)
-                die_unless_stopping(f"replica {self.replica}: lost the web front; exiting so that the whole "
-                                    "group restarts", FRONT_GONE_GRACE_S)
+                lifecycle.die_unless_stopping(f"replica {self.replica}: lost the web front; exiting so that the "
+                                              "whole group restarts", FRONT_GONE_GRACE_S)
                 return
 
     def dispatch(self, message: list) -> None:
