@@ -269,8 +269,15 @@ def test_a_tab_whose_login_the_service_no_longer_accepts_reloads_once_to_the_log
                        what="the reloaded tab to reopen its conversation")
             refusals.append("armed")
             send(page, "third")  # 401 again within the gap: no second reload
-            wait_until(lambda: refusals[-1] == "refused", what="the second 401")
-            time.sleep(3)
+
+            def refused_again():
+                # playwright's sync API runs the route handler (and records loads) only during its own calls:
+                # a bare look at ``refusals`` would leave the page's request waiting forever
+                page.wait_for_timeout(50)
+                return refusals[-1] == "refused"
+
+            wait_until(refused_again, what="the second 401")
+            page.wait_for_timeout(3000)  # (the page's events keep being handed over meanwhile)
             assert len(loads) == 1, loads
     finally:
         context.close()
