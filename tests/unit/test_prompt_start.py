@@ -18,7 +18,11 @@ class FakePool:
 
     def __init__(self, checkpoint, workers, image_token_budget):
         self.checkpoint, self.workers, self.budget, self.closed = checkpoint, workers, image_token_budget, False
+        self.broken = False
         FakePool.made.append(self)
+
+    def failed(self):
+        return self.broken
 
     def close(self):
         self.closed = True
@@ -44,6 +48,22 @@ def test_the_hello_keeps_workers_started_on_the_folder_it_loaded(hub, tmp_path):
     assert len(FakePool.made) == 1 and FakePool.made[0].workers == 3
     hub.start_prompts(ckpt, 1024)                 # the hello names the resolved folder: kept
     assert len(FakePool.made) == 1 and not FakePool.made[0].closed and hub.prompts is FakePool.made[0]
+
+
+def test_the_hello_starts_again_workers_whose_early_start_failed(hub, tmp_path):
+    hub.start_prompts(tmp_path, 1024)
+    FakePool.made[0].broken = True                # e.g. the folder was not whole when the front looked
+    hub.start_prompts(tmp_path, 1024)
+    assert [p.closed for p in FakePool.made] == [True, False] and hub.prompts is FakePool.made[1]
+
+
+def test_a_pool_on_a_folder_without_a_processor_says_it_failed(tmp_path):
+    pool = prompt_worker.PromptPool(tmp_path, 1, 1024)  # an empty folder: the worker's processor cannot load
+    try:
+        assert pool.wait_warm(120), "the worker's start did not end"
+        assert pool.failed()
+    finally:
+        pool.close()
 
 
 def test_another_folder_or_budget_restarts_them_and_close_stops_them(hub, tmp_path):

@@ -14,6 +14,7 @@ def test_the_worker_table_equals_the_tokenizer_file_for_every_id(tiny_checkpoint
     pool = PromptPool(tiny_checkpoint, workers=1, image_token_budget=64)
     try:
         table = TokenTable(pool.token_strings(timeout_s=240))
+        assert pool.wait_warm(240) and not pool.failed()  # (the hello keeps such a pool: engine_hub)
     finally:
         pool.close()
     reference = Tokenizer.from_file(str(tiny_checkpoint / "tokenizer.json"))

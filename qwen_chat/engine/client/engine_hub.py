@@ -77,15 +77,22 @@ class EngineHub:
         """Run the prompt workers on ``checkpoint``'s processor (kept when they run on it already).  The front
         calls it with ``--model`` a local folder, while the engine still loads (they take seconds to import and
         load: started at the hello, /healthz would wait for them after the engine is ready); the hello calls
-        it with the folder the engine loaded.  Nothing is started after ``close``."""
+        it with the folder the engine loaded.  Workers whose start failed (``PromptPool.failed``: the early start
+        found the folder before it was whole) are started again.  Nothing is started after ``close``."""
         from qwen_chat.engine.text.prompt_worker import PromptPool
 
         key = (str(Path(checkpoint).expanduser().resolve()), int(image_token_budget))
         with self._prompts_lock:
-            if self._prompts_key == key or self._stop.is_set():
+            if self._stop.is_set():
                 return
-            if self.prompts is not None:
+            if self._prompts_key == key:
+                if not self.prompts.failed():
+                    return
+                log.warning("front: the prompt workers started early on %s failed to load it; started again",
+                            key[0])
+            elif self.prompts is not None:
                 log.info("front: the engine loaded %s; prompt workers restarted on it", key[0])
+            if self.prompts is not None:
                 self.prompts.close()
             self.prompts = PromptPool(Path(key[0]), self.prompt_workers, image_token_budget)
             self._prompts_key = key

@@ -188,6 +188,11 @@ class PromptPool:
         done, _ = concurrent.futures.wait(self._warming, timeout=timeout_s)
         return len(done) == len(self._warming)
 
+    def failed(self) -> bool:
+        """True when a worker's start ended in an error (its processor did not load, or the process died): a
+        pool started early on a folder that was not whole yet is made again rather than kept."""
+        return any(f.done() and (f.cancelled() or f.exception() is not None) for f in self._warming)
+
     def token_strings(self, timeout_s: float) -> list:
         """Every token string of the checkpoint's tokenizer by id, from the first worker (once its processor is
         loaded).  Raises ``concurrent.futures.TimeoutError`` after ``timeout_s`` seconds, and what the worker
