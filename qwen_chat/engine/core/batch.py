@@ -248,10 +248,10 @@ class Batch:
 
     @staticmethod
     def _speculates(r: Request) -> bool:
-        """Whether ``r`` takes drafts in a speculative step: no grammar, log-probabilities or thinking budget
-        (``spec_sampling.eligible``), and its acceptance is high enough or a probe is due
-        (``spec_policy.SpecStats``)."""
-        return r.constraint is None and eligible(r.sampling) and r.spec.wants()
+        """Whether ``r`` takes drafts in a speculative step: no log-probabilities or thinking budget
+        (``spec_sampling.eligible``; a grammar masks its verified positions: ``constraints.mask_drafts``), and its
+        acceptance is high enough or a probe is due (``spec_policy.SpecStats``)."""
+        return eligible(r.sampling) and r.spec.wants()
 
     def spec_ready(self) -> bool:
         """True when the next step would speculate if nothing were in flight: the scheduler then waits for the

@@ -16,6 +16,11 @@ Who does what:
   sampling only), then the CPU fills one bitmask row per active constraint (xgrammar), one copy takes the
   rows to the logits' device and ``grammar.apply_token_bitmask`` sets the forbidden logits to -inf.  A batch
   without a bound slot returns its logits untouched: no copy, no fill, no kernel.
+* A speculative step (``model.spec_step``) verifies k drafts per sequence: ``ConstraintTable.mask_drafts``
+  masks each verified position of a constrained row with what the grammar allows after the drafts before it
+  (the matcher walks them and rolls back), so a draft the grammar refuses is never kept and the tokens drawn
+  are those a plain constrained draw allows; ``ConstraintTable.emitted`` then feeds each row its emitted run.
+  The drafts themselves come unmasked from the MTP head (the verify does the masking).
 
 With thinking on, a constraint waits for the reasoning to end: it becomes active after ``</think>`` (sampled
 by the model or forced by the thinking budget), or, for a grammar of tool calls, at a ``<tool_call>`` inside
@@ -68,19 +73,45 @@ class Constraint:
         self._think_end = int(think_end_id)
         self._opening = frozenset(int(i) for i in opening_ids)
 
+    def _takes(self, token: int, active: bool) -> tuple[bool, bool]:
+        """(active after ``token``, whether the matcher takes ``token``) for a constraint ``active`` before it: an
+        active one feeds every token; an inactive one wakes at ``</think>`` (not fed) or at an opening token
+        (fed: the grammar's first)."""
+        if active or token in self._opening:
+            return True, True
+        return token == self._think_end, False
+
     def accept(self, token: int) -> None:
         """The token sampled for this reply (read back by ``ConstraintTable``), in order."""
         token = int(token)
         if self.broken:
             return
-        if not self.active:
-            if token == self._think_end:
-                self.active = True
-            elif token in self._opening:
-                self.active = True
-                self._feed(token)
+        self.active, feed = self._takes(token, self.active)
+        if feed:
+            self._feed(token)
+
+    def draft_rows(self, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
+        """The masks of a speculative verify window: row ``first_row + j`` of ``bitmask`` (int32, rows preset to
+        all allowed, -1) gets what the grammar allows after the reply's tokens so far and drafts d_1 .. d_j,
+        j = 0 .. len(drafts).  A row after a draft the grammar refuses (or after the grammar ended) stays all
+        allowed: that draft's own row forbids it, so the verify never keeps it nor uses the rows after it.  The
+        matcher ends where it began (``GrammarMatcher.rollback``); the constraint's state is unchanged."""
+        if self.broken:
             return
-        self._feed(token)
+        active, fed = self.active, 0
+        try:
+            for j in range(len(drafts) + 1):
+                if j:
+                    active, feed = self._takes(int(drafts[j - 1]), active)
+                    if feed:
+                        if self.matcher.is_terminated() or not self.matcher.accept_token(int(drafts[j - 1])):
+                            break
+                        fed += 1
+                if active and not self.matcher.is_terminated():
+                    self.matcher.fill_next_token_bitmask(bitmask, first_row + j)
+        finally:
+            if fed:
+                self.matcher.rollback(fed)
 
     def _feed(self, token: int) -> None:
         if not self.matcher.accept_token(token):
@@ -117,6 +148,7 @@ class ConstraintTable:
         self._tokens = torch.zeros(self.num_slots, dtype=torch.long, pin_memory=pinned)
         self._tokens_copied: Optional[torch.cuda.Event] = None
         self._unfed: set[int] = set()  # bound slots whose last drawn token the constraint has not seen
+        self._draft_mask: Optional[torch.Tensor] = None  # int32 [B * T, ceil(V / 32)]: ``mask_drafts``'s rows
 
     def bind(self, slot: int, constraint: Constraint) -> None:
         """The reply in ``slot`` follows ``constraint`` from its next draw on."""
@@ -158,6 +190,36 @@ class ConstraintTable:
         done.record()
         self._copied[self._turn] = done
         return apply_token_bitmask(logits, on_device)
+
+    def mask_drafts(self, slots: Sequence[int], logits: torch.Tensor, drafts: Sequence[Sequence[int]]
+                    ) -> torch.Tensor:
+        """The verify logits of a speculative step (fp32 [B, T, V], row b for ``slots[b]``, position j after its
+        drafts d_1 .. d_j; ``drafts``: B lists of T - 1 host ids) with each constrained row's forbidden tokens at
+        -inf at every position (``Constraint.draft_rows``; a new tensor), or ``logits`` itself when no row is
+        bound.  A draft the grammar refuses is then never kept (greedy or sampled: its probability is 0)."""
+        bound = [(b, c) for b, s in enumerate(slots) if (c := self._by_slot.get(int(s))) is not None]
+        if not bound:
+            return logits
+        self._feed([int(s) for s in slots])
+        B, T, V = logits.shape
+        if self._draft_mask is None or self._draft_mask.shape[0] < B * T:
+            self._draft_mask = xgr.allocate_token_bitmask(B * T, self.vocab_size)
+        buf = self._draft_mask[:B * T]
+        buf.fill_(-1)
+        for b, c in bound:
+            c.draft_rows(list(drafts[b])[:T - 1], buf, b * T)
+        # (the caller waits for the step's results before the next call: the buffer is free again by then)
+        return apply_token_bitmask(logits.reshape(B * T, V), buf.to(logits.device)).view(B, T, V)
+
+    def emitted(self, runs: dict[int, Sequence[int]]) -> None:
+        """After a speculative step: each bound slot's emitted run (kept drafts and the last token, host ids;
+        a negative id marks a failed row and is not fed) goes to its constraint, in order."""
+        for slot, run in runs.items():
+            c = self._by_slot.get(int(slot))
+            if c is not None:
+                for token in run:
+                    if int(token) >= 0:
+                        c.accept(int(token))
 
     def drawn(self, slots: Sequence[int], last_tokens: torch.Tensor) -> None:
         """After a draw: ``last_tokens`` (the sampler's int64 [num_slots] table, this draw's tokens recorded) goes

@@ -146,8 +146,13 @@ class Speculation:
                     guess = sampler.token_sync(guess.contiguous())
         logits, hidden, start = self.verifier.verify(slots, torch.cat([last[:, None], guess], dim=1))
         counts = torch.ones(len(slots), dtype=torch.long, device=dev)
-        if spec:  # everything up to the one host wait below is queued on the device
-            tokens, kept = accept_drafts(sampler, [slots[b] for b in spec], logits[pick], guess[pick])
+        grammar = getattr(sampler, "constraints", None)  # rank 0's grammar masks (core.constraints.ConstraintTable), or None
+        constrained = grammar is not None and any(slots[b] in grammar.slots for b in spec)
+        if spec:  # everything up to the one host wait below is queued on the device (with a grammar: two)
+            verified = logits[pick]
+            if constrained:  # the matchers walk the drafts on the host: every position masked as plain draws are
+                verified = grammar.mask_drafts([slots[b] for b in spec], verified, guess[pick].tolist())
+            tokens, kept = accept_drafts(sampler, [slots[b] for b in spec], verified, guess[pick])
             counts[pick] = kept
             if self.drafter is not None:
                 self.drafter.stage([slots[b] for b in spec], hidden[pick], tokens)
@@ -163,6 +168,8 @@ class Speculation:
                 runs[slots[b]] = host[i * T:i * T + kept_h[i]] if finite_h[i] else [NONFINITE_TOKEN]
             if self.drafter is not None:
                 self.drafter.note([slots[b] for b in spec], [start[b] for b in spec], kept_h)
+            if constrained:
+                grammar.emitted(runs)
         self.verifier.advance(slots, [len(runs.get(s, (0,))) for s in slots])
         if not flat:
             return runs, [], None
