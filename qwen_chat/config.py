@@ -173,6 +173,9 @@ class ServiceConfig:
         help="keep each conversation's state where its next turn continues, so that a follow-up prefills only "
              "what is new (the default; kept states use the memory no running sequence needs); "
              "--no-conversation-cache turns it off")
+    kv_cache_dtype: str = _opt("auto", choices=("auto", "fp8"), help=(
+        "fp8: attention keys and values kept as FP8 (e4m3, a scale per position and KV head): about twice the tokens "
+        "of KV cache (docs/checkpoints.md); needs compute capability 8.9+ (Ada, Hopper) or the CPU.  auto: bf16"))
     speculative_tokens: int = _opt(
         0, help="draft tokens per step of speculative decoding with the checkpoint's MTP head (1-3; 0: off, the "
                 "default); a step keeps the drafts the model agrees with, so the output is unchanged")

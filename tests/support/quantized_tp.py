@@ -1,4 +1,5 @@
-"""Tensor parallel over 2 CPU ranks (gloo) with quantized weights: the body both FP8 and 4-bit tests run.
+"""Tensor parallel over 2 CPU ranks (gloo) with quantized weights: the body both FP8 and 4-bit tests run (and
+``fp8_kv_tp_body``: the FP8 KV cache's).
 
 ``quantized_tp_body(rank, report, ...)`` (bind its keywords with ``functools.partial`` and give it to
 ``two_ranks.run_two_ranks``) builds a small Qwen3.5 whose MLP width keeps the quantization blocks whole on each
@@ -22,10 +23,10 @@ from qwen_chat.engine.types import PreparedPrompt
 from tests.support.small_model import rel_err
 
 
-def greedy_two_prompts(model, steps: int = 6) -> tuple[list[list[int]], torch.Tensor]:
+def greedy_two_prompts(model, steps: int = 6, kv_dtype=None) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens of two prompts decoded together for ``steps`` steps after their prefill, and the logits of
-    every step (float [2 * (steps + 1), vocab])."""
-    runner = ModelRunner(model, num_slots=2, max_context=128, device="cpu")
+    every step (float [2 * (steps + 1), vocab]); ``kv_dtype``: the runner's KV cache storage."""
+    runner = ModelRunner(model, num_slots=2, max_context=128, device="cpu", kv_dtype=kv_dtype)
     prompts = [torch.arange(5, 17), torch.arange(100, 103)]
     logits = torch.stack([runner.prefill(s, PreparedPrompt(input_ids=p)) for s, p in enumerate(prompts)])
     tokens, rows = [[int(x)] for x in logits.argmax(-1)], [logits]
@@ -35,6 +36,32 @@ def greedy_two_prompts(model, steps: int = 6) -> tuple[list[list[int]], torch.Te
         for t, nxt in zip(tokens, logits.argmax(-1).tolist()):
             t.append(nxt)
     return tokens, torch.cat(rows)
+
+
+def _launcher_env(rank: int) -> None:
+    """What a launcher sets (DeepSpeed needs LOCAL_RANK; its CPU all-reduce names its buffers by the port)."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getppid() % 20000))
+
+
+def fp8_kv_tp_body(rank: int, report: dict, *, config) -> None:
+    """One rank's part of the FP8 KV cache under tensor parallelism: the model of ``config`` decoded greedily with
+    an FP8 cache on one rank and sharded over both; records ``tp1``, ``tp2`` and ``rel_err`` as
+    ``quantized_tp_body`` does."""
+    from qwen_chat.engine.model.kv_quant import FP8
+    from qwen_chat.engine.parallel import sharding
+    from qwen_chat.engine.parallel.ranks import unlink_deepspeed_shm
+
+    _launcher_env(rank)
+    plan = sharding.read_plan(None, 2, "cpu")
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    report["tp1"], ref = greedy_two_prompts(copy.deepcopy(model), kv_dtype=FP8)
+    sharded = sharding.shard_model(model, plan, torch.device("cpu"))
+    torch.distributed.barrier()  # every rank has mapped the others' buffers
+    unlink_deepspeed_shm(rank)
+    report["tp2"], out = greedy_two_prompts(sharded, kv_dtype=FP8)
+    report["rel_err"] = rel_err(out, ref)
 
 
 def quantized_tp_body(rank: int, report: dict, *, config_of: Callable[[int], object],
@@ -47,9 +74,7 @@ def quantized_tp_body(rank: int, report: dict, *, config_of: Callable[[int], obj
     from qwen_chat.engine.parallel.ranks import unlink_deepspeed_shm
     from qwen_chat.engine.parallel.tp_layers import RowParallelLinear
 
-    # what a launcher sets (DeepSpeed needs LOCAL_RANK; its CPU all-reduce names its buffers by the port)
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2", LOCAL_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getppid() % 20000))
+    _launcher_env(rank)
     plan = sharding.read_plan(None, 2, "cpu")
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(config_of(fits)).eval()

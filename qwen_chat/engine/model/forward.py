@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers.activations import ACT2FN
 
-from qwen_chat.engine.model import delta_rule, fp8, gdn
+from qwen_chat.engine.model import delta_rule, fp8, gdn, kv_quant
 from qwen_chat.engine.model.fusion import Fused, Groups
 from qwen_chat.engine.model.glue import apply_rotary, l2norm
 from qwen_chat.engine.model.options import RunnerOptions
@@ -74,7 +74,7 @@ class ModelForward:
         self._layers = list(lm.layers)
         self._final_norm, self._lm_head = lm.norm, model.lm_head
         self._kinds, self._geo = state.kinds, state.geo
-        self.k_cache, self.v_cache = state.k_cache, state.v_cache
+        self.k_cache, self.v_cache, self.k_scale, self.v_scale = state.k_cache, state.v_cache, state.k_scale, state.v_scale
         self.conv_state, self.rec_state = state.conv_state, state.rec_state
         self.tables = tables
         self._bt = tables.block_tokens
@@ -208,11 +208,14 @@ class ModelForward:
         (causal from the bottom right).  Returns o [1, nq, n, hd]."""
         g = self._geo[i]
         kc, vc = self.k_cache[i].view(-1, g["nkv"], g["hd"]), self.v_cache[i].view(-1, g["nkv"], g["hd"])
-        kc[rows[start:]], vc[rows[start:]] = k[0].transpose(0, 1).to(kc.dtype), v[0].transpose(0, 1).to(vc.dtype)
-        if start == 0:
+        ks, vs = (s[i].view(-1, g["nkv"]) if i in s else None for s in (self.k_scale, self.v_scale))
+        kv_quant.write(kc, ks, rows[start:], k[0].transpose(0, 1))
+        kv_quant.write(vc, vs, rows[start:], v[0].transpose(0, 1))
+        if start == 0:  # (an FP8 cache: the chunk's own keys and values as the cache holds them, kv_quant)
+            k, v = kv_quant.round_trip(k, kc.dtype), kv_quant.round_trip(v, vc.dtype)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=g["scale"], enable_gqa=True)
-        keys = kc[rows].transpose(0, 1)[None].to(q.dtype)                   # [1, nkv, start + n, hd]
-        vals = vc[rows].transpose(0, 1)[None].to(q.dtype)
+        keys = kv_quant.read(kc, ks, rows, q.dtype).transpose(0, 1)[None]    # [1, nkv, start + n, hd]
+        vals = kv_quant.read(vc, vs, rows, q.dtype).transpose(0, 1)[None]
         mask = causal_lower_right(q.shape[2], rows.shape[0])
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"], enable_gqa=True)
 
@@ -344,8 +347,7 @@ class ModelForward:
         """Qwen3_5MLP for decode rows x [B, hidden]: down(act(gate(x)) * up(x)).  For one row, with the Triton
         GEMV, a fused gate/up weight, a down projection the step runs itself and SiLU, the SwiGLU is computed
         inside the down projection's kernel as it loads its input (``fp8.linear(..., swiglu=True)``, bf16 or FP8
-        weights: one kernel fewer per layer); otherwise the compiled glue does it.  Only for one row, where it is faster (measured:
-        docs/performance.md)."""
+        weights: one kernel fewer per layer; only for one row, faster there: docs/performance.md); else the glue."""
         fused = self._fused[i].get("mlp")
         down = self.tp.weight(mlp.down_proj)
         if (self._opts.fast_gemv and fused is not None and len(fused) == 1 and self._silu_mlp and down is not None
@@ -363,21 +365,21 @@ class ModelForward:
     def _attn_decode(self, i, at, kv_at, blocks, pos, x, cos, sin, eager_write=False):
         g = self._geo[i]
         B = x.shape[0]
-        kc, vc = self.k_cache[i], self.v_cache[i]
+        kc, vc, ks, vs = self.k_cache[i], self.v_cache[i], self.k_scale.get(i), self.v_scale.get(i)
         qg, kx, vx = self._project(i, "mix", x)
         if eager_write:  # the verify step: compiled for its row counts, the write copied the whole cache
             q, gate, k, v = self._glue["attn_qkv"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, g["hd"], g["nkv"],
-                                                   kc.dtype)
-            kc.index_put_(kv_at, k)
-            vc.index_put_(kv_at, v)
+                                                   kc.dtype if ks is None else self.dtype)
+            kv_quant.write(kc, ks, kv_at, k)
+            kv_quant.write(vc, vs, kv_at, v)
         else:
             q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, *kv_at,
-                                             g["hd"], g["nkv"])
+                                             g["hd"], g["nkv"], ks, vs)
         if self._opts.compile_glue:
-            o = self._glue["attn_core"](q, kc, vc, blocks, pos, g["scale"])
+            o = self._glue["attn_core"](q, kc, vc, blocks, pos, g["scale"], ks, vs)
         else:  # eager: gathered copy + SDPA (cheaper than the broadcast form without a compiler)
-            keys = kc[blocks].flatten(1, 2).transpose(1, 2)                   # [B, nkv, ctx, hd]
-            vals = vc[blocks].flatten(1, 2).transpose(1, 2)
+            keys = kv_quant.read(kc, ks, blocks, q.dtype).flatten(1, 2).transpose(1, 2)   # [B, nkv, ctx, hd]
+            vals = kv_quant.read(vc, vs, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
             ctx = keys.shape[2]
             mask = (torch.arange(ctx, device=pos.device)[None, :] <= pos[:, None]).view(B, 1, 1, ctx)
             # The query heads of one KV group act as that group's "query positions": no KV head expansion.

@@ -9,11 +9,13 @@ Qwen3_5GatedDeltaNet, torch_recurrent_gated_delta_rule, l2norm, apply_rotary_pos
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
+
+from qwen_chat.engine.model import kv_quant
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -61,36 +63,41 @@ def attn_qkv(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch
 def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
              k_norm: torch.nn.Module, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, kv_block: torch.Tensor, kv_offset: torch.Tensor, head_dim: int,
-             kv_heads: int):
-    """``attn_qkv``, then write k, v into the paged KV cache at (kv_block[b], kv_offset[b]) in place.  The write
-    indexes the cache tensor itself, not a view of it, so that compiled it stays one small scatter (through a
-    reshaped view Inductor copies the whole cache).
+             kv_heads: int, k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None):
+    """``attn_qkv``, then write k, v into the paged KV cache at (kv_block[b], kv_offset[b]) in place (an FP8
+    cache with its scales: ``kv_quant.write``).  The write indexes the cache tensor itself, not a view of it, so
+    that compiled it stays one small scatter (through a reshaped view Inductor copies the whole cache).
 
-    k_cache/v_cache: [blocks, block_tokens, nkv, hd]; kv_block, kv_offset: int64 [B]; the rest as ``attn_qkv``.
-    Returns q [B, nkv, nq // nkv, hd] and gate [B, nq * hd].
+    k_cache/v_cache: [blocks, block_tokens, nkv, hd]; k_scale/v_scale: [blocks, block_tokens, nkv] fp32 or
+    None; kv_block, kv_offset: int64 [B]; the rest as ``attn_qkv``.  Returns q [B, nkv, nq // nkv, hd] and gate
+    [B, nq * hd].
     """
-    q, gate, k, v = attn_qkv(qg, kx, vx, q_norm, k_norm, cos, sin, head_dim, kv_heads, k_cache.dtype)
-    k_cache[kv_block, kv_offset] = k
-    v_cache[kv_block, kv_offset] = v
+    stored = k_cache.dtype if k_scale is None else qg.dtype  # (quantised by the write)
+    q, gate, k, v = attn_qkv(qg, kx, vx, q_norm, k_norm, cos, sin, head_dim, kv_heads, stored)
+    kv_quant.write(k_cache, k_scale, (kv_block, kv_offset), k)
+    kv_quant.write(v_cache, v_scale, (kv_block, kv_offset), v)
     return q, gate
 
 
 def attn_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
-              pos: torch.Tensor, scale: float) -> torch.Tensor:
+              pos: torch.Tensor, scale: float, k_scale: Optional[torch.Tensor] = None,
+              v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention of each row over its own sequence's positions 0..pos[b], read from the paged cache.
 
     q: [B, nkv, G, hd] (G query heads share a KV head); caches [blocks, block_tokens, nkv, hd]; blocks: int64
     [B, nb], the first nb entries of each row's block table (nb * block_tokens >= max(pos) + 1, static per
     graph).  Written as broadcast-multiply-and-sum so that, compiled, the cache blocks are loaded indirectly
-    through the table (no gathered copy of the cache).  fp32 scores and softmax.  Returns [B, nkv, G, hd].
+    through the table (no gathered copy of the cache).  An FP8 cache is dequantised with its scales
+    (``k_scale``/``v_scale``, as ``attn_pre``) as it is loaded.  fp32 scores and softmax.  Returns
+    [B, nkv, G, hd].
     """
-    keys = k_cache[blocks].flatten(1, 2)                                # [B, ctx, nkv, hd]
-    vals = v_cache[blocks].flatten(1, 2)
+    keys = kv_quant.read(k_cache, k_scale, blocks, torch.float32).flatten(1, 2)         # [B, ctx, nkv, hd]
+    vals = kv_quant.read(v_cache, v_scale, blocks, torch.float32).flatten(1, 2)
     ctx = keys.shape[1]
-    scores = (q.float()[:, None] * keys[:, :, :, None].float()).sum(-1) * scale          # [B, ctx, nkv, G]
+    scores = (q.float()[:, None] * keys[:, :, :, None]).sum(-1) * scale                 # [B, ctx, nkv, G]
     future = torch.arange(ctx, device=q.device)[None, :] > pos[:, None]                 # [B, ctx]
     probs = torch.softmax(scores.masked_fill(future[:, :, None, None], float("-inf")), dim=1)
-    return (probs[..., None] * vals[:, :, :, None].float()).sum(1).to(q.dtype)
+    return (probs[..., None] * vals[:, :, :, None]).sum(1).to(q.dtype)
 
 
 def attn_post(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

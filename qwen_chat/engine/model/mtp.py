@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from qwen_chat.engine.model import glue
+from qwen_chat.engine.model import glue, kv_quant
 from qwen_chat.engine.model.speculative import device_ints
 from qwen_chat.engine.model.state import Geometry
 
@@ -106,7 +106,8 @@ def with_mtp_layer(geometry: Geometry) -> Geometry:
     layer's KV cache, so that the memory plan counts it and the runner's state holds it (at index
     ``len(geometry.kinds)``)."""
     full = next(g for k, g in zip(geometry.kinds, geometry.geo) if k == "full")
-    return Geometry(tuple(geometry.kinds) + ("full",), tuple(geometry.geo) + (dict(full),), geometry.dtype)
+    return Geometry(tuple(geometry.kinds) + ("full",), tuple(geometry.geo) + (dict(full),), geometry.dtype,
+                    geometry.kv_dtype)
 
 
 class MtpDrafter:
@@ -128,7 +129,9 @@ class MtpDrafter:
             # registered with the runner's caches so that shared and restored prefixes copy them too
             runner.k_cache[layer] = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
             runner.v_cache[layer] = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
+            runner.k_scale.pop(layer, None), runner.v_scale.pop(layer, None)  # (in the model's dtype: no scales)
         self.k_cache, self.v_cache = runner.k_cache[layer], runner.v_cache[layer]
+        self.k_scale, self.v_scale = runner.k_scale.get(layer), runner.v_scale.get(layer)  # (FP8: kv_quant)
         fwd.keep_hidden = True
         S, H = runner.num_slots + 1, runner.config.text_config.hidden_size
         self._hidden = torch.zeros(S, self.k + 1, H, device=runner.device, dtype=runner.dtype)
@@ -171,8 +174,10 @@ class MtpDrafter:
         k = glue.apply_rotary(at.k_norm(at.k_proj(y).view(m, -1, hd)), cos, sin)
         v = at.v_proj(y).view(m, -1, hd)
         rows = device_ints(r.tables.positions(slot, start, start + m).tolist(), r.device)
-        self.k_cache.view(-1, k.shape[1], hd)[rows] = k.to(self.k_cache.dtype)
-        self.v_cache.view(-1, v.shape[1], hd)[rows] = v.to(self.v_cache.dtype)
+        nkv = k.shape[1]
+        flat = (lambda t: None if t is None else t.view(-1, nkv))
+        kv_quant.write(self.k_cache.view(-1, nkv, hd), flat(self.k_scale), rows, k)
+        kv_quant.write(self.v_cache.view(-1, nkv, hd), flat(self.v_scale), rows, v)
         self._next[slot] = start + m
 
     @torch.no_grad()
@@ -263,10 +268,11 @@ class MtpDrafter:
         hd = at.head_dim
         nkv = at.k_proj.out_features // hd
         q, gate = glue.attn_pre(at.q_proj(y), at.k_proj(y), at.v_proj(y), at.q_norm, at.k_norm, cos, sin,
-                                self.k_cache, self.v_cache, kv_block, pos % r.block_tokens, hd, nkv)
+                                self.k_cache, self.v_cache, kv_block, pos % r.block_tokens, hd, nkv, self.k_scale,
+                                self.v_scale)
         blocks = table[:, :ctx // r.block_tokens]
-        keys = self.k_cache[blocks].flatten(1, 2).transpose(1, 2)                 # [R, nkv, ctx, hd]
-        vals = self.v_cache[blocks].flatten(1, 2).transpose(1, 2)
+        keys = kv_quant.read(self.k_cache, self.k_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)  # [R, nkv, ctx, hd]
+        vals = kv_quant.read(self.v_cache, self.v_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
         start = device_ints(self._start, pos.device)[slot_idx]
         span = torch.arange(keys.shape[2], device=pos.device)[None, :]
         mask = ((span <= pos[:, None]) & (span >= start[:, None])).view(-1, 1, 1, keys.shape[2])

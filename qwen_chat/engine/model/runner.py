@@ -65,18 +65,17 @@ class ModelRunner:
         num_blocks: KV blocks of ``block_tokens`` positions shared by all slots; default: enough for every slot
             at ``max_context`` (``memory.plan_memory`` picks fewer from a memory budget).
         device: torch device of the model.
-        dtype: dtype of activations and KV cache; default: the dtype of the model's parameters.
+        dtype: of activations (and of the KV cache unless ``kv_dtype``: ``kv_quant``); default: the model's.
         options: implementation switches (``RunnerOptions``; default: what production runs).  Under tensor
             parallelism construction is collective: every rank builds its runner at the same time.
         block_tokens: positions per KV block (``paged.BLOCK_TOKENS``).
-        geometry: the model's local widths when the caller probed them already (``state.probe_geometry``, as
-            the memory budget does); default: probed here.
+        geometry: the local widths the caller probed (``state.probe_geometry``: the memory budget); default: here.
 
     Attributes: ``num_slots``, ``max_context``, ``num_blocks``, ``block_tokens``, ``vocab_size`` (logits
     width), ``options`` (resolved: no auto left), ``use_cuda_graphs``, ``graphs`` (``graphs.CudaGraphs``, or
     None), ``impl`` (dict: which implementation each op resolved to, for the start-up log), ``lengths`` and
-    ``rope_deltas`` (per slot), ``tables`` (``paged.BlockTables``), ``k_cache``, ``v_cache``, ``conv_state``,
-    ``rec_state`` (``state.SlotState``).
+    ``rope_deltas`` (per slot), ``tables`` (``paged.BlockTables``), ``k_cache``, ``v_cache``, ``k_scale``,
+    ``v_scale``, ``conv_state``, ``rec_state`` (``state.SlotState``).
 
     Raises: ValueError for ``num_slots``, ``max_context`` or ``num_blocks`` < 1 and for options that cannot
     work here (``options.resolve_options``); RuntimeError for a state the sharding breaks
@@ -85,7 +84,7 @@ class ModelRunner:
 
     def __init__(self, model, *, num_slots: int, max_context: int, num_blocks: Optional[int] = None, device,
                  dtype=None, options: RunnerOptions = RunnerOptions(), block_tokens: int = BLOCK_TOKENS,
-                 geometry: Optional[Geometry] = None):
+                 geometry: Optional[Geometry] = None, kv_dtype: Optional[torch.dtype] = None):
         if num_slots < 1 or max_context < 1 or (num_blocks is not None and num_blocks < 1):
             raise ValueError(f"num_slots, max_context and num_blocks must be >= 1 (got {num_slots}, "
                              f"{max_context}, {num_blocks})")
@@ -106,13 +105,14 @@ class ModelRunner:
         self._embed = lm.embed_tokens
         chunk_rule, chunk_name, varlen, tail_rule = resolve_chunk_rule(self.device, self.dtype)
         groups, self._fused = fuse_layers(layers, enabled=not zero3)
-        if geometry is None:
-            geometry = probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device, dtype=self.dtype)
+        geometry = geometry or probe_geometry(layers, hidden_size=tc.hidden_size, device=self.device,
+                                              dtype=self.dtype, kv_dtype=kv_dtype)
         state = SlotState(geometry, num_slots=self.num_slots, num_blocks=self.num_blocks,
                           block_tokens=self.block_tokens, device=self.device)
         self.tables = BlockTables(num_slots=self.num_slots, num_blocks=self.num_blocks, max_blocks=max_blocks,
                                   device=self.device, block_tokens=self.block_tokens)
         self.k_cache, self.v_cache = state.k_cache, state.v_cache
+        self.k_scale, self.v_scale = state.k_scale, state.v_scale
         self.conv_state, self.rec_state = state.conv_state, state.rec_state
         self.options = opts = resolve_options(options, device=self.device, zero3=zero3,
                                               gdn_fits=state.gdn_kernel_fits(layers, zero3),
@@ -200,12 +200,12 @@ class ModelRunner:
         self.tables.own()
 
     def copy_blocks(self, pairs) -> None:
-        """Copy KV blocks (source id, target id) in every attention layer's keys and values, queued on the
-        device (local shards only: every rank copies its own)."""
+        """Copy KV blocks (source id, target id) in every attention layer's keys and values (and their FP8
+        scales), queued on the device (local shards only: every rank copies its own)."""
         if not pairs:
             return
         src, dst = torch.tensor(list(pairs), dtype=torch.long).T.to(self.device)
-        for cache in (self.k_cache, self.v_cache):
+        for cache in (self.k_cache, self.v_cache, self.k_scale, self.v_scale):
             for t in cache.values():
                 t[dst] = t[src]
 

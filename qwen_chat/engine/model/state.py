@@ -7,7 +7,8 @@ Local widths (heads on this rank) are probed through the model's own, possibly s
 (``probe_geometry``), so the same code sizes the state unsharded, under tensor parallelism and under ZeRO-3,
 and the memory budget (``memory.plan_memory``) can price a slot and a KV token before anything is allocated.
 Memory (bf16, full config; docs/facts.md, "Per-token cost (batch 1 decode, bf16)"): 32 KiB of KV cache per
-token plus 48 MiB of fp32 recurrent state per slot.
+token plus 48 MiB of fp32 recurrent state per slot; with ``--kv-cache-dtype fp8`` 16.25 KiB of KV per token
+(``kv_quant``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from qwen_chat.engine.model import gdn
+from qwen_chat.engine.model import gdn, kv_quant
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,19 @@ class Geometry:
 
     ``kinds``: per layer "linear" (Gated DeltaNet) or "full" (attention).  ``geo``: per layer a dict of local
     widths: Gated DeltaNet ``dk, dv, K, conv_dim, key_dim, value_dim, nk, nv``; attention ``hd, nq, nkv,
-    groups, scale``.  ``dtype``: of the KV cache and the conv state (the recurrent state is fp32).
+    groups, scale``.  ``dtype``: the model's, of the conv state (the recurrent state is fp32); ``kv_dtype``: the
+    KV cache's storage (None: ``dtype``; ``kv_quant.FP8`` adds a scale per position and KV head).
     """
 
     kinds: tuple
     geo: tuple
     dtype: torch.dtype
+    kv_dtype: Optional[torch.dtype] = None
+
+    @property
+    def kv_storage(self) -> torch.dtype:
+        """The KV cache's element dtype (``kv_dtype``, else the model's)."""
+        return self.kv_dtype if self.kv_dtype is not None else self.dtype
 
     def _layers(self, kind: str):
         """The geometry dicts of the layers of ``kind`` ("linear" or "full")."""
@@ -42,12 +50,14 @@ class Geometry:
                    for g in self._layers("linear"))
 
     def kv_token_bytes(self) -> int:
-        """Bytes of KV cache per token of context: keys + values of every attention layer (dtype)."""
-        return sum(self.layer_kv_token_bytes(g) for g in self._layers("full"))
+        """Bytes of KV cache per token of context: keys + values of every attention layer, as stored
+        (``kv_quant.token_bytes``: FP8 elements and their scales, or the model's dtype)."""
+        return sum(2 * kv_quant.token_bytes(g["nkv"], g["hd"], self.kv_storage) for g in self._layers("full"))
 
     def layer_kv_token_bytes(self, g: Optional[dict] = None) -> int:
         """Bytes of keys + values per token of one attention layer ``g`` (default: the widest), what a later
-        prompt chunk gathers per token of its sequence's past."""
+        prompt chunk gathers per token of its sequence's past (in the model's dtype: an FP8 cache is
+        dequantised as it is gathered)."""
         if g is None:
             return max((self.layer_kv_token_bytes(x) for x in self._layers("full")), default=0)
         return 2 * g["nkv"] * g["hd"] * self.dtype.itemsize
@@ -63,8 +73,9 @@ class Geometry:
 
 @torch.no_grad()
 def probe_geometry(layers: Sequence[torch.nn.Module], *, hidden_size: int, device: torch.device,
-                   dtype: torch.dtype) -> Geometry:
-    """Probe each layer's local widths with one zero row through its (possibly sharded) projections.
+                   dtype: torch.dtype, kv_dtype: Optional[torch.dtype] = None) -> Geometry:
+    """Probe each layer's local widths with one zero row through its (possibly sharded) projections
+    (``kv_dtype``: the KV cache's storage, ``Geometry.kv_dtype``).
 
     Raises RuntimeError: ZeRO-3 partitioned a Gated DeltaNet layer's ``conv1d``/``A_log`` (they must stay
     resident), or their widths do not match the projections' (an unsupported sharding).
@@ -98,7 +109,7 @@ def probe_geometry(layers: Sequence[torch.nn.Module], *, hidden_size: int, devic
             geo = dict(hd=hd, nq=nq, nkv=nkv, groups=nq // nkv, scale=at.scaling)
             kinds.append("full")
         geos.append(geo)
-    return Geometry(tuple(kinds), tuple(geos), dtype)
+    return Geometry(tuple(kinds), tuple(geos), dtype, kv_dtype if kv_dtype != dtype else None)
 
 
 class SlotState:
@@ -114,8 +125,10 @@ class SlotState:
 
     Attributes:
         kinds, geo: as ``Geometry``.
-        k_cache, v_cache: layer index -> [num_blocks + 1, block_tokens, nkv, hd] (dtype); position p of a
-            sequence lives in block ``table[p // block_tokens]`` at offset ``p % block_tokens``.
+        k_cache, v_cache: layer index -> [num_blocks + 1, block_tokens, nkv, hd] (``Geometry.kv_storage``);
+            position p of a sequence lives in block ``table[p // block_tokens]`` at offset ``p % block_tokens``.
+        k_scale, v_scale: layer index -> [num_blocks + 1, block_tokens, nkv] fp32, the FP8 cache's scales
+            (``kv_quant``); empty for a cache in the model's dtype.
         conv_state: layer index -> [slots + 1, conv_dim, K] (dtype): the ring of the last K conv inputs per
             channel (``glue.gdn_step``).
         rec_state: layer index -> [slots + 1, nv, dv, dk] fp32: the recurrent state stored value-major, S^T
@@ -130,6 +143,9 @@ class SlotState:
         self.kinds, self.geo = list(geometry.kinds), list(geometry.geo)
         self.k_cache: dict[int, torch.Tensor] = {}
         self.v_cache: dict[int, torch.Tensor] = {}
+        self.k_scale: dict[int, torch.Tensor] = {}
+        self.v_scale: dict[int, torch.Tensor] = {}
+        kv = geometry.kv_storage
         self.conv_state: dict[int, torch.Tensor] = {}
         self.rec_state: dict[int, torch.Tensor] = {}
         for i, (kind, g) in enumerate(zip(self.kinds, self.geo)):
@@ -138,8 +154,11 @@ class SlotState:
                 self.rec_state[i] = torch.zeros(S, g["nv"], g["dv"], g["dk"], device=device, dtype=torch.float32)
             else:
                 shape = (num_blocks + 1, block_tokens, g["nkv"], g["hd"])
-                self.k_cache[i] = torch.zeros(shape, device=device, dtype=dtype)
-                self.v_cache[i] = torch.zeros(shape, device=device, dtype=dtype)
+                self.k_cache[i] = torch.zeros(shape, device=device, dtype=kv)
+                self.v_cache[i] = torch.zeros(shape, device=device, dtype=kv)
+                if kv_quant.is_quantized(kv):
+                    self.k_scale[i] = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
+                    self.v_scale[i] = torch.zeros(shape[:-1], device=device, dtype=torch.float32)
 
     def gdn_kernel_fits(self, layers: Sequence[torch.nn.Module], zero3: bool) -> bool:
         """True when ``gdn.gdn_decode`` applies to every Gated DeltaNet layer: ``gdn.supports`` its state and

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from qwen_chat.config import ConfigError, ServiceConfig
+from qwen_chat.engine.model import kv_quant
 from qwen_chat.engine.model.memory import MemoryBudgetError
 from qwen_chat.engine.parallel import ranks as qdist
 from qwen_chat.engine.parallel import sharding
@@ -151,6 +152,7 @@ def start_engine(cfg: ServiceConfig, link=None):
     try:
         info = qdist.RankInfo.from_env(local_rank_arg=cfg.local_rank)  # inside this rank's replica
         device = resolve_device(cfg, info)
+        kv_quant.check_device(cfg.kv_cache_dtype, device)
         if world is not None:
             world.announce(device)
         plan = sharding.read_plan(cfg.ds_config, info.world_size, device.type)

@@ -22,7 +22,7 @@ from qwen_chat.engine.core.spec_policy import MIN_ACCEPTANCE
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.startup.selfcheck import run_self_check
 from qwen_chat.lifecycle import exit_process_soon
-from qwen_chat.engine.model import fusion, graphs, memory
+from qwen_chat.engine.model import fusion, graphs, kv_quant, memory
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
 from qwen_chat.engine.model.mtp import with_mtp_layer
 from qwen_chat.engine.model.options import auto_prefill_graphs
@@ -73,7 +73,8 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device,
     tc = model.config.text_config
     lm = model.model.language_model
     dtype = lm.embed_tokens.weight.dtype
-    geometry = probe_geometry(list(lm.layers), hidden_size=tc.hidden_size, device=device, dtype=dtype)
+    geometry = probe_geometry(list(lm.layers), hidden_size=tc.hidden_size, device=device, dtype=dtype,
+                              kv_dtype=kv_quant.storage_dtype(config.kv_cache_dtype, dtype))
     chunk = config.prefill_chunk_tokens
     if config.memory_budget_gib is not None:
         budget, how = int(config.memory_budget_gib * GIB), "--memory-budget-gib"
@@ -158,7 +159,9 @@ def build_runner(loaded, config: ServiceConfig):
             if head is None:
                 log.warning("speculative decoding is off: %s has no MTP head (mtp.* tensors)", loaded.checkpoint)
     plan, chunk, how, geometry = size_memory(loaded, config, device, mtp=head is not None)
-    log.info("%s (budget: %s)", plan.describe(), how)
+    log.info("%s (budget: %s; KV cache %s)", plan.describe(), how,
+             "FP8 e4m3, a scale per position and KV head" if kv_quant.is_quantized(geometry.kv_storage)
+             else str(geometry.kv_storage).replace("torch.", ""))
     options = RunnerOptions(tp_allreduce=config.tp_allreduce, tp_fused=config.tp_fused)
     runner = ModelRunner(loaded.model, num_slots=plan.num_slots, max_context=plan.max_context,
                          num_blocks=plan.num_blocks, block_tokens=plan.block_tokens, device=device, options=options,
