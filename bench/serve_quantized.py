@@ -1,8 +1,9 @@
-"""bf16, FP8 and 4-bit weights served one after the other on the same GPU, summed up under one ``quantized`` key.
+"""bf16, FP8 and 4-bit weights served one after the other on the same GPU, summed up under one ``quantized`` key
+(and FP8 weights with the FP8 KV cache on a simulated 24 GB card: ``fp8_kv_cap24``).
 
 Usage (repository root, GPU host):
 
-    python bench/serve_quantized.py --out PREFIX [--kinds bf16,fp8,int4] [-- serve_bench.py flags...]
+    python bench/serve_quantized.py --out PREFIX [--kinds bf16,fp8,int4,fp8_kv_cap24] [-- serve_bench.py flags...]
     python bench/serve_quantized.py --merge bf16=A.json fp8=B.json int4=C.json --out PREFIX
 
 The first form runs ``bench/serve_bench.py`` once per kind with ``QWEN_CHAT_QUANTIZE`` set to ``none``, ``fp8``
@@ -12,7 +13,10 @@ results ``PREFIX-<kind>.{json,log,png}``.  The second form merges serve results 
 kind run as its own GPU call, ``NAME=serve-int4 QWEN_CHAT_QUANTIZE=int4 bash bench/serve_gpu.sh OUT ...``).
 Both write ``PREFIX.json``: ``{"quantized": {kind: {"batch1_tok_s": x, "aggregate_tok_s": {"64": x, "128": x},
 "weights": what /v1/models said}}, "ratios": {kind: {"batch1": x / bf16, "64": ..., "128": ...}}, "runs": {kind:
-file}}`` (a kind whose run failed has nulls), and print a table.
+file}}`` (a kind whose run failed has nulls), and print a table.  Kind ``fp8_kv_cap24`` (not in the default
+``--kinds``) runs ``serve_bench.py --cap24-only`` with ``--quantize fp8 --kv-cache-dtype fp8`` (the 24 GB cap of
+its ``cap24`` phase) and is summed up as ``{"kv_tokens": the plan's KV tokens (/v1/models), "aggregate_tok_s":
+{"32": x}}``.
 """
 from __future__ import annotations
 
@@ -26,9 +30,19 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("bf16", "fp8", "int4")
+#: The FP8-weights-and-KV run under the 24 GB cap (serve_bench.py's ``cap24`` phase alone).
+CAP24_KIND = "fp8_kv_cap24"
+CAP24_ARGS = ("--cap24-only", "--skip-followups", "--skip-restart", "--service-args", "--kv-cache-dtype fp8")
 #: serve_bench.py flags of a throughput-only pass.
 THROUGHPUT_ONLY = ("--skip-cap24", "--skip-long", "--skip-followups", "--skip-restart")
 STREAMS = ("64", "128")
+
+
+def cap24_summary(doc: Optional[dict]) -> dict:
+    """The ``fp8_kv_cap24`` entry of one ``--cap24-only`` serve result (None: a failed run)."""
+    cap = (doc or {}).get("cap24") or {}
+    engine = (cap.get("long_context") or {}).get("engine") or {}
+    return {"kv_tokens": engine.get("kv_tokens"), "aggregate_tok_s": {"32": (cap.get("aggregate_tok_s") or {}).get("32")}}
 
 
 def summary(doc: Optional[dict]) -> dict:
@@ -45,7 +59,7 @@ def summary(doc: Optional[dict]) -> dict:
 
 def merged(docs: dict[str, Optional[dict]], runs: dict[str, str]) -> dict:
     """``{"quantized", "ratios", "runs"}`` of the serve results ``docs`` (kind -> document or None)."""
-    quantized = {kind: summary(doc) for kind, doc in docs.items()}
+    quantized = {kind: cap24_summary(doc) if kind == CAP24_KIND else summary(doc) for kind, doc in docs.items()}
     base = quantized.get("bf16")
 
     def ratio(x, y):
@@ -53,7 +67,7 @@ def merged(docs: dict[str, Optional[dict]], runs: dict[str, str]) -> dict:
 
     ratios = {}
     for kind, q in quantized.items():
-        if kind == "bf16" or base is None:
+        if kind in ("bf16", CAP24_KIND) or base is None:
             continue
         ratios[kind] = {"batch1": ratio(q["batch1_tok_s"], base["batch1_tok_s"]),
                         **{k: ratio(q["aggregate_tok_s"][k], base["aggregate_tok_s"][k]) for k in STREAMS}}
@@ -63,6 +77,10 @@ def merged(docs: dict[str, Optional[dict]], runs: dict[str, str]) -> dict:
 def table(doc: dict) -> str:
     lines = [f"{'kind':6s} {'batch-1 tok/s':>14s} {'64 streams':>11s} {'128 streams':>12s}  ratios to bf16"]
     for kind, q in doc["quantized"].items():
+        if kind == CAP24_KIND:
+            lines.append(f"{kind}: {q['kv_tokens']} KV tokens, {q['aggregate_tok_s']['32']} tok/s at 32 streams "
+                         "(24 GB cap)")
+            continue
         agg = q["aggregate_tok_s"]
         vals = [q["batch1_tok_s"], agg["64"], agg["128"]]
         lines.append(f"{kind:6s} " + " ".join(f"{'-' if v is None else f'{v:.1f}':>{w}s}"
@@ -91,17 +109,17 @@ def main(argv=None) -> int:
     if args.merge:
         for item in args.merge:
             kind, _, path = item.partition("=")
-            if kind not in KINDS or not path:
-                ap.error(f"--merge takes KIND=JSON with KIND one of {', '.join(KINDS)}: {item!r}")
+            if kind not in KINDS + (CAP24_KIND,) or not path:
+                ap.error(f"--merge takes KIND=JSON with KIND one of {', '.join(KINDS + (CAP24_KIND,))}: {item!r}")
             docs[kind], runs[kind] = _load(Path(path)), path
     else:
         for kind in args.kinds.split(","):
-            if kind not in KINDS:
-                ap.error(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
+            if kind not in KINDS + (CAP24_KIND,):
+                ap.error(f"--kinds: {kind!r} is not one of {', '.join(KINDS + (CAP24_KIND,))}")
             prefix = Path(f"{args.out}-{kind}")
-            env = dict(os.environ, QWEN_CHAT_QUANTIZE="none" if kind == "bf16" else kind)
-            cmd = [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--out", str(prefix), *THROUGHPUT_ONLY,
-                   *extra]
+            env = dict(os.environ, QWEN_CHAT_QUANTIZE={"bf16": "none", CAP24_KIND: "fp8"}.get(kind, kind))
+            phases = CAP24_ARGS if kind == CAP24_KIND else THROUGHPUT_ONLY
+            cmd = [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--out", str(prefix), *phases, *extra]
             print(f"== {kind}: {' '.join(cmd)}", flush=True)
             subprocess.run(cmd, cwd=ROOT, env=env, check=False)
             docs[kind], runs[kind] = _load(prefix.with_name(prefix.name + ".json")), f"{prefix}.json"

@@ -32,3 +32,18 @@ def test_merge_writes_the_quantized_key_and_ratios_to_bf16(tmp_path):
     assert doc["ratios"]["int4"] == {"batch1": 2.5, "64": 1.062, "128": 0.95}
     assert doc["ratios"]["fp8"] == {"batch1": None, "64": None, "128": None}
     assert "int4" in proc.stdout and "500.0" in proc.stdout
+
+
+def test_merge_sums_up_the_fp8_kv_run_under_the_24_gb_cap(tmp_path):
+    cap = {"cap24": {"started": True, "aggregate_tok_s": {"8": 700.0, "32": 1500.0},
+                     "long_context": {"engine": {"kv_tokens": 190000, "state_slots": 38}}}}
+    bf16, fp8kv = tmp_path / "bf16.json", tmp_path / "kv.json"
+    bf16.write_text(json.dumps(_serve_doc(200.0, 1600.0, 2000.0)))
+    fp8kv.write_text(json.dumps(cap))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_quantized.py"), "--out", str(tmp_path / "q"),
+                           "--merge", f"bf16={bf16}", f"fp8_kv_cap24={fp8kv}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "q.json").read_text())
+    assert doc["quantized"]["fp8_kv_cap24"] == {"kv_tokens": 190000, "aggregate_tok_s": {"32": 1500.0}}
+    assert "fp8_kv_cap24" not in doc["ratios"] and "190000 KV tokens" in proc.stdout
