@@ -110,6 +110,25 @@ def test_the_memory_plan_prices_an_fp8_token_at_its_bytes(tiny_loaded):
         assert fp8.k_scale[i].shape == cache.shape[:-1] == fp8.v_scale[i].shape
 
 
+@pytest.mark.parametrize("budget_gib,at_least", [(2.0, 1.6), (10.0, 1.4)])
+def test_the_memory_plan_gives_qwen3_5_9b_more_kv_tokens_with_fp8(budget_gib, at_least):
+    """Qwen3.5-9B's geometry (docs/facts.md: 24 Gated DeltaNet layers, 8 attention layers of 4 KV heads x 256):
+    16,640 bytes per token instead of 32,768; the plan, which also buys state slots (48 MiB each) and the
+    attention's scores from the budget, holds 1.5-1.7x the KV tokens of bf16 for the same slots."""
+    from qwen_chat.engine.model.memory import plan_memory
+    from qwen_chat.engine.model.state import Geometry
+
+    linear = dict(dk=128, dv=128, K=4, conv_dim=8192, key_dim=2048, value_dim=4096, nk=16, nv=32)
+    full = dict(hd=256, nq=16, nkv=4, groups=4, scale=256 ** -0.5)
+    kinds = ("linear", "linear", "linear", "full") * 8
+    geo = tuple(dict(linear) if k == "linear" else dict(full) for k in kinds)
+    plans = [plan_memory(Geometry(kinds, geo, torch.bfloat16, kv), budget_bytes=int(budget_gib * 2 ** 30),
+                         model_context=262144) for kv in (None, FP8)]
+    assert [Geometry(kinds, geo, torch.bfloat16, kv).kv_token_bytes() for kv in (None, FP8)] == [32768, 16640]
+    assert plans[1].num_slots == plans[0].num_slots
+    assert plans[1].kv_tokens >= at_least * plans[0].kv_tokens
+
+
 @pytest.fixture(scope="module")
 def fp8_engine(tiny_loaded):
     r = runner(tiny_loaded, FP8)
@@ -187,3 +206,21 @@ def test_speculative_steps_on_an_fp8_cache_give_the_plain_tokens(tiny_loaded):
     got, totals = greedy(2, OracleDrafter(cont, 0.7, seed=1))
     assert got == want
     assert totals["spec_steps"] > 0 and 0 < totals["spec_accepted"] < totals["spec_drafted"]
+
+
+def test_the_models_endpoint_report_names_the_kv_storage(tiny_loaded):
+    """``/v1/models``' engine report (``ChatEngine.memory_report``) says which element type the KV cache holds."""
+    from qwen_chat.engine.model.memory import MemoryPlan
+
+    plan = MemoryPlan(budget_bytes=2 ** 24, num_slots=3, num_blocks=8, block_tokens=16, max_context=128,
+                      slot_bytes=0, kv_token_bytes=0, scores_bytes=0)
+    reports = []
+    for kv in (FP8, None):
+        r = runner(tiny_loaded, kv, num_blocks=8)
+        eng = ChatEngine(tiny_loaded, r, LocalExecutor(r, Sampler(3, r.vocab_size, "cpu")), image_token_budget=64,
+                         max_context=128, max_queue=4, num_slots=3, memory=plan)
+        try:
+            reports.append(eng.memory_report()["kv_cache_dtype"])
+        finally:
+            eng.close()
+    assert reports == ["float8_e4m3fn", "float32"]

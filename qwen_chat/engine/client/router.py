@@ -278,7 +278,7 @@ class Router:
     def memory_report(self) -> dict:
         """What the replicas' memory budgets hold in all, for ``/v1/models``: ``replicas``, the sums of
         ``state_slots`` / ``max_concurrent_sequences`` / ``kv_blocks`` / ``kv_tokens`` / ``memory_budget_gib``,
-        ``kv_block_tokens`` and ``max_context`` (the smallest), ``conversation_cache`` and ``weights`` (replica
+        ``kv_block_tokens`` and ``max_context`` (the smallest), ``conversation_cache``, ``kv_cache_dtype`` and ``weights`` (replica
         0's: every replica runs the same flags and checkpoint), and ``per_replica`` (each one's report); {} when
         a replica has none."""
         reports = [getattr(rep, "memory_report", dict)() for rep in self.replicas]
@@ -290,7 +290,7 @@ class Router:
         out["memory_budget_gib"] = round(sum(float(r.get("memory_budget_gib", 0)) for r in reports), 3)
         out["kv_block_tokens"] = reports[0].get("kv_block_tokens")
         out["max_context"] = min(int(r.get("max_context", 0)) for r in reports)
-        for key in ("conversation_cache", "weights"):  # the same on every replica (one config, one checkpoint)
+        for key in ("conversation_cache", "kv_cache_dtype", "weights"):  # the same on every replica (one config)
             if key in reports[0]:
                 out[key] = reports[0][key]
         out["per_replica"] = reports

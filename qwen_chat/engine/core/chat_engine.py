@@ -318,15 +318,18 @@ class ChatEngine:
     def memory_report(self) -> dict:
         """What the memory budget holds, for ``/v1/models``: ``state_slots`` (= ``max_concurrent_sequences``),
         ``kv_blocks``, ``kv_block_tokens``, ``kv_tokens`` (tokens of KV cache in all), ``max_context`` (tokens),
-        ``memory_budget_gib``, ``conversation_cache`` (bool), and ``weights`` (``fp8.weights_report``: which
-        weights are FP8); {} when the engine was built without a memory plan."""
+        ``memory_budget_gib``, ``conversation_cache`` (bool), ``kv_cache_dtype`` (the KV cache's element type:
+        "bfloat16", "float8_e4m3fn" with ``--kv-cache-dtype fp8``...) and ``weights`` (``fp8.weights_report``:
+        which weights are FP8); {} when the engine was built without a memory plan."""
         plan = self.memory
         if plan is None:
             return {}
+        caches = getattr(self.runner, "k_cache", None) or {}
         report = {"state_slots": plan.num_slots, "max_concurrent_sequences": plan.num_slots,
                   "kv_blocks": plan.num_blocks, "kv_block_tokens": plan.block_tokens, "kv_tokens": plan.kv_tokens,
                   "max_context": self.max_context, "memory_budget_gib": round(plan.budget_bytes / 2 ** 30, 3),
-                  "conversation_cache": self.conversation_cache}
+                  "conversation_cache": self.conversation_cache,
+                  "kv_cache_dtype": str(next(iter(caches.values())).dtype).replace("torch.", "") if caches else None}
         if self.weights is not None:
             report["weights"] = self.weights
         return report

@@ -7,7 +7,8 @@ rounded to e4m3.  Per position and head, because a written position never change
 later (as a per-block or per-layer running scale would, re-quantising what was written before), and a
 tensor-parallel shard owns whole heads, so every rank quantises its heads as one rank would.  Qwen3.5-9B's
 attention layers (hd = 256, 4 KV heads, ``docs/facts.md``) then hold 2 x 4 x (256 + 4) = 2,080 bytes per token
-and layer instead of 4,096: 1.97x the tokens in the same memory.  The Gated DeltaNet states keep their dtype.
+and layer instead of 4,096: 1.97x the tokens per byte of KV (the memory plan also buys state slots, so a budget
+holds 1.5-1.7x the tokens: docs/checkpoints.md).  The Gated DeltaNet states keep their dtype.
 
 Readers dequantise (element x scale) into the compute dtype before attention; prefill attends to the
 dequantised keys and values of its own chunk too, so a prompt gives the same attention whether it was
