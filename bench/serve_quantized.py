@@ -33,6 +33,16 @@ KINDS = ("bf16", "fp8", "int4")
 #: The FP8-weights-and-KV run under the 24 GB cap (serve_bench.py's ``cap24`` phase alone).
 CAP24_KIND = "fp8_kv_cap24"
 CAP24_ARGS = ("--cap24-only", "--skip-followups", "--skip-restart", "--service-args", "--kv-cache-dtype fp8")
+
+
+def with_kv_flag(extra: list[str]) -> list[str]:
+    """``extra`` serve_bench.py flags for the ``fp8_kv_cap24`` run: a ``--service-args`` of theirs (which would
+    replace ``CAP24_ARGS``' own) gets ``--kv-cache-dtype fp8`` added."""
+    out = list(extra)
+    for i, flag in enumerate(out[:-1]):
+        if flag == "--service-args":
+            out[i + 1] = f"{out[i + 1]} --kv-cache-dtype fp8"
+    return out
 #: serve_bench.py flags of a throughput-only pass.
 THROUGHPUT_ONLY = ("--skip-cap24", "--skip-long", "--skip-followups", "--skip-restart")
 STREAMS = ("64", "128")
@@ -118,8 +128,8 @@ def main(argv=None) -> int:
                 ap.error(f"--kinds: {kind!r} is not one of {', '.join(KINDS + (CAP24_KIND,))}")
             prefix = Path(f"{args.out}-{kind}")
             env = dict(os.environ, QWEN_CHAT_QUANTIZE={"bf16": "none", CAP24_KIND: "fp8"}.get(kind, kind))
-            phases = CAP24_ARGS if kind == CAP24_KIND else THROUGHPUT_ONLY
-            cmd = [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--out", str(prefix), *phases, *extra]
+            phases, more = (CAP24_ARGS, with_kv_flag(extra)) if kind == CAP24_KIND else (THROUGHPUT_ONLY, extra)
+            cmd = [sys.executable, str(ROOT / "bench" / "serve_bench.py"), "--out", str(prefix), *phases, *more]
             print(f"== {kind}: {' '.join(cmd)}", flush=True)
             subprocess.run(cmd, cwd=ROOT, env=env, check=False)
             docs[kind], runs[kind] = _load(prefix.with_name(prefix.name + ".json")), f"{prefix}.json"

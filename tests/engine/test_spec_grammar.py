@@ -168,3 +168,24 @@ def test_constrained_replies_with_the_random_mtp_head_stay_valid(tiny_loaded, te
     jsonschema.validate(json.loads(results["json"].answer), SCHEMA)
     call = results["tool"].tool_calls[0]
     assert call.name == "get_time" and json.loads(call.arguments)["zone"] in ("utc", "cet")
+
+
+def test_tokens_after_the_grammar_ended_are_ignored_not_refused(tiny_loaded, caplog):
+    """A speculative run can hold tokens after the reply's stop token (the verify keeps the rows after it
+    unmasked; the scheduler drops them): fed to the constraint they leave it as it was, with no warning."""
+    eng, _ = engine(tiny_loaded, 0)
+    try:
+        structure = eng.structure
+        [c] = structure.constraints_for(GenerationSettings.preset(False, json_schema=SCHEMA), 1)
+        for token in structure.tokenizer.encode('{"n": 3}', add_special_tokens=False):
+            c.accept(token)
+        assert not c.broken
+        c.accept(structure.stop_ids[0])
+        assert c.matcher.is_terminated()
+        with caplog.at_level("WARNING"):
+            eng.structure.table.bind(0, c)
+            eng.structure.table.emitted({0: [structure.stop_ids[0], 11, 12]})
+        assert not c.broken and "not allowed" not in caplog.text
+    finally:
+        eng.structure.table.unbind(0)
+        eng.close()

@@ -58,3 +58,23 @@ def test_an_fp8_cache_stays_near_a_bf16_cache_and_chunks_agree(m16):
     assert parts.prefill_batch([PrefillItem(0, prompts[0], start=0, end=130)]) is None
     last = parts.prefill_batch([PrefillItem(0, prompts[0], start=130)])[0]
     assert rel_err(last, fp8[0]) < 2e-2
+
+
+def test_copied_blocks_and_a_verify_step_on_an_fp8_cache(m16):
+    """The conversation cache's block copies index e4m3 tensors and their scales on the device, and the verify
+    step writes its k + 1 positions through the FP8 cache (its eager write): both run on CUDA."""
+    from qwen_chat.engine.model import spec_step
+    from qwen_chat.engine.model.sampling import Sampler
+
+    gen = torch.Generator().manual_seed(6)
+    r = ModelRunner(m16, num_slots=2, max_context=512, device="cuda", kv_dtype=kv_quant.FP8)
+    r.prefill(0, Seq(text_ids(gen, 100)).prompt())
+    held = list(r.tables.blocks(0))
+    dst = next(b for b in range(r.num_blocks) if b not in held)
+    r.copy_blocks([(held[0], dst)])
+    for i, cache in r.k_cache.items():
+        assert torch.equal(cache[dst].view(torch.uint8), cache[held[0]].view(torch.uint8))
+        assert torch.equal(r.k_scale[i][dst], r.k_scale[i][held[0]]) and r.k_scale[i][dst].abs().sum() > 0
+    spec = spec_step.attach(r, None, k=2, max_batch=2)
+    seconds = spec.step_time(Sampler(2, r.vocab_size, "cuda"), 2, given=True, steps=2, warmup=1)
+    assert 0 < seconds < 10

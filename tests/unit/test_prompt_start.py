@@ -24,6 +24,12 @@ class FakePool:
     def failed(self):
         return self.broken
 
+    def wait_warm(self, timeout_s):
+        return True
+
+    def token_strings(self, timeout_s):
+        return ["a", "b", "<|im_end|>"]
+
     def close(self):
         self.closed = True
 
@@ -55,6 +61,16 @@ def test_the_hello_starts_again_workers_whose_early_start_failed(hub, tmp_path):
     FakePool.made[0].broken = True                # e.g. the folder was not whole when the front looked
     hub.start_prompts(tmp_path, 1024)
     assert [p.closed for p in FakePool.made] == [True, False] and hub.prompts is FakePool.made[1]
+
+
+def test_workers_whose_load_failed_after_the_hello_are_started_again_before_ready(hub, tmp_path):
+    from types import SimpleNamespace
+
+    hub.start_prompts(tmp_path, 1024)            # the early start, still loading when the hello came
+    hub.clients[0] = SimpleNamespace(setup={"checkpoint": str(tmp_path), "image_token_budget": 1024})
+    FakePool.made[0].broken = True               # then its load failed
+    hub._finish_setup()
+    assert [p.closed for p in FakePool.made] == [True, False] and hub.ready.is_set() and hub.failure is None
 
 
 def test_a_pool_on_a_folder_without_a_processor_says_it_failed(tmp_path):

@@ -47,3 +47,14 @@ def test_merge_sums_up_the_fp8_kv_run_under_the_24_gb_cap(tmp_path):
     doc = json.loads((tmp_path / "q.json").read_text())
     assert doc["quantized"]["fp8_kv_cap24"] == {"kv_tokens": 190000, "aggregate_tok_s": {"32": 1500.0}}
     assert "fp8_kv_cap24" not in doc["ratios"] and "190000 KV tokens" in proc.stdout
+
+
+def test_the_fp8_kv_run_keeps_its_flag_beside_service_args_of_the_caller():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import serve_quantized
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert serve_quantized.with_kv_flag(["--service-args", "--max-batch 16", "--skip-long"]) == [
+        "--service-args", "--max-batch 16 --kv-cache-dtype fp8", "--skip-long"]
+    assert serve_quantized.with_kv_flag(["--skip-long"]) == ["--skip-long"]

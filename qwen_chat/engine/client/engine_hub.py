@@ -114,6 +114,8 @@ class EngineHub:
         tokenizer parsed there, not under this process's GIL: ``TokenTable``); then ready."""
         setup = self.clients[0].setup
         try:
+            if self.prompts.wait_warm(TOKEN_TABLE_WAIT_S) and self.prompts.failed():  # (still loading at the hello)
+                self.start_prompts(Path(setup["checkpoint"]), int(setup["image_token_budget"]))
             if self._tokens is None:
                 self._tokens = TokenTable(self.prompts.token_strings(TOKEN_TABLE_WAIT_S))
         except Exception as exc:  # noqa: BLE001 - reported as the front's start-up failure

@@ -84,7 +84,7 @@ class Constraint:
     def accept(self, token: int) -> None:
         """The token sampled for this reply (read back by ``ConstraintTable``), in order."""
         token = int(token)
-        if self.broken:
+        if self.broken or self.matcher.is_terminated():  # (after the grammar's end: past the reply's stop token)
             return
         self.active, feed = self._takes(token, self.active)
         if feed:

@@ -77,8 +77,18 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q`` [..., hd] (e4m3) times ``scale`` [...] (fp32), in ``dtype``."""
-    return (q.float() * scale[..., None]).to(dtype)
+    """``q`` [..., hd] (e4m3) times ``scale`` [...] (fp32), in ``dtype``: one tensor of ``dtype`` is made and
+    scaled in place (e4m3 is exact in bf16 and fp32; the scale is rounded to ``dtype``), so reading n elements
+    holds n bytes of e4m3 and n of ``dtype`` at most (``gather_bytes``)."""
+    x = q.to(dtype)
+    return x.mul_(scale.to(dtype)[..., None])
+
+
+def gather_bytes(nkv: int, hd: int, dtype: torch.dtype, storage: torch.dtype) -> int:
+    """Bytes a reader holds per position of one layer's keys and values while it gathers them into ``dtype``
+    (``read``): the ``dtype`` copies, plus the gathered e4m3 elements and scales of one of them when
+    ``storage`` is quantised."""
+    return 2 * nkv * hd * dtype.itemsize + (token_bytes(nkv, hd, storage) if is_quantized(storage) else 0)
 
 
 def write(cache: torch.Tensor, scales: Optional[torch.Tensor], index, x: torch.Tensor) -> None:

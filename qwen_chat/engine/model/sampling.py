@@ -77,10 +77,14 @@ def nucleus_probs(vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> t
 def inverse_cdf(probs: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Draw ``ids[b, j]`` for the first j whose cumulative probability exceeds ``u[b]`` times the row's mass.
 
-    probs: float32 [B, n]; ids: int64 [B, n]; u: float32 [B] in [0, 1).  Returns int64 [B].
+    probs: float32 [B, n]; ids: int64 [B, n]; u: float32 [B] in [0, 1).  Returns int64 [B].  The target stays
+    below the row's mass even where ``u * mass`` rounds up to it, so an entry of probability 0 (cut by top-k,
+    top-p or a grammar) is never drawn.
     """
     cdf = torch.cumsum(probs, dim=-1)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.shape[-1] - 1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    choice = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
     return ids.gather(1, choice)[:, 0]
 
 

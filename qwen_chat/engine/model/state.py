@@ -56,11 +56,11 @@ class Geometry:
 
     def layer_kv_token_bytes(self, g: Optional[dict] = None) -> int:
         """Bytes of keys + values per token of one attention layer ``g`` (default: the widest), what a later
-        prompt chunk gathers per token of its sequence's past (in the model's dtype: an FP8 cache is
-        dequantised as it is gathered)."""
+        prompt chunk holds per token of its sequence's past while it gathers them in the model's dtype
+        (``kv_quant.gather_bytes``: with an FP8 cache, also one gathered FP8 copy)."""
         if g is None:
             return max((self.layer_kv_token_bytes(x) for x in self._layers("full")), default=0)
-        return 2 * g["nkv"] * g["hd"] * self.dtype.itemsize
+        return kv_quant.gather_bytes(g["nkv"], g["hd"], self.dtype, self.kv_storage)
 
     def query_heads(self) -> int:
         """Local query heads of the widest attention layer (sizes the decode attention's score buffer)."""
