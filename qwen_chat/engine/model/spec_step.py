@@ -144,14 +144,16 @@ class Speculation:
                 guess[pick] = self.drafter.propose([slots[b] for b in spec], last[pick], k)
                 if sampler.token_sync is not None:  # every rank verifies rank 0's drafts (as it feeds its tokens)
                     guess = sampler.token_sync(guess.contiguous())
-        logits, hidden, start = self.verifier.verify(slots, torch.cat([last[:, None], guess], dim=1))
-        counts = torch.ones(len(slots), dtype=torch.long, device=dev)
         grammar = getattr(sampler, "constraints", None)  # rank 0's grammar masks (core.constraints.ConstraintTable), or None
         constrained = grammar is not None and any(slots[b] in grammar.slots for b in spec)
+        if constrained:  # the drafts go to the host while the verify runs: the matchers walk them
+            drafted = _to_host(guess[pick])
+        logits, hidden, start = self.verifier.verify(slots, torch.cat([last[:, None], guess], dim=1))
+        counts = torch.ones(len(slots), dtype=torch.long, device=dev)
         if spec:  # everything up to the one host wait below is queued on the device (with a grammar: two)
             verified = logits[pick]
-            if constrained:  # the matchers walk the drafts on the host: every position masked as plain draws are
-                verified = grammar.mask_drafts([slots[b] for b in spec], verified, guess[pick].tolist())
+            if constrained:  # every verified position masked as a plain draw is (constraints.mask_drafts)
+                verified = grammar.mask_drafts([slots[b] for b in spec], verified, drafted())
             tokens, kept = accept_drafts(sampler, [slots[b] for b in spec], verified, guess[pick])
             counts[pick] = kept
             if self.drafter is not None:
@@ -175,6 +177,22 @@ class Speculation:
             return runs, [], None
         self.forget([slots[b] for b in flat])
         return runs, [slots[b] for b in flat], logits[device_ints(flat, dev), 0]
+
+
+def _to_host(t: torch.Tensor):
+    """Start copying ``t`` to the host (pinned, without waiting, on CUDA); returns a function that waits for
+    that copy alone (not for the work queued after it) and gives its values as nested lists."""
+    if t.device.type != "cuda":
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> list:
+        copied.synchronize()
+        return host.tolist()
+    return wait
 
 
 def attach(runner, head, *, k: int, max_batch: int) -> Speculation:
