@@ -189,3 +189,34 @@ def test_tokens_after_the_grammar_ended_are_ignored_not_refused(tiny_loaded, cap
     finally:
         eng.structure.table.unbind(0)
         eng.close()
+
+
+def test_the_mtp_head_drafts_only_tokens_the_grammar_allows(tiny_loaded, monkeypatch):
+    """With a JSON schema the random MTP head's drafts are masked as they are drawn: every drafted run of an
+    active constraint is accepted by (a copy of) its matcher, up to the grammar's end."""
+    from qwen_chat.engine.core import constraints
+
+    checked = []
+    original = constraints.ConstraintTable.mask_drafts
+
+    def checking(self, slots, logits, drafts):
+        for b, s in enumerate(slots):
+            c = self._by_slot.get(int(s))
+            if c is None or not c.active or c.broken or c.matcher.is_terminated():
+                continue
+            probe, ok = c.matcher.fork(), True
+            for d in drafts[b]:
+                if probe.is_terminated():
+                    break
+                ok = ok and probe.accept_token(int(d))
+            checked.append(ok)
+        return original(self, slots, logits, drafts)
+
+    monkeypatch.setattr(constraints.ConstraintTable, "mask_drafts", checking)
+    eng, _ = engine(tiny_loaded, 2)
+    try:
+        got = answer(eng, greedy(json_schema=SCHEMA, max_new_tokens=30))
+    finally:
+        eng.close()
+    jsonschema.validate(json.loads(got), SCHEMA)
+    assert checked and all(checked), checked

@@ -483,7 +483,7 @@ def test_mtp_drafts_equal_the_head_run_over_the_whole_sequence(tiny_loaded):
     drafter = runner.spec.drafter
     seen = []
     propose = drafter.propose
-    drafter.propose = lambda *args: seen.append(propose(*args)) or seen[-1]
+    drafter.propose = lambda *args, **kw: seen.append(propose(*args, **kw)) or seen[-1]
     prompt = prompts(1, (40,))[0]
     ids = prompt.input_ids.tolist()
     for start, end in ((0, 16), (16, 32), (32, 40)):

@@ -20,7 +20,8 @@ Who does what:
   masks each verified position of a constrained row with what the grammar allows after the drafts before it
   (the matcher walks them and rolls back), so a draft the grammar refuses is never kept and the tokens drawn
   are those a plain constrained draw allows; ``ConstraintTable.emitted`` then feeds each row its emitted run.
-  The drafts themselves come unmasked from the MTP head (the verify does the masking).
+  The MTP head's drafts are masked too (``ConstraintTable.mask_next_draft``: before each draft's argmax, what
+  the grammar allows after the drafts before it), so a constrained row drafts tokens its grammar allows.
 
 With thinking on, a constraint waits for the reasoning to end: it becomes active after ``</think>`` (sampled
 by the model or forced by the thinking budget), or, for a grammar of tool calls, at a ``<tool_call>`` inside
@@ -90,12 +91,14 @@ class Constraint:
         if feed:
             self._feed(token)
 
-    def draft_rows(self, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
+    def draft_rows(self, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int,
+                   last_only: bool = False) -> None:
         """The masks of a speculative verify window: row ``first_row + j`` of ``bitmask`` (int32, rows preset to
         all allowed, -1) gets what the grammar allows after the reply's tokens so far and drafts d_1 .. d_j,
-        j = 0 .. len(drafts).  A row after a draft the grammar refuses (or after the grammar ended) stays all
-        allowed: that draft's own row forbids it, so the verify never keeps it nor uses the rows after it.  The
-        matcher ends where it began (``GrammarMatcher.rollback``); the constraint's state is unchanged."""
+        j = 0 .. len(drafts) (``last_only``: only j = len(drafts), into row ``first_row``: the mask of the next
+        draft).  A row after a draft the grammar refuses (or after the grammar ended) stays all allowed: that
+        draft's own row forbids it, so the verify never keeps it nor uses the rows after it.  The matcher ends
+        where it began (``GrammarMatcher.rollback``); the constraint's state is unchanged."""
         if self.broken:
             return
         active, fed = self.active, 0
@@ -107,8 +110,8 @@ class Constraint:
                         if self.matcher.is_terminated() or not self.matcher.accept_token(int(drafts[j - 1])):
                             break
                         fed += 1
-                if active and not self.matcher.is_terminated():
-                    self.matcher.fill_next_token_bitmask(bitmask, first_row + j)
+                if active and not self.matcher.is_terminated() and (not last_only or j == len(drafts)):
+                    self.matcher.fill_next_token_bitmask(bitmask, first_row + (0 if last_only else j))
         finally:
             if fed:
                 self.matcher.rollback(fed)
@@ -202,14 +205,33 @@ class ConstraintTable:
             return logits
         self._feed([int(s) for s in slots])
         B, T, V = logits.shape
-        if self._draft_mask is None or self._draft_mask.shape[0] < B * T:
-            self._draft_mask = xgr.allocate_token_bitmask(B * T, self.vocab_size)
-        buf = self._draft_mask[:B * T]
-        buf.fill_(-1)
+        buf = self._draft_buffer(B * T)
         for b, c in bound:
             c.draft_rows(list(drafts[b])[:T - 1], buf, b * T)
         # (the caller waits for the step's results before the next call: the buffer is free again by then)
         return apply_token_bitmask(logits.reshape(B * T, V), buf.to(logits.device)).view(B, T, V)
+
+    def mask_next_draft(self, slots: Sequence[int], logits: torch.Tensor, prefixes: Sequence[Sequence[int]]
+                        ) -> torch.Tensor:
+        """The MTP head's logits for the next draft (float [B, V], row b for ``slots[b]``, whose drafts so far are
+        ``prefixes[b]``, host ids) with what the grammar forbids there at -inf (a new tensor), or ``logits``
+        itself when no row is bound: the drafts of a constrained row are tokens its grammar allows."""
+        bound = [(b, c) for b, s in enumerate(slots) if (c := self._by_slot.get(int(s))) is not None]
+        if not bound:
+            return logits
+        self._feed([int(s) for s in slots])
+        buf = self._draft_buffer(logits.shape[0])
+        for b, c in bound:
+            c.draft_rows(list(prefixes[b]), buf, b, last_only=True)
+        return apply_token_bitmask(logits, buf.to(logits.device))
+
+    def _draft_buffer(self, rows: int) -> torch.Tensor:
+        """``rows`` rows of the drafts' bitmask buffer, all allowed (-1)."""
+        if self._draft_mask is None or self._draft_mask.shape[0] < rows:
+            self._draft_mask = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        buf = self._draft_mask[:rows]
+        buf.fill_(-1)
+        return buf
 
     def emitted(self, runs: dict[int, Sequence[int]]) -> None:
         """After a speculative step: each bound slot's emitted run (kept drafts and the last token, host ids;

@@ -202,11 +202,13 @@ class MtpDrafter:
             self._pending[int(s)] = (int(p), int(c))
 
     @torch.no_grad()
-    def propose(self, slots: Sequence[int], last: torch.Tensor, k: int) -> torch.Tensor:
+    def propose(self, slots: Sequence[int], last: torch.Tensor, k: int, mask=None) -> torch.Tensor:
         """k (<= ``self.k``) drafts per slot: int64 [B, k] on the device.  Slots with recorded positions run the
         MTP layer over them and then k - 1 chained positions; the others draft their ``last`` token (int64 [B]),
         a guess the verify step will mostly reject.  The runner's block tables must cover each slot's length +
-        k (the verify step's ``Verifier.prepare``)."""
+        k (the verify step's ``Verifier.prepare``).  ``mask(slots, logits, prefixes)``: applied to the logits of
+        each draft (the rows' slots, float [R, V], each row's drafts so far as host ids; a grammar's
+        ``ConstraintTable.mask_next_draft``; each draft then waits for the one before it on the host)."""
         slots = [int(s) for s in slots]
         dev = self.runner.device
         drafts = last.to(dev, torch.long).reshape(-1, 1).repeat(1, k)
@@ -232,10 +234,16 @@ class MtpDrafter:
         out = self._forward(slot_t.repeat_interleave(T), tokens, hidden, rpos, ctx)     # [B * T, H]
         y = out[device_ints([b * T + n - 1 for b, n in enumerate(lengths)], dev)]
         nxt = device_ints([p + n for p, n in zip(pos, lengths)], dev)
-        cols = []
+        cols, prefixes = [], [[] for _ in rows]
         for j in range(k):
-            d = self._logits(y).argmax(dim=-1)
+            logits = self._logits(y)
+            if mask is not None:
+                logits = mask(rows, logits, prefixes)
+            d = logits.argmax(dim=-1)
             cols.append(d)
+            if mask is not None and j + 1 < k:
+                for prefix, token in zip(prefixes, d.tolist()):
+                    prefix.append(token)
             if j + 1 < k:
                 y = self._forward(slot_t, d, y, nxt + j, ctx)
         drafts[device_ints([b for b, _ in ready], dev)] = torch.stack(cols, dim=1)

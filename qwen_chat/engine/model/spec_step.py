@@ -134,6 +134,8 @@ class Speculation:
         spec = [b for b, s in enumerate(slots) if s not in plain]
         flat = [b for b, s in enumerate(slots) if s in plain]
         pick = device_ints(spec, dev) if spec else None
+        grammar = getattr(sampler, "constraints", None)  # rank 0's grammar masks (core.constraints.ConstraintTable), or None
+        constrained = grammar is not None and any(slots[b] in grammar.slots for b in spec)
         if drafts:
             if len(drafts) != len(slots) or any(len(d) < k for d in drafts):
                 raise ValueError(f"{len(slots)} slots need {k} drafts each")
@@ -141,11 +143,13 @@ class Speculation:
         else:  # the MTP head drafts for the speculating slots; the others' rows only need some token
             guess = last[:, None].repeat(1, k)
             if self.drafter is not None and spec:
-                guess[pick] = self.drafter.propose([slots[b] for b in spec], last[pick], k)
+                # a grammar masks the head's draws too, on one rank (under tensor parallelism every rank must
+                # chain the same drafts through the sharded head, and only rank 0 has the grammar: unmasked)
+                masked = constrained and sampler.token_sync is None
+                guess[pick] = self.drafter.propose([slots[b] for b in spec], last[pick], k,
+                                                   mask=grammar.mask_next_draft if masked else None)
                 if sampler.token_sync is not None:  # every rank verifies rank 0's drafts (as it feeds its tokens)
                     guess = sampler.token_sync(guess.contiguous())
-        grammar = getattr(sampler, "constraints", None)  # rank 0's grammar masks (core.constraints.ConstraintTable), or None
-        constrained = grammar is not None and any(slots[b] in grammar.slots for b in spec)
         if constrained:  # the drafts go to the host while the verify runs: the matchers walk them
             drafted = _to_host(guess[pick])
         logits, hidden, start = self.verifier.verify(slots, torch.cat([last[:, None], guess], dim=1))
