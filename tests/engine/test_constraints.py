@@ -3,7 +3,6 @@ overlap (steps launched ahead) and stay valid, and the rows of one batch do not 
 from __future__ import annotations
 
 import json
-import threading
 
 import jsonschema
 import pytest
@@ -12,6 +11,7 @@ from qwen_chat.chat_types import CancelToken, ChatMessage, GenerationSettings, T
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
 from qwen_chat.engine.core.chat_engine import ChatEngine
+from tests.support.replies import replies_at_once
 from tests.support.spy_executor import SpyExecutor
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -85,18 +85,8 @@ def test_constrained_steps_are_launched_ahead_and_stay_valid(engine_and_spy, thi
 def test_an_unconstrained_reply_is_the_same_beside_constrained_ones(engine_and_spy):
     engine, _ = engine_and_spy
     alone = run(engine, greedy(max_new_tokens=40)).answer
-    results = {}
-
-    def ask(name, settings):
-        results[name] = run(engine, settings)
-
-    threads = [threading.Thread(target=ask, args=("plain", greedy(max_new_tokens=40))),
-               threading.Thread(target=ask, args=("json", greedy(json_schema=SCHEMA))),
-               threading.Thread(target=ask, args=("tool", greedy(tools=(TIME,), tool_choice="required")))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = replies_at_once(engine, USER, {"plain": greedy(max_new_tokens=40), "json": greedy(json_schema=SCHEMA),
+                                             "tool": greedy(tools=(TIME,), tool_choice="required")})
     assert results["plain"].answer == alone
     jsonschema.validate(json.loads(results["json"].answer), SCHEMA)
     call = results["tool"].tool_calls[0]

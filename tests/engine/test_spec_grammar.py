@@ -16,6 +16,7 @@ from qwen_chat.engine.model import spec_step
 from qwen_chat.engine.model.mtp import load_mtp_head
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
+from tests.support.replies import replies_at_once
 from tests.support.spy_executor import SpyExecutor
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
@@ -147,21 +148,9 @@ def test_constrained_replies_with_the_random_mtp_head_stay_valid(tiny_loaded, te
                                      "required": ["zone"]})
     eng, spy = engine(tiny_loaded, 2)
     try:
-        import threading
-
-        results = {}
-
-        def run_one(name, settings):
-            results[name] = list(eng.stream_chat(ASK, settings, CancelToken()))[-1]
-
         settings = dict(temperature=temperature, seed=7, max_new_tokens=60)
-        threads = [threading.Thread(target=run_one, args=("json", greedy(json_schema=SCHEMA, **settings))),
-                   threading.Thread(target=run_one, args=("tool", greedy(tools=(tool,), tool_choice="required",
-                                                                        **settings)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = replies_at_once(eng, ASK, {"json": greedy(json_schema=SCHEMA, **settings),
+                                             "tool": greedy(tools=(tool,), tool_choice="required", **settings)})
         assert eng.stats()["spec_steps_total"] > 0
     finally:
         eng.close()

@@ -321,11 +321,11 @@ def test_structured_output_and_tool_calls_stay_valid_beside_speculating_replies(
     speculation, a JSON-schema reply parses and validates, a required tool call names the tool with valid
     arguments (constrained replies speculate too: their verified positions are masked, test_spec_grammar)."""
     import json
-    import threading
 
     import jsonschema
 
     from qwen_chat.chat_types import ToolSpec
+    from tests.support.replies import replies_at_once
 
     tool = ToolSpec("get_time", "", {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
                                      "required": ["zone"]})
@@ -340,18 +340,9 @@ def test_structured_output_and_tool_calls_stay_valid_beside_speculating_replies(
     finally:
         plain_engine.close()
     engine, spy = spec_engine(tiny_loaded)
-    results = {}
     try:
-        def run_one(name, settings):
-            results[name] = list(engine.stream_chat(ask, settings, CancelToken()))[-1]
-
-        threads = [threading.Thread(target=run_one, args=("plain", greedy())),
-                   threading.Thread(target=run_one, args=("json", greedy(json_schema=SCHEMA))),
-                   threading.Thread(target=run_one, args=("tool", greedy(tools=(tool,), tool_choice="required")))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        results = replies_at_once(engine, ask, {"plain": greedy(), "json": greedy(json_schema=SCHEMA),
+                                                "tool": greedy(tools=(tool,), tool_choice="required")})
         assert engine.stats()["spec_steps_total"] > 0
     finally:
         engine.close()
