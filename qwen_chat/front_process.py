@@ -144,6 +144,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1
         finally:
             serving[0] = True  # from here on a first stop signal must not cut this clean-up short
+            # The port is free at once, before the engines' replies end: when the group's launcher was killed
+            # (launch.py then SIGTERMs rank 0, which stops this front), Supervisor's next group binds it while this
+            # one still closes (a CI run saw its first respawn fail with "Address already in use").  The open
+            # connections go on.
+            server.stop_accepting()
             if not gone:
                 backend.close()  # engines first: their open replies end and their last chunks go out
             server.should_exit = True
