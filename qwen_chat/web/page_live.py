@@ -64,9 +64,12 @@ def list_update(ctl: ChatController, user: str, selected: Optional[str], session
     """The sidebar list's update: the user's conversations (the tab's search and tag filter applied, running
     replies marked), ``selected`` chosen if listed.  Remembers in ``session`` which replies it showed running."""
     query = session.query if session is not None else ""
+    # The running set is taken before the list is built: a reply that ends in between then differs from what
+    # ``tick`` sees next, which draws the list again (taken after, the list kept its "writing…" mark for good).
+    running = ctl.live.running(user)
     items = ctl.conversation_choices(user, query, session.tag if session is not None else "")
     if session is not None:
-        session.shown_running = ctl.live.running(user)
+        session.shown_running = running
     shown = query.strip()
     label = ("Saved conversations" if not shown else
              f"Conversations with \u201c{shown}\u201d" if items else f"No conversation has \u201c{shown}\u201d")
