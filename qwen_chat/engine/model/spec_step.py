@@ -54,19 +54,20 @@ class Speculation:
         sync = torch.cuda.synchronize if r.device.type == "cuda" else (lambda: None)
         params = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, presence_penalty=0.0, seed=0,
                                 max_new_tokens=10 ** 6, stop_token_ids=())
+        tok = min(1000, r.vocab_size - 1)  # any id inside the vocabulary (a small test model has a few hundred)
         times = []
         try:
             r.free(0)
             self.forget([0])
             sampler.start(0, params)
-            r.prefill(0, prompt or PreparedPrompt(input_ids=torch.arange(1000, 1016)))
+            r.prefill(0, prompt or PreparedPrompt(input_ids=torch.arange(tok - 15, tok + 1)))
             for _ in range(warmup + steps):
                 sync()
                 t0 = time.perf_counter()
                 if k:
-                    self.decode(sampler, [0], [1000], k, drafts=[[1000] * k] if given else None)
+                    self.decode(sampler, [0], [tok], k, drafts=[[tok] * k] if given else None)
                 else:
-                    sampler.sample_async([0], r.decode([0], torch.tensor([1000])))
+                    sampler.sample_async([0], r.decode([0], torch.tensor([tok])))
                 sync()
                 times.append(time.perf_counter() - t0)
         finally:
