@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from qwen_chat.engine.model import kv_quant
+from qwen_chat.engine.model import kv_quant, memory
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -161,9 +161,26 @@ GLUE = {"add_norm": add_norm, "attn_qkv": attn_qkv, "attn_pre": attn_pre, "attn_
         "gdn_step": gdn_step, "swiglu": swiglu}
 
 
+def in_row_groups(core: Callable) -> Callable:
+    """``attn_core`` (or its compiled form) called on groups of ``memory.attention_rows`` rows, so that its
+    fp32 scores stay within ``memory.SCORES_BYTES_MAX`` at any batch and window (each row's result is the same
+    as in one call: rows do not mix).  Same arguments and result as ``attn_core``."""
+
+    def run(q, k_cache, v_cache, blocks, pos, scale, k_scale=None, v_scale=None):
+        B = q.shape[0]
+        rows = memory.attention_rows(q.shape[1] * q.shape[2], blocks.shape[1] * k_cache.shape[1])
+        if rows >= B:
+            return core(q, k_cache, v_cache, blocks, pos, scale, k_scale, v_scale)
+        return torch.cat([core(q[s:s + rows], k_cache, v_cache, blocks[s:s + rows], pos[s:s + rows], scale, k_scale,
+                               v_scale) for s in range(0, B, rows)])
+
+    return run
+
+
 def glue_functions(compile: bool) -> dict[str, Callable]:
     """The glue functions, wrapped with ``torch.compile`` (Inductor, shapes dynamic after the first
-    recompile) when ``compile`` is true.  Compilation happens lazily on the first call."""
-    if not compile:
-        return dict(GLUE)
-    return {name: torch.compile(fn, fullgraph=True) for name, fn in GLUE.items()}
+    recompile) when ``compile`` is true; ``attn_core`` runs in row groups (``in_row_groups``) either way.
+    Compilation happens lazily on the first call."""
+    fns = dict(GLUE) if not compile else {name: torch.compile(fn, fullgraph=True) for name, fn in GLUE.items()}
+    fns["attn_core"] = in_row_groups(fns["attn_core"])
+    return fns

@@ -3,8 +3,9 @@ state slots and KV blocks, and the budget itself on a GPU.
 
 Rule (``plan_memory``): the state slots (fixed size each: the conv ring and the fp32 recurrent state of every
 Gated DeltaNet layer) take at most ``STATE_SHARE`` of the budget and at most ``max_slots``; the rest, less what
-the longest context costs in transient buffers (the decode attention's scores for every slot, the keys and
-values a later prompt chunk gathers from one attention layer), is KV blocks.  The longest
+the longest context costs in transient buffers (the decode attention's scores, ``scores_reserve``: at most
+``SCORES_BYTES_MAX`` since the attention runs in row groups, ``attention_rows``; the keys and values a later
+prompt chunk gathers from one attention layer), is KV blocks.  The longest
 context is the model's own limit, capped by ``--max-context`` and by the KV tokens the blocks hold (one
 sequence may use every block).  A budget that cannot hold one slot and one sequence of ``min_context``
 tokens is refused with one line naming the numbers and the flags to change (``MemoryBudgetError``).
@@ -82,6 +83,24 @@ class MemoryPlan:
                 f"{self.max_context} tokens")
 
 
+#: Bytes the decode attention's fp32 scores and probabilities of one call may take at most: rows beyond that run
+#: in groups (``attention_rows``), so the memory kept for them stops growing with the slots and the context.
+SCORES_BYTES_MAX = 256 * 2 ** 20
+
+
+def attention_rows(query_heads: int, ctx: int) -> int:
+    """Rows (sequences) the decode attention over a window of ``ctx`` tokens takes in one call: as many as keep
+    their fp32 scores and probabilities (2 x 4 bytes per query head and position) within ``SCORES_BYTES_MAX``,
+    at least 1."""
+    return max(1, SCORES_BYTES_MAX // max(8 * query_heads * ctx, 1))
+
+
+def scores_reserve(slots: int, query_heads: int, ctx: int) -> int:
+    """Bytes of the decode attention's scores and probabilities when ``slots`` rows attend over ``ctx`` tokens
+    (``attention_rows`` of them at a time)."""
+    return 8 * query_heads * ctx * min(slots, attention_rows(query_heads, ctx))
+
+
 def state_slots(geometry: Geometry, budget_bytes: float, max_slots: Optional[int] = None) -> int:
     """State slots a budget gives: ``STATE_SHARE`` of it in slots of ``geometry.slot_bytes()``, at most
     ``max_slots`` (None: ``DEFAULT_MAX_SLOTS``); may be 0."""
@@ -107,10 +126,14 @@ def plan_memory(geometry: Geometry, *, budget_bytes: int, model_context: int, ma
     heads = geometry.query_heads()
     gather = geometry.layer_kv_token_bytes()
     kv_bytes = budget_bytes - slots * slot
-    # per token of the longest context: its KV, the fp32 scores and probabilities of every slot's decode step at
-    # the top bucket, the keys and values of one layer that a later prompt chunk gathers
-    ctx = int(min(want_ctx, kv_bytes // max(per_token + 2 * slots * heads * 4 + gather, 1)))
-    scores = (2 * slots * heads * 4 + gather) * ctx
+    # per token of the longest context: its KV, the keys and values of one layer that a later prompt chunk
+    # gathers, and the decode attention's scores at the top bucket (growing with the context while every slot
+    # fits in one call, else the SCORES_BYTES_MAX of one row group)
+    ctx = kv_bytes // max(per_token + 8 * slots * heads + gather, 1)
+    if scores_reserve(slots, heads, ctx) < 8 * slots * heads * ctx:
+        ctx = (kv_bytes - SCORES_BYTES_MAX) // max(per_token + gather, 1)
+    ctx = int(max(min(want_ctx, ctx), 0))
+    scores = scores_reserve(slots, heads, ctx) + gather * ctx
     kv_bytes -= scores
     blocks = int(max(kv_bytes, 0) // (per_token * block_tokens)) if per_token else 0
     ctx = int(min(ctx, blocks * block_tokens))
