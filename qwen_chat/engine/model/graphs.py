@@ -11,11 +11,15 @@ step.
 """
 from __future__ import annotations
 
+import logging
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from qwen_chat.engine.model.paged import BLOCK_TOKENS, blocks_for
+
+log = logging.getLogger(__name__)
 
 #: Batch sizes for which a decode graph is captured; a batch of B runs in the smallest size >= B.
 BATCH_LADDER = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
@@ -136,10 +140,13 @@ class CudaGraphs:
         at the scratch slot during warm-up and capture)."""
         if (batch, ctx) in self._decode:
             return
+        t0 = time.perf_counter()
         self._s_in.zero_()
         self._s_slots.fill_(self._scratch)
         args = (self._s_slots[:batch], self._s_tokens[:batch], self._s_pos[:batch], self._s_rope[:batch], ctx)
         self._decode[(batch, ctx)], self._decode_out[(batch, ctx)] = self.warm_and_capture(self._decode_step, args)
+        log.debug("decode graph (batch %d, context %d) captured in %.0f ms", batch, ctx,
+                  (time.perf_counter() - t0) * 1e3)
 
     # ------------------------------------------------------------------ replay
     def decode(self, slots: Sequence[int], tokens: Optional[torch.Tensor], pos: Sequence[int], rope: Sequence[int],
@@ -151,7 +158,11 @@ class CudaGraphs:
         B = len(slots)
         bp = next(b for b in self._ladder if b >= B)
         key = (bp, ctx)
-        self.capture_decode(bp, ctx)
+        if key not in self._decode:  # a step waits for this: said in the log, to find first-use stalls
+            t0 = time.perf_counter()
+            self.capture_decode(bp, ctx)
+            log.info("decode graph (batch %d, context %d) captured on first use in %.0f ms", bp, ctx,
+                     (time.perf_counter() - t0) * 1e3)
         h = self._h_in_np
         self._in_copied.synchronize()  # the previous step's copy has read the pinned buffer
         h[:, B:bp] = 0
