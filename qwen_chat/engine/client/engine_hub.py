@@ -23,8 +23,9 @@ import zmq
 from qwen_chat.chat_types import GenerationSettings
 from qwen_chat.engine import wire
 from qwen_chat.engine.client.engine_client import EngineClient
-from qwen_chat.engine.output.replies import ReplyAssembler  # here, not on the first request, whose first token
-from qwen_chat.engine.output.updates import TokenTable        # that import delayed (~50-80 ms on 2 CPU cores)
+# (imported here, not by the first request: its first token waited ~50-80 ms for it on 2 CPU cores)
+from qwen_chat.engine.output.replies import ReplyAssembler
+from qwen_chat.engine.output.updates import TokenTable
 
 log = logging.getLogger(__name__)
 #: Longest wait (s) for the first prompt worker's token strings at start-up: it loads the processor first

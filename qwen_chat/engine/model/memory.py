@@ -86,19 +86,22 @@ class MemoryPlan:
 #: Bytes the decode attention's fp32 scores and probabilities of one call may take at most: rows beyond that run
 #: in groups (``attention_rows``), so the memory kept for them stops growing with the slots and the context.
 SCORES_BYTES_MAX = 256 * 2 ** 20
+#: Bytes of scores per query head and position of the window: fp32 scores and probabilities (the compiled
+#: kernels were measured holding one of the two, docs/performance.md).
+SCORE_BYTES = 2 * 4
 
 
 def attention_rows(query_heads: int, ctx: int) -> int:
     """Rows (sequences) the decode attention over a window of ``ctx`` tokens takes in one call: as many as keep
-    their fp32 scores and probabilities (2 x 4 bytes per query head and position) within ``SCORES_BYTES_MAX``,
-    at least 1."""
-    return max(1, SCORES_BYTES_MAX // max(8 * query_heads * ctx, 1))
+    their fp32 scores and probabilities (``SCORE_BYTES`` per query head and position) within
+    ``SCORES_BYTES_MAX``, at least 1."""
+    return max(1, SCORES_BYTES_MAX // max(SCORE_BYTES * query_heads * ctx, 1))
 
 
 def scores_reserve(slots: int, query_heads: int, ctx: int) -> int:
     """Bytes of the decode attention's scores and probabilities when ``slots`` rows attend over ``ctx`` tokens
     (``attention_rows`` of them at a time)."""
-    return 8 * query_heads * ctx * min(slots, attention_rows(query_heads, ctx))
+    return SCORE_BYTES * query_heads * ctx * min(slots, attention_rows(query_heads, ctx))
 
 
 def state_slots(geometry: Geometry, budget_bytes: float, max_slots: Optional[int] = None) -> int:
@@ -129,8 +132,9 @@ def plan_memory(geometry: Geometry, *, budget_bytes: int, model_context: int, ma
     # per token of the longest context: its KV, the keys and values of one layer that a later prompt chunk
     # gathers, and the decode attention's scores at the top bucket (growing with the context while every slot
     # fits in one call, else the SCORES_BYTES_MAX of one row group)
-    ctx = kv_bytes // max(per_token + 8 * slots * heads + gather, 1)
-    if scores_reserve(slots, heads, ctx) < 8 * slots * heads * ctx:
+    every_row = SCORE_BYTES * slots * heads  # scores per position with all slots in one call
+    ctx = kv_bytes // max(per_token + every_row + gather, 1)
+    if scores_reserve(slots, heads, ctx) < every_row * ctx:
         ctx = (kv_bytes - SCORES_BYTES_MAX) // max(per_token + gather, 1)
     ctx = int(max(min(want_ctx, ctx), 0))
     scores = scores_reserve(slots, heads, ctx) + gather * ctx
