@@ -198,9 +198,11 @@ def test_sidebar_scrolls_dates_search_menu_delete_and_download(ui):
     wait_until(lambda: downloaded(page.locator("#export").click) == "Topic number 26.zip",
                what="the button following the open conversation")
     # the open conversation stands out in the list (bold, a bar on its left); the others do not
+    # (read once the list's style transition has settled: mid-way the weight reads e.g. "400.75")
+    page.wait_for_timeout(500)
     looks = page.evaluate("() => [...document.querySelectorAll('#conv-list label')].map(l => [l.innerText, "
                           "getComputedStyle(l).fontWeight, getComputedStyle(l).borderLeftWidth])")
-    marked = [text for text, weight, bar in looks if int(weight) >= 600 and bar != "0px"]
+    marked = [text for text, weight, bar in looks if float(weight) >= 600 and bar != "0px"]
     assert len(marked) == 1 and marked[0].startswith("Topic number 26"), looks[:3]
 
     def menu(title: str):
