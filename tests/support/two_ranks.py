@@ -3,7 +3,10 @@
 ``run_two_ranks(body, tmp_path, backend)`` starts 2 processes, initialises ``torch.distributed`` with ``backend``
 ("gloo" on CPU, "nccl" with one GPU per rank) through a FileStore in ``tmp_path``, calls ``body(rank, report)``
 (a module-level function, so it can be pickled; it fills the dict ``report``), and returns both ranks' reports.
-An exception in ``body`` is recorded in ``report["errors"]`` instead of failing the process.
+An exception in ``body`` is recorded in ``report["errors"]`` instead of failing the process.  Each rank ends as the
+service's processes do (``lifecycle.leave``: atexit handlers, streams flushed, ``os._exit``), skipping the
+interpreter's teardown: there a gloo or DeepSpeed helper thread destroyed while still joinable aborted a rank that
+had already written its report ("terminate called without an active exception", SIGABRT, seen once in CI).
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ def _entry(rank: int, body: Callable, backend: str, store_path: str, out_dir: st
             torch.cuda.synchronize()
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
         dist.destroy_process_group()
+    from qwen_chat.lifecycle import leave
+
+    leave(0)
 
 
 def run_two_ranks(body: Callable, tmp_path: Path, backend: str) -> list[dict]:
