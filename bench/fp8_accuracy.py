@@ -6,6 +6,8 @@ Usage (one GPU host with >= 60 GB, repository root; about 3-5 minutes on an H200
     python bench/fp8_accuracy.py --smoke          # a small config on CPU: checks the script, numbers meaningless
     python bench/fp8_accuracy.py --quantize int4  # the same with 4-bit weights (--quantize int4) in FP8's place:
                                                   # ...-int4-accuracy.json, runs named "engine int4"
+    python bench/fp8_accuracy.py --quantize kv-fp8  # bf16 weights with an FP8 KV cache (--kv-cache-dtype fp8)
+                                                  # in FP8's place: ...-kv-fp8-accuracy.json, "engine bf16, fp8 KV"
 
 Two prompts, a text one (96 random tokens) and an image one (a 448 x 448 random-pixel image between short texts,
 196 visual tokens).  The fp32 reference is transformers' model in fp32 with its PyTorch reference kernels and no
@@ -23,8 +25,9 @@ transformers in bf16 (its default kernels, as a user runs it) and in fp32 with i
 Triton kernels round fp32 to TF32 in ``tl.dot``: what an fp32 comparison used to measure).  Targets: engine fp32
 <= 1e-4 (median and max); FP8's median error <= 1.5 x the engine bf16's and its top-1 agreement >= bf16's - 5
 points (with ``--quantize int4`` only the top-1 and the own-weights comparison are targets: 4-bit rounding of
-random weights moves the logits far more than bf16's, which is reported).  JSON after each run; the table is
-printed last.
+random weights moves the logits far more than bf16's, which is reported; with ``--quantize kv-fp8`` the bf16
+engine on an FP8 KV cache against the same fp32 reference on the bf16 weights as the bf16 cache's run, target:
+its median error <= 1.2 x the bf16 cache's).  JSON after each run; the table is printed last.
 """
 from __future__ import annotations
 
@@ -135,7 +138,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="small config on CPU (checks the script only)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--quantize", choices=("fp8", "int4"), default="fp8", help="the quantised weights compared")
+    ap.add_argument("--quantize", choices=("fp8", "int4", "kv-fp8"), default="fp8",
+                    help="the quantised weights (or kv-fp8: the FP8 KV cache on bf16 weights) compared")
     args = ap.parse_args(argv)
     q = args.quantize
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -191,8 +195,8 @@ def main(argv=None) -> int:
 
     kept = {}  # run name -> {prompt: logits}, for the comparisons against references on rounded weights
 
-    def engine(keep=None):
-        runner = ModelRunner(model, num_slots=1, max_context=max_context, device=dev)
+    def engine(keep=None, kv_dtype=None):
+        runner = ModelRunner(model, num_slots=1, max_context=max_context, device=dev, kv_dtype=kv_dtype)
         out = {}
         for name, p in prompts.items():
             x = engine_logits(runner, p, tokens[name])
@@ -217,6 +221,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     run("transformers bf16", lambda: each(lambda p, t: transformers_logits(model, p, t, dev)))
     run("engine bf16", lambda: engine("engine bf16"))
+    if q == "kv-fp8":
+        return kv_fp8_runs(doc, prompts, run, engine, rounded_reference, kept, model, save)
     if "engine bf16" in kept:  # fp32 compute on the bf16 values (the round trip bf16 -> fp32 -> bf16 is exact)
         model.float()
         run("engine bf16 vs fp32 on its own weights", lambda: rounded_reference("engine bf16"))
@@ -247,6 +253,31 @@ def main(argv=None) -> int:
         if all(k in runs for k in own):
             doc["targets"][f"(on each run's own weights) {q} median rel err <= 1.5 x bf16's"] = all(
                 runs[own[0]][p]["rel_err_median"] <= 1.5 * runs[own[1]][p]["rel_err_median"] for p in prompts)
+    save()
+    print(table(doc))
+    return 0 if not doc["errors"] else 1
+
+
+def kv_fp8_runs(doc, prompts, run, engine, rounded_reference, kept, model, save) -> int:
+    """The ``--quantize kv-fp8`` runs after "engine bf16": the bf16 engine on an FP8 KV cache, then both bf16
+    runs against one fp32 reference on the bf16 weights (the error of each computation, KV storage included,
+    without the rounding of the weights), the targets, the table.  Returns the exit code."""
+    from qwen_chat.engine.model.kv_quant import FP8
+
+    name = "engine bf16, fp8 KV"
+    run(name, lambda: engine(name, kv_dtype=FP8))
+    if "engine bf16" in kept and name in kept:
+        model.float()
+        run("engine bf16 vs fp32 on its own weights", lambda: rounded_reference("engine bf16"))
+        run(f"{name} vs fp32 on its own weights", lambda: rounded_reference(name))
+    runs = doc["runs"]
+    own = (f"{name} vs fp32 on its own weights", "engine bf16 vs fp32 on its own weights")
+    if all(k in runs for k in own):
+        doc["targets"] = {
+            "(on the bf16 weights) fp8 KV median rel err <= 1.2 x bf16 KV's": all(
+                runs[own[0]][p]["rel_err_median"] <= 1.2 * runs[own[1]][p]["rel_err_median"] for p in prompts),
+            "fp8 KV top-1 agreement >= bf16 KV's - 5 points": all(
+                runs[own[0]][p]["top1_agreement"] >= runs[own[1]][p]["top1_agreement"] - 0.05 for p in prompts)}
     save()
     print(table(doc))
     return 0 if not doc["errors"] else 1

@@ -34,3 +34,30 @@ def test_warm_up_runs_every_kind_and_leaves_nothing_behind(tiny_loaded):
     prompt = PreparedPrompt(input_ids=torch.arange(40, dtype=torch.int64) + 100)
     fresh = ModelRunner(tiny_loaded.model, num_slots=8, max_context=1024, num_blocks=160, device="cpu")
     assert torch.allclose(runner.prefill(5, prompt), fresh.prefill(5, prompt), atol=1e-5)
+
+
+def test_idle_captures_take_one_sequence_at_every_window_first():
+    """While idle the engine captures batch 1 at every attention window before any larger batch (a lone user's
+    8k or 100k prompt then finds its decode graph held), then every batch size up to IDLE_CONTEXT_LIMIT tokens;
+    nothing already held is captured twice."""
+    from types import SimpleNamespace
+
+    from qwen_chat.engine.model import graphs
+    from qwen_chat.engine.startup.runner_setup import IDLE_CONTEXT_LIMIT, READY_CONTEXTS, idle_captures
+
+    buckets = graphs.context_buckets(262144)
+    sizes = graphs.graph_batch_sizes(128)
+    held = [(b, c) for c in READY_CONTEXTS for b in sizes]
+    runner = SimpleNamespace(use_cuda_graphs=True, context_buckets=lambda: buckets,
+                             graph_batch_sizes=lambda: sizes,
+                             graphs=SimpleNamespace(decode_shapes=lambda: sorted(held)))
+    order = idle_captures(runner)
+    lone = [c for c in buckets if c not in READY_CONTEXTS]
+    assert order[:len(lone)] == [(1, c) for c in lone]
+    assert lone[-1] == 262144 and (1, 262144) in order
+    rest = order[len(lone):]
+    assert rest[0] == (2, min(c for c in buckets if c not in READY_CONTEXTS))
+    assert all(c <= IDLE_CONTEXT_LIMIT and b > 1 for b, c in rest)
+    assert not set(order) & set(held) and len(order) == len(set(order))
+    runner.use_cuda_graphs = False
+    assert idle_captures(runner) == []

@@ -118,13 +118,17 @@ def size_memory(loaded, config: ServiceConfig, device: torch.device,
 
 
 def idle_captures(runner) -> list[tuple[int, int]]:
-    """(batch, context) decode graphs still to capture while idle, shortest context first, up to
-    ``IDLE_CONTEXT_LIMIT`` tokens (empty without CUDA graphs)."""
+    """(batch, context) decode graphs still to capture while idle (empty without CUDA graphs): first one
+    sequence at every context bucket, shortest first (a lone user's long prompt or conversation would otherwise
+    wait for its window's capture in its first decode step), then every batch size up to ``IDLE_CONTEXT_LIMIT``
+    tokens, shortest context first (longer windows of larger batches are captured on first use)."""
     if not runner.use_cuda_graphs:
         return []
     held = set(runner.graphs.decode_shapes())
-    return [(b, c) for c in runner.context_buckets() if c <= IDLE_CONTEXT_LIMIT
-            for b in runner.graph_batch_sizes() if (b, c) not in held]
+    buckets, sizes = runner.context_buckets(), runner.graph_batch_sizes()
+    lone = [(sizes[0], c) for c in buckets]
+    rest = [(b, c) for c in buckets if c <= IDLE_CONTEXT_LIMIT for b in sizes]
+    return [shape for shape in dict.fromkeys(lone + rest) if shape not in held]
 
 
 def build_runner(loaded, config: ServiceConfig):
