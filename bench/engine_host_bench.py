@@ -222,7 +222,8 @@ def main(argv=None) -> int:
                 runs = []
                 for r in range(args.repeat):
                     prompts = [pack_prompt(PreparedPrompt(input_ids=torch.randint(
-                        1000, 20000, (args.prompt_tokens,), generator=gen))) for _ in range(streams)]
+                        1000, 20000, (args.prompt_tokens,), generator=gen), max_new_tokens=args.tokens))
+                               for _ in range(streams)]
                     rids = list(range(rid, rid + streams))
                     rid += streams
                     steps0 = executor.steps
