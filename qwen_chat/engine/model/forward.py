@@ -127,19 +127,23 @@ class ModelForward:
 
     def _pack_meta(self, seqs: Sequence[PrefillRows], device: torch.device) -> tuple[list[PrefillRows], dict]:
         """Every index the packed prefill needs on the device, sent in one copy (a host tensor sent on its own
-        would make the host wait for the device each time): each chunk's KV rows; ``slots`` int64 [N];
-        ``past`` bool [N] (the chunk continues its slot); ``take`` int64 [T], the conv output column of each token
-        (``_conv_prefill``); ``prev_cols`` int64 [N, K - 1] and ``ring_cols`` int64 [N, K], the conv ring columns
-        of the K - 1 inputs before each chunk and of its last K inputs (every Gated DeltaNet layer uses the same);
-        ``last`` int64 [m], the packed row of the last token of each chunk whose logits are wanted; for keep points
-        (``PrefillRows.keeps``, chunk by chunk) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the
-        concatenated conv input columns of the K inputs before each keep point) and ``keep_cols`` int64 [k, K]
-        (their ring columns); ``seg`` (``delta_rule.Segments``) and its device index (``delta_rule.host_index``:
-        ``cu`` the segment bounds, with ``cu_cpu``, ...)."""
+        would make the host wait for the device each time): each chunk's KV rows; ``slots`` int64 [N]; ``past``
+        bool [N] (the chunk continues its slot); for ``_conv_prefill`` (every Gated DeltaNet layer uses the same):
+        ``ext_src`` int64 [sum(n + K - 1)], the conv input's columns (chunk j's K - 1 ring inputs, appended after
+        the T packed tokens at T + j (K - 1), then its n tokens), ``take`` int64 [T], the conv output column of each
+        token, ``ring_src`` int64 [N, K] its last K input columns, ``prev_cols`` int64 [N, K - 1] and ``ring_cols``
+        int64 [N, K], the ring columns of the K - 1 inputs before each chunk and of its last K; ``last`` int64
+        [m], the packed row of the last token of each chunk whose logits are wanted; for keep points
+        (``PrefillRows.keeps``, chunk by chunk) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the conv input
+        columns of the K inputs before each keep point) and ``keep_cols`` int64 [k, K] (their ring columns);
+        ``seg`` (``delta_rule.Segments``) and its index (``delta_rule.host_index``: ``cu`` the bounds, ...)."""
         K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
-        take, keep_ext, keep_cols, e = [], [], [], 0
-        for sq in seqs:
+        T = max(sq.offset + sq.n for sq in seqs)
+        take, keep_ext, keep_cols, ext_src, ring_src, e = [], [], [], [], [], 0
+        for j, sq in enumerate(seqs):
             take.append(torch.arange(e, e + sq.n))
+            ext_src += [torch.arange(T + j * (K - 1), T + (j + 1) * (K - 1)), torch.arange(sq.offset, sq.offset + sq.n)]
+            ring_src.append(torch.arange(e + sq.n - 1, e + sq.n + K - 1))
             for keep, _ in sq.keeps:
                 keep_ext.append(torch.arange(e + keep - 1, e + keep - 1 + K))
                 keep_cols.append(torch.arange(sq.start + keep - K, sq.start + keep) % K)
@@ -155,7 +159,8 @@ class ModelForward:
                  torch.cat(keep_cols) if nk else torch.zeros(0, dtype=torch.long)]
         parts = [sq.rows.cpu() for sq in seqs] + [
             torch.tensor([sq.slot for sq in seqs]), torch.tensor([int(sq.start > 0) for sq in seqs]),
-            torch.cat(take), last, prev_cols.reshape(-1), ring_cols.reshape(-1)] + keeps + list(index.values())
+            torch.cat(take), last, prev_cols.reshape(-1), ring_cols.reshape(-1), torch.cat(ext_src),
+            torch.cat(ring_src)] + keeps + list(index.values())
         flat = torch.cat(parts).to(torch.long)
         if device.type == "cuda":
             flat = flat.pin_memory().to(device, non_blocking=True)
@@ -165,8 +170,9 @@ class ModelForward:
         n = len(seqs)
         meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], last=pieces[n + 3],
                     prev_cols=pieces[n + 4].view(n, K - 1), ring_cols=pieces[n + 5].view(n, K),
-                    keep_rows=pieces[n + 6], keep_ext=pieces[n + 7].view(nk, K), keep_cols=pieces[n + 8].view(nk, K),
-                    seg=seg, **dict(zip(index, pieces[n + 9:])))
+                    ext_src=pieces[n + 6], ring_src=pieces[n + 7],
+                    keep_rows=pieces[n + 8], keep_ext=pieces[n + 9].view(nk, K), keep_cols=pieces[n + 10].view(nk, K),
+                    seg=seg, **dict(zip(index, pieces[n + 11:])))
         meta.update(delta_rule.host_bounds(index))
         return seqs, meta
 
@@ -236,22 +242,16 @@ class ModelForward:
         """Causal depthwise conv of packed chunks, each continuing from its slot's conv ring.  qkv: [T, C]
         (in_proj_qkv output).  Each chunk is laid out after the K-1 inputs before it (from the ring; zeros at
         the start of a prompt), one conv without padding runs over all, and each token takes the window that
-        ends at it.  Stores each slot's new ring (its last K inputs at column p % K).  Returns [T, C]
-        pre-activation outputs."""
+        ends at it.  Stores each slot's new ring (its last K inputs at column p % K).  No loop over the chunks:
+        the layout is one gather (``_pack_meta``'s ``ext_src``).  Returns [T, C] pre-activation outputs."""
         K = self._geo[i]["K"]
-        ring_buf = self.conv_state[i]
-        parts = []
-        for j, sq in enumerate(seqs):
-            seg = qkv[sq.offset:sq.offset + sq.n].t().to(ring_buf.dtype)            # [C, n]
-            if sq.start == 0:
-                prev = seg.new_zeros(seg.shape[0], K - 1)
-            else:
-                prev = ring_buf[sq.slot].index_select(1, meta["prev_cols"][j])
-            ext = torch.cat([prev, seg], dim=1)                                      # [C, n + K - 1]
-            # the last K inputs (zeros before a prompt's first token) to their ring columns: all K are written
-            ring_buf[sq.slot].index_copy_(1, meta["ring_cols"][j], ext[:, -K:])
-            parts.append(ext)
-        ext = torch.cat(parts, dim=1)                                                # [C, sum(n + K - 1)]
+        ring_buf = self.conv_state[i]                                                # [S, C, K]
+        C, N = qkv.shape[1], len(seqs)
+        prev = ring_buf[meta["slots"][:, None], :, meta["prev_cols"]]               # [N, K - 1, C]
+        prev = torch.where(meta["past"][:, None, None], prev, 0.0)
+        src = torch.cat([qkv.t().to(ring_buf.dtype), prev.permute(2, 0, 1).reshape(C, -1)], dim=1)
+        ext = src.index_select(1, meta["ext_src"])                                   # [C, sum(n + K - 1)]
+        ring_buf[meta["slots"][:, None], :, meta["ring_cols"]] = ext[:, meta["ring_src"]].view(C, N, K).permute(1, 2, 0)
         if meta["keep_rows"].numel():  # the ring at each keep point: the K inputs before it
             ring_buf[meta["keep_rows"][:, None], :, meta["keep_cols"]] = ext[:, meta["keep_ext"]].permute(1, 2, 0)
         ext = ext[None]
