@@ -277,4 +277,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from qwen_chat.lifecycle import leave
+
+    leave(main())  # as the service's processes end: no interpreter teardown under ZeroMQ's threads
