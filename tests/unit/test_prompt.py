@@ -368,3 +368,25 @@ def test_the_system_block_ends_after_its_im_end(tiny_loaded):
     assert a.system_prefix == b.system_prefix and torch.equal(a.input_ids[:a.system_prefix],
                                                               b.input_ids[:b.system_prefix])
     assert build(tiny_loaded, [ChatMessage(role="user", text="No system here.")]).system_prefix == 0
+
+
+def test_a_text_longer_than_the_context_is_tokenized_without_transformers_indexing_warning(tiny_checkpoint):
+    """A message longer than the model's 262,144-token context is measured and refused by the service itself
+    (ContextTooLong); the log must not also carry transformers' 'will result in indexing errors' line."""
+    import logging
+
+    from qwen_chat.engine.checkpoints.loading import load_processor
+    from qwen_chat.engine.text.tokenizer_build import MODEL_MAX_LENGTH
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    library = logging.getLogger("transformers")  # transformers' own handler writes to the stream it was given
+    library.addHandler(handler)
+    try:
+        processor = load_processor(tiny_checkpoint)
+        ids = processor.tokenizer("word " * (MODEL_MAX_LENGTH + 1000))["input_ids"]
+    finally:
+        library.removeHandler(handler)
+    assert len(ids) > MODEL_MAX_LENGTH
+    assert not [r for r in records if "indexing errors" in r.getMessage()]

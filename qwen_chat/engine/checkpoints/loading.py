@@ -132,15 +132,24 @@ def _first_line(exc: BaseException) -> str:
 def load_processor(path: Path):
     """Load the checkpoint's processor with ``AutoProcessor``; without torchvision, its image+text subset.
 
-    Returns a ``Qwen3VLProcessor`` (or ``ImageTextProcessor`` where torchvision is not installed).
+    Returns a ``Qwen3VLProcessor`` (or ``ImageTextProcessor`` where torchvision is not installed).  Its
+    tokenizer does not warn about texts longer than the model's context: the service measures every prompt
+    against its context and refuses one too long with its own message (``ContextTooLong``), so transformers'
+    "will result in indexing errors" line in the log would only mislead.
     """
+    processor = None
     if is_torchvision_available():
         try:
-            return AutoProcessor.from_pretrained(path)
+            processor = AutoProcessor.from_pretrained(path)
         except (ImportError, OSError, ValueError, TypeError) as exc:
             # Only the video half can be at fault here when the image+text half loads below.
             log.warning("AutoProcessor failed (%s); using the image+text processor without video", exc)
-    return ImageTextProcessor.from_pretrained(path)
+    if processor is None:
+        processor = ImageTextProcessor.from_pretrained(path)
+    warned = getattr(processor.tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):  # transformers' own "said once already" mark for that warning
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return processor
 
 
 def is_demo_checkpoint(path: Path, config: Any = None) -> bool:
