@@ -51,11 +51,14 @@ from decode_bench import build_config, image_prompt, random_ids  # noqa: E402
 
 from qwen_chat.engine.checkpoints import fp8_loading, int4_loading  # noqa: E402
 from qwen_chat.engine.checkpoints.loading import torch_reference_kernels  # noqa: E402
+from qwen_chat.engine.model import kv_quant  # noqa: E402
 from qwen_chat.engine.model.fp8 import weights_report  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
 from qwen_chat.engine.types import PreparedPrompt  # noqa: E402
 
 STEPS = 32
+#: The run of the bf16 engine on an FP8 KV cache (``--quantize kv-fp8``).
+KV_RUN = "engine bf16, fp8 KV"
 
 
 def forced(prompt: PreparedPrompt, tokens: list[int]) -> dict:
@@ -221,14 +224,25 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     run("transformers bf16", lambda: each(lambda p, t: transformers_logits(model, p, t, dev)))
     run("engine bf16", lambda: engine("engine bf16"))
-    if q == "kv-fp8":
-        return kv_fp8_runs(doc, prompts, run, engine, rounded_reference, kept, model, save)
+    if q == "kv-fp8":  # the same bf16 weights and engine on an FP8 KV cache
+        run(KV_RUN, lambda: engine(KV_RUN, kv_dtype=kv_quant.FP8))
     if "engine bf16" in kept:  # fp32 compute on the bf16 values (the round trip bf16 -> fp32 -> bf16 is exact)
         model.float()
         run("engine bf16 vs fp32 on its own weights", lambda: rounded_reference("engine bf16"))
+        if KV_RUN in kept:  # the FP8 cache's run had the same weights: the same reference
+            run(f"{KV_RUN} vs fp32 on its own weights", lambda: rounded_reference(KV_RUN))
         model.to(torch.bfloat16)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+    def finish() -> int:
+        save()
+        print(table(doc))
+        return 0 if not doc["errors"] else 1
+
+    if q == "kv-fp8":
+        doc["targets"] = kv_fp8_targets(doc["runs"], prompts)
+        return finish()
     (fp8_loading if q == "fp8" else int4_loading).quantize_model(model, device=dev)
     doc[f"{q}_weights"] = weights_report(model)
     run(f"engine {q}", lambda: engine(f"engine {q}"))
@@ -253,34 +267,20 @@ def main(argv=None) -> int:
         if all(k in runs for k in own):
             doc["targets"][f"(on each run's own weights) {q} median rel err <= 1.5 x bf16's"] = all(
                 runs[own[0]][p]["rel_err_median"] <= 1.5 * runs[own[1]][p]["rel_err_median"] for p in prompts)
-    save()
-    print(table(doc))
-    return 0 if not doc["errors"] else 1
+    return finish()
 
 
-def kv_fp8_runs(doc, prompts, run, engine, rounded_reference, kept, model, save) -> int:
-    """The ``--quantize kv-fp8`` runs after "engine bf16": the bf16 engine on an FP8 KV cache, then both bf16
-    runs against one fp32 reference on the bf16 weights (the error of each computation, KV storage included,
-    without the rounding of the weights), the targets, the table.  Returns the exit code."""
-    from qwen_chat.engine.model.kv_quant import FP8
-
-    name = "engine bf16, fp8 KV"
-    run(name, lambda: engine(name, kv_dtype=FP8))
-    if "engine bf16" in kept and name in kept:
-        model.float()
-        run("engine bf16 vs fp32 on its own weights", lambda: rounded_reference("engine bf16"))
-        run(f"{name} vs fp32 on its own weights", lambda: rounded_reference(name))
-    runs = doc["runs"]
-    own = (f"{name} vs fp32 on its own weights", "engine bf16 vs fp32 on its own weights")
-    if all(k in runs for k in own):
-        doc["targets"] = {
-            "(on the bf16 weights) fp8 KV median rel err <= 1.2 x bf16 KV's": all(
+def kv_fp8_targets(runs: dict, prompts: dict) -> dict:
+    """The ``--quantize kv-fp8`` targets (empty until both runs against the fp32 reference on the bf16 weights
+    are in ``runs``): the FP8 cache's median error within 1.2 x the bf16 cache's, its top-1 agreement within 5
+    points of the bf16 cache's."""
+    own = (f"{KV_RUN} vs fp32 on its own weights", "engine bf16 vs fp32 on its own weights")
+    if not all(k in runs for k in own):
+        return {}
+    return {"(on the bf16 weights) fp8 KV median rel err <= 1.2 x bf16 KV's": all(
                 runs[own[0]][p]["rel_err_median"] <= 1.2 * runs[own[1]][p]["rel_err_median"] for p in prompts),
             "fp8 KV top-1 agreement >= bf16 KV's - 5 points": all(
                 runs[own[0]][p]["top1_agreement"] >= runs[own[1]][p]["top1_agreement"] - 0.05 for p in prompts)}
-    save()
-    print(table(doc))
-    return 0 if not doc["errors"] else 1
 
 
 if __name__ == "__main__":

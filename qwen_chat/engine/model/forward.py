@@ -113,7 +113,7 @@ class ModelForward:
         for i, layer in enumerate(self._layers):
             x = layer.input_layernorm(h)
             if self._kinds[i] == "linear":
-                x = self._linear_prefill(i, layer.linear_attn, seqs, meta, x)
+                x = self._linear_prefill(i, layer.linear_attn, meta, x)
             else:
                 x = self._attn_prefill(i, layer.self_attn, seqs, x, cos, sin)
             h = self.mlp_block(i, layer, h + x)
@@ -238,7 +238,7 @@ class ModelForward:
         o = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         return self.attn_output(at, o.transpose(1, 2).reshape(1, T, -1), gate)
 
-    def _conv_prefill(self, i, la, seqs, meta, qkv):
+    def _conv_prefill(self, i, la, meta, qkv):
         """Causal depthwise conv of packed chunks, each continuing from its slot's conv ring.  qkv: [T, C]
         (in_proj_qkv output).  Each chunk is laid out after the K-1 inputs before it (from the ring; zeros at
         the start of a prompt), one conv without padding runs over all, and each token takes the window that
@@ -246,7 +246,7 @@ class ModelForward:
         the layout is one gather (``_pack_meta``'s ``ext_src``).  Returns [T, C] pre-activation outputs."""
         K = self._geo[i]["K"]
         ring_buf = self.conv_state[i]                                                # [S, C, K]
-        C, N = qkv.shape[1], len(seqs)
+        C, N = qkv.shape[1], meta["slots"].shape[0]
         prev = ring_buf[meta["slots"][:, None], :, meta["prev_cols"]]               # [N, K - 1, C]
         prev = torch.where(meta["past"][:, None, None], prev, 0.0)
         src = torch.cat([qkv.t().to(ring_buf.dtype), prev.permute(2, 0, 1).reshape(C, -1)], dim=1)
@@ -288,8 +288,8 @@ class ModelForward:
         core = la.norm(out.reshape(-1, dv).to(dtype), z.reshape(-1, dv))
         return la.out_proj(core.reshape(1, T, -1))
 
-    def _linear_prefill(self, i, la, seqs, meta, x):
-        q, k, v, beta, gdecay, z = self.gdn_inputs(i, la, x, lambda qkv: self._conv_prefill(i, la, seqs, meta, qkv))
+    def _linear_prefill(self, i, la, meta, x):
+        q, k, v, beta, gdecay, z = self.gdn_inputs(i, la, x, lambda qkv: self._conv_prefill(i, la, meta, qkv))
         slots = meta["slots"]
         rec = self.rec_state[i]
         h0 = torch.where(meta["past"][:, None, None, None], rec.index_select(0, slots), 0.0)
