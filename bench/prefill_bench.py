@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import statistics
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -91,6 +92,54 @@ def kernels(runner, dev, prompt_len: int, gen, graphs: bool) -> dict:
     return {key: got[key] for key in ("gpu_kernel_ms", "kernels", "wall_ms_profiled", "top_gpu")}
 
 
+def packed_step(runner, dev, prompts: int, prompt_len: int, budget: int, gen, repeats: int = 5) -> dict:
+    """One packed prefill step as the scheduler plans a burst: ``prompts`` new prompts of ``prompt_len`` random
+    tokens filling a step of ``budget`` tokens (the last one cut at the budget; ``--prefill-chunk``), each into
+    its own slot.  Median ms of ``prefill_batch`` + synchronise (after one warm-up), prefill tokens/s, and where
+    the time goes (torch profiler over one more run): summed GPU kernel ms, kernel launches, profiled wall ms, the
+    top GPU kernels and the top CPU ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    items, left = [], budget
+    for i in range(prompts):
+        if left <= 0:
+            break
+        prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen))
+        items.append(PrefillItem(i, prompt, end=min(prompt_len, left)))
+        left -= min(prompt_len, left)
+    tokens = sum(c.stop() for c in items)
+
+    def once():
+        for c in items:
+            runner.free(c.slot)
+        return runner.prefill_batch(items)
+
+    try:
+        once()
+        times = [timed(once, dev)[0] for _ in range(repeats)]
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            once()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        wall = time.perf_counter() - t0
+    finally:
+        for c in items:
+            runner.free(c.slot)
+    ev = prof.key_averages()
+    dev_t = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)  # noqa: E731
+    gpu = sorted(((dev_t(e), e.count, e.key) for e in ev if dev_t(e) > 0), reverse=True)
+    cpu = sorted(((e.self_cpu_time_total, e.count, e.key) for e in ev), reverse=True)
+    ms = statistics.median(times) * 1e3
+    return {"chunks": len(items), "tokens": tokens, "ms": ms, "runs_ms": [t * 1e3 for t in times],
+            "tokens_per_s": tokens / ms * 1e3, "wall_ms_profiled": wall * 1e3,
+            "gpu_kernel_ms": sum(g[0] for g in gpu) / 1e3, "kernels": sum(g[1] for g in gpu),
+            "top_gpu": [{"name": k[:120], "ms": t / 1e3, "calls": c} for t, c, k in gpu[:30]],
+            "top_cpu_self": [{"name": k[:100], "ms": t / 1e3, "calls": c} for t, c, k in cpu[:15]]}
+
+
 def agreement(runner, model, dev, lengths, gen) -> list:
     """Per prompt length: the graph path's last-token logits against the eager path's and both against an fp32
     copy of the model (transformers' forward): relative errors and argmax agreement."""
@@ -121,10 +170,15 @@ def agreement(runner, model, dev, lengths, gen) -> list:
     return out
 
 
+SECTIONS = ("capture", "latency", "follow_up", "kernels", "packed", "agreement")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output path without extension (.json is added)")
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU (checks the script)")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+                    help=f"run only these sections ({', '.join(SECTIONS)}; default all)")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     lengths = (20, 60, 100, 300, 500, 1000, 2000, 8000) if not args.smoke else (5, 20, 40)
@@ -138,6 +192,8 @@ def main(argv=None) -> int:
         pass
 
     def section(name, fn):
+        if name.removesuffix("_ms").removesuffix("_1k") not in args.only:
+            return
         try:
             doc[name] = fn()
         except Exception:  # noqa: BLE001 - recorded, the run goes on
@@ -156,7 +212,7 @@ def main(argv=None) -> int:
     from qwen_chat.engine.model.options import RunnerOptions
 
     opts = RunnerOptions(prefill_graphs=True)
-    runner = ModelRunner(model, num_slots=4, max_context=16384 if not args.smoke else 256, device=dev, options=opts)
+    runner = ModelRunner(model, num_slots=8, max_context=16384 if not args.smoke else 256, device=dev, options=opts)
     doc["impl"] = runner.impl
 
     def capture():
@@ -177,6 +233,10 @@ def main(argv=None) -> int:
     k_len = 1000 if not args.smoke else 40
     section("kernels_1k", lambda: {"graph": kernels(runner, dev, k_len, gen, True),
                                    "eager": kernels(runner, dev, k_len, gen, False)})
+    # a 32-stream burst of 600-token prompts as the service's scheduler packs it (4,096 prompt tokens a step)
+    # and one 4,096-token prompt alone (the same tokens in one chunk)
+    section("packed", lambda: [packed_step(runner, dev, n, length, budget, gen) for n, length, budget in
+                               (((7, 600, 4096), (1, 4096, 4096)) if not args.smoke else ((3, 30, 80), (1, 80, 80)))])
     section("agreement", lambda: agreement(runner, model, dev, (50, 300, 1000) if not args.smoke else (7, 30), gen))
     Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
     print(f"\n## prefill, {doc['device']}, torch {doc['torch']}, {doc['date']}")
@@ -195,6 +255,11 @@ def main(argv=None) -> int:
             print(f"1k {name}: {k['gpu_kernel_ms']:.1f} ms GPU kernels, {k['kernels']} kernels, "
                   f"{k['wall_ms_profiled']:.1f} ms profiled wall; top: "
                   + ", ".join(f"{t['name'][:40]} {t['ms']:.1f} ms x{t['calls']}" for t in k["top_gpu"][:6]))
+    for p in doc.get("packed", []):
+        print(f"packed step {p['chunks']} chunks, {p['tokens']} tokens: {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} "
+              f"tok/s; GPU kernels {p['gpu_kernel_ms']:.1f} ms in {p['kernels']}, profiled wall "
+              f"{p['wall_ms_profiled']:.1f} ms; top: "
+              + ", ".join(f"{t['name'][:50]} {t['ms']:.1f} ms x{t['calls']}" for t in p["top_gpu"][:12]))
     for a in doc.get("agreement", []):
         print(f"agreement {a['tokens']} tokens: graph/eager {a['graph_vs_eager']:.2e}, graph/fp32 "
               f"{a['graph_vs_fp32']:.2e}, eager/fp32 {a['eager_vs_fp32']:.2e}, argmax {a['argmax_graph_eager_fp32']}")
