@@ -92,6 +92,50 @@ def kernels(runner, dev, prompt_len: int, gen, graphs: bool) -> dict:
     return {key: got[key] for key in ("gpu_kernel_ms", "kernels", "wall_ms_profiled", "top_gpu")}
 
 
+def burst_items(prompts: int, prompt_len: int, budget: int, gen) -> list:
+    """``prompts`` new prompts of ``prompt_len`` random tokens in slots 0.., cut to fill ``budget`` tokens."""
+    items, left = [], budget
+    for i in range(prompts):
+        if left <= 0:
+            break
+        prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen))
+        items.append(PrefillItem(i, prompt, end=min(prompt_len, left)))
+        left -= min(prompt_len, left)
+    return items
+
+
+def packed_agreement(runners: dict, model, dev, gen, prompts=7, prompt_len=600, budget=4096) -> dict:
+    """The 32-stream burst's packed step (7 prompts of 600 tokens in 4,096) through each runner in ``runners``
+    (name -> runner), and each complete prompt through an fp32 copy of the model (transformers' forward):
+    relative error of each complete prompt's last-token logits between the runners and against fp32 (worst of
+    the prompts), and how many argmaxes agree with fp32."""
+    items = burst_items(prompts, prompt_len, budget, gen)
+    got = {}
+    for name, r in runners.items():
+        for c in items:
+            r.free(c.slot)
+        got[name] = r.prefill_batch(items).float()
+        for c in items:
+            r.free(c.slot)
+    full = [c for c in items if c.stop() == c.prompt.num_tokens]
+    ref_model = copy.deepcopy(model).float()
+    try:
+        with torch.no_grad():
+            ref = torch.stack([ref_model(input_ids=c.prompt.input_ids[None].to(dev)).logits[0, -1].float()
+                               for c in full])
+    finally:
+        del ref_model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    rel = lambda a, b: max(float((x - y).norm() / y.norm()) for x, y in zip(a, b))  # noqa: E731
+    names = list(got)
+    out = {"prompts": len(full), f"{names[0]}_vs_{names[1]}": rel(got[names[0]], got[names[1]])}
+    for name in names:
+        out[f"{name}_vs_fp32"] = rel(got[name], ref)
+        out[f"{name}_argmax_agree_fp32"] = int((got[name].argmax(-1) == ref.argmax(-1)).sum())
+    return out
+
+
 def packed_step(runner, dev, prompts: int, prompt_len: int, budget: int, gen, repeats: int = 5) -> dict:
     """One packed prefill step as the scheduler plans a burst: ``prompts`` new prompts of ``prompt_len`` random
     tokens filling a step of ``budget`` tokens (the last one cut at the budget; ``--prefill-chunk``), each into
@@ -100,13 +144,7 @@ def packed_step(runner, dev, prompts: int, prompt_len: int, budget: int, gen, re
     top GPU kernels and the top CPU ops by self time."""
     from torch.profiler import ProfilerActivity, profile
 
-    items, left = [], budget
-    for i in range(prompts):
-        if left <= 0:
-            break
-        prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen))
-        items.append(PrefillItem(i, prompt, end=min(prompt_len, left)))
-        left -= min(prompt_len, left)
+    items = burst_items(prompts, prompt_len, budget, gen)
     tokens = sum(c.stop() for c in items)
 
     def once():
@@ -170,7 +208,7 @@ def agreement(runner, model, dev, lengths, gen) -> list:
     return out
 
 
-SECTIONS = ("capture", "latency", "follow_up", "kernels", "packed", "agreement")
+SECTIONS = ("capture", "latency", "follow_up", "kernels", "packed", "packed_agreement", "agreement")
 
 
 def main(argv=None) -> int:
@@ -235,8 +273,16 @@ def main(argv=None) -> int:
                                    "eager": kernels(runner, dev, k_len, gen, False)})
     # a 32-stream burst of 600-token prompts as the service's scheduler packs it (4,096 prompt tokens a step)
     # and one 4,096-token prompt alone (the same tokens in one chunk)
-    section("packed", lambda: [packed_step(runner, dev, n, length, budget, gen) for n, length, budget in
-                               (((7, 600, 4096), (1, 4096, 4096)) if not args.smoke else ((3, 30, 80), (1, 80, 80)))])
+    # both with the prefill's fused kernels (the service's runner) and without them (``prefill_kernels``)
+    plain = ModelRunner(model, num_slots=8, max_context=16384 if not args.smoke else 256, device=dev,
+                        options=RunnerOptions(prefill_graphs=False, prefill_kernels=False))
+    runners = {"fused" if runner.options.prefill_kernels else "default": runner, "unfused": plain}
+    section("packed", lambda: [dict(packed_step(r, dev, n, length, budget, gen), runner=name)
+                               for n, length, budget in (((7, 600, 4096), (1, 4096, 4096)) if not args.smoke
+                                                         else ((3, 30, 80), (1, 80, 80)))
+                               for name, r in runners.items()])
+    section("packed_agreement", lambda: packed_agreement(runners, model, dev, gen,
+                                                         *((7, 600, 4096) if not args.smoke else (3, 30, 80))))
     section("agreement", lambda: agreement(runner, model, dev, (50, 300, 1000) if not args.smoke else (7, 30), gen))
     Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
     print(f"\n## prefill, {doc['device']}, torch {doc['torch']}, {doc['date']}")
@@ -256,10 +302,12 @@ def main(argv=None) -> int:
                   f"{k['wall_ms_profiled']:.1f} ms profiled wall; top: "
                   + ", ".join(f"{t['name'][:40]} {t['ms']:.1f} ms x{t['calls']}" for t in k["top_gpu"][:6]))
     for p in doc.get("packed", []):
-        print(f"packed step {p['chunks']} chunks, {p['tokens']} tokens: {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} "
+        print(f"packed step ({p['runner']}) {p['chunks']} chunks, {p['tokens']} tokens: {p['ms']:.1f} ms, {p['tokens_per_s']:.0f} "
               f"tok/s; GPU kernels {p['gpu_kernel_ms']:.1f} ms in {p['kernels']}, profiled wall "
               f"{p['wall_ms_profiled']:.1f} ms; top: "
               + ", ".join(f"{t['name'][:50]} {t['ms']:.1f} ms x{t['calls']}" for t in p["top_gpu"][:12]))
+    if "packed_agreement" in doc:
+        print("packed step agreement:", json.dumps(doc["packed_agreement"]))
     for a in doc.get("agreement", []):
         print(f"agreement {a['tokens']} tokens: graph/eager {a['graph_vs_eager']:.2e}, graph/fp32 "
               f"{a['graph_vs_fp32']:.2e}, eager/fp32 {a['eager_vs_fp32']:.2e}, argmax {a['argmax_graph_eager_fp32']}")

@@ -202,10 +202,10 @@ def test_options_default_to_production_and_refuse_what_cannot_work(model):
     Triton), with the identity tensor-parallel path at world size 1; asking for CUDA-only paths on CPU fails."""
     runner = ModelRunner(model, num_slots=1, max_context=32, device="cpu")
     assert runner.options == RunnerOptions(cuda_graphs=False, compile_glue=False, fast_gemv=False, gdn_kernel=False,
-                                           prefill_graphs=False)
+                                           prefill_graphs=False, prefill_kernels=False)
     assert runner.graphs is None and runner.graph_prefill is None
     assert isinstance(runner.tp, LocalDecode) and runner.impl["tp_all_reduce"] is None
-    for bad in (RunnerOptions(cuda_graphs=True), RunnerOptions(fast_gemv=True)):
+    for bad in (RunnerOptions(cuda_graphs=True), RunnerOptions(fast_gemv=True), RunnerOptions(prefill_kernels=True)):
         with pytest.raises(ValueError, match="CUDA"):
             ModelRunner(model, num_slots=1, max_context=32, device="cpu", options=bad)
 

@@ -11,7 +11,6 @@ themselves.  The decode step is tensor ops only, so ``graphs.CudaGraphs`` can ca
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -19,33 +18,15 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 from transformers.activations import ACT2FN
 
-from qwen_chat.engine.model import delta_rule, fp8, gdn, kv_quant
+from qwen_chat.engine.model import delta_rule, fp8, gdn, kv_quant, prefill_kernels, prefill_meta
 from qwen_chat.engine.model.fusion import Fused, Groups
 from qwen_chat.engine.model.glue import apply_rotary, l2norm
 from qwen_chat.engine.model.options import RunnerOptions
 from qwen_chat.engine.model.paged import BlockTables
+from qwen_chat.engine.model.prefill_kernels import PrefillOps
+from qwen_chat.engine.model.prefill_meta import PrefillRows
 from qwen_chat.engine.model.state import SlotState
 from qwen_chat.engine.parallel.tp_decode import LocalDecode
-
-
-@dataclass
-class PrefillRows:
-    """Where one prompt chunk (``types.PrefillItem``) sits in a packed prefill: ``slot``; ``start``: positions already in the slot's cache
-    (0 for a new prompt); ``n``: tokens of this chunk (positions start..start+n-1); ``offset``: its first row
-    in the packed tokens; ``rows``: int64 [start + n] flat KV-cache rows of positions 0..start+n-1 (device);
-    ``logits``: whether the logits of its last token are wanted.  ``rows`` may be given on the host: the prefill
-    sends every chunk's rows and its own indexes to the device in one copy (``_pack_meta``).  ``keeps``: per
-    keep point, in position order, (tokens of the chunk before it (1..n), state row): the Gated DeltaNet conv
-    and recurrent state at position start + keep are also written into that row (``delta_rule``,
-    ``prefix_cache``)."""
-
-    slot: int
-    start: int
-    n: int
-    offset: int
-    rows: torch.Tensor
-    logits: bool
-    keeps: tuple[tuple[int, int], ...] = ()
 
 
 class ModelForward:
@@ -83,6 +64,13 @@ class ModelForward:
         self._varlen, self._tail_rule = varlen, tail_rule
         self.dtype = dtype
         self._silu_mlp = getattr(tc, "hidden_act", None) == "silu"
+        #: prefill's fused kernels (``prefill_kernels``) when ``options.prefill_kernels``: norms and SwiGLU through
+        #: ``ops``, the conv of each Gated DeltaNet layer where ``conv_fits``
+        self.ops = PrefillOps(bool(options.prefill_kernels), silu_mlp=self._silu_mlp)
+        self._conv_K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
+        self._fused_conv = {i: self.ops.enabled and prefill_kernels.conv_fits(
+            g["conv_dim"], g["key_dim"], g["dk"], self._layers[i].linear_attn.conv1d, self._layers[i].linear_attn.activation)
+            for i, (k, g) in enumerate(zip(self._kinds, self._geo)) if k == "linear"}
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
         # Table built with the model's own rotary module over positions 0..max_context-1 (plus the largest
         # shift a decode position can take: rope deltas are <= 0 for images, so max_context suffices).
@@ -107,11 +95,11 @@ class ModelForward:
         Returns fp32 logits [m, vocab_size] of the last token of the m chunks with ``logits``, in order (None
         when m is 0).
         """
-        seqs, meta = self._pack_meta(seqs, emb.device)
+        seqs, meta = prefill_meta.pack(seqs, self._conv_K, emb.device)
         h = emb[None]
         cos, sin = cos[None], sin[None]
         for i, layer in enumerate(self._layers):
-            x = layer.input_layernorm(h)
+            x = self.ops.norm(layer.input_layernorm, h)
             if self._kinds[i] == "linear":
                 x = self._linear_prefill(i, layer.linear_attn, meta, x)
             else:
@@ -124,57 +112,6 @@ class ModelForward:
         rows = h[0].index_select(0, meta["last"])  # [m, hidden]
         self.last_hidden = self._final_norm(rows)  # [m, hidden]: the MTP drafter's input (``mtp``)
         return self._lm_head(self.last_hidden).float()
-
-    def _pack_meta(self, seqs: Sequence[PrefillRows], device: torch.device) -> tuple[list[PrefillRows], dict]:
-        """Every index the packed prefill needs on the device, sent in one copy (a host tensor sent on its own
-        would make the host wait for the device each time): each chunk's KV rows; ``slots`` int64 [N]; ``past``
-        bool [N] (the chunk continues its slot); for ``_conv_prefill`` (every Gated DeltaNet layer uses the same):
-        ``ext_src`` int64 [sum(n + K - 1)], the conv input's columns (chunk j's K - 1 ring inputs, appended after
-        the T packed tokens at T + j (K - 1), then its n tokens), ``take`` int64 [T], the conv output column of each
-        token, ``ring_src`` int64 [N, K] its last K input columns, ``prev_cols`` int64 [N, K - 1] and ``ring_cols``
-        int64 [N, K], the ring columns of the K - 1 inputs before each chunk and of its last K; ``last`` int64
-        [m], the packed row of the last token of each chunk whose logits are wanted; for keep points
-        (``PrefillRows.keeps``, chunk by chunk) ``keep_rows`` int64 [k], ``keep_ext`` int64 [k, K] (the conv input
-        columns of the K inputs before each keep point) and ``keep_cols`` int64 [k, K] (their ring columns);
-        ``seg`` (``delta_rule.Segments``) and its index (``delta_rule.host_index``: ``cu`` the bounds, ...)."""
-        K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
-        T = max(sq.offset + sq.n for sq in seqs)
-        take, keep_ext, keep_cols, ext_src, ring_src, e = [], [], [], [], [], 0
-        for j, sq in enumerate(seqs):
-            take.append(torch.arange(e, e + sq.n))
-            ext_src += [torch.arange(T + j * (K - 1), T + (j + 1) * (K - 1)), torch.arange(sq.offset, sq.offset + sq.n)]
-            ring_src.append(torch.arange(e + sq.n - 1, e + sq.n + K - 1))
-            for keep, _ in sq.keeps:
-                keep_ext.append(torch.arange(e + keep - 1, e + keep - 1 + K))
-                keep_cols.append(torch.arange(sq.start + keep - K, sq.start + keep) % K)
-            e += sq.n + K - 1
-        seg = delta_rule.segments([(sq.offset, sq.n, tuple(k for k, _ in sq.keeps)) for sq in seqs])
-        index = delta_rule.host_index(seg)
-        last = torch.tensor([sq.offset + sq.n - 1 for sq in seqs if sq.logits], dtype=torch.long)
-        prev_cols = torch.stack([torch.arange(sq.start - K + 1, sq.start) for sq in seqs]) % K
-        ring_cols = torch.stack([torch.arange(sq.start + sq.n - K, sq.start + sq.n) for sq in seqs]) % K
-        nk = len(keep_ext)
-        keeps = [torch.tensor([row for sq in seqs for _, row in sq.keeps], dtype=torch.long),
-                 torch.cat(keep_ext) if nk else torch.zeros(0, dtype=torch.long),
-                 torch.cat(keep_cols) if nk else torch.zeros(0, dtype=torch.long)]
-        parts = [sq.rows.cpu() for sq in seqs] + [
-            torch.tensor([sq.slot for sq in seqs]), torch.tensor([int(sq.start > 0) for sq in seqs]),
-            torch.cat(take), last, prev_cols.reshape(-1), ring_cols.reshape(-1), torch.cat(ext_src),
-            torch.cat(ring_src)] + keeps + list(index.values())
-        flat = torch.cat(parts).to(torch.long)
-        if device.type == "cuda":
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        pieces = list(flat.split([p.numel() for p in parts]))
-        seqs = [PrefillRows(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits, sq.keeps)
-                for sq, rows in zip(seqs, pieces)]
-        n = len(seqs)
-        meta = dict(slots=pieces[n], past=pieces[n + 1].bool(), take=pieces[n + 2], last=pieces[n + 3],
-                    prev_cols=pieces[n + 4].view(n, K - 1), ring_cols=pieces[n + 5].view(n, K),
-                    ext_src=pieces[n + 6], ring_src=pieces[n + 7],
-                    keep_rows=pieces[n + 8], keep_ext=pieces[n + 9].view(nk, K), keep_cols=pieces[n + 10].view(nk, K),
-                    seg=seg, **dict(zip(index, pieces[n + 11:])))
-        meta.update(delta_rule.host_bounds(index))
-        return seqs, meta
 
     def _project(self, i: int, group: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Outputs of layer ``i``'s projection group ``group`` ("mix": the token mixer's input projections,
@@ -189,8 +126,8 @@ class ModelForward:
     def mlp_block(self, i: int, layer, h: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s MLP half for prefill: h + down(act(gate) * up) of its post-attention norm; h [1, T, hidden]."""
         mlp = layer.mlp
-        gate, up = self._project(i, "mlp", layer.post_attention_layernorm(h))
-        return h + mlp.down_proj(mlp.act_fn(gate) * up)
+        gate, up = self._project(i, "mlp", self.ops.norm(layer.post_attention_layernorm, h))
+        return h + mlp.down_proj(self.ops.swiglu(mlp.act_fn, gate, up))
 
     def attn_inputs(self, i: int, at, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The full-attention layer ``i``'s projections for prefill rows x [1, T, hidden] with cos/sin [1, T, rot]:
@@ -200,8 +137,8 @@ class ModelForward:
         T = x.shape[1]
         qg, kx, vx = self._project(i, "mix", x)
         q, gate = torch.chunk(qg.reshape(1, T, -1, 2 * hd), 2, dim=-1)
-        q = at.q_norm(q).transpose(1, 2)
-        k = at.k_norm(kx.reshape(1, T, -1, hd)).transpose(1, 2)
+        q = self.ops.norm(at.q_norm, q).transpose(1, 2)
+        k = self.ops.norm(at.k_norm, kx.reshape(1, T, -1, hd)).transpose(1, 2)
         v = vx.reshape(1, T, -1, hd).transpose(1, 2)
         c, s = cos[:, None], sin[:, None]
         return apply_rotary(q, c, s), apply_rotary(k, c, s), v, gate.reshape(1, T, -1)
@@ -243,9 +180,14 @@ class ModelForward:
         (in_proj_qkv output).  Each chunk is laid out after the K-1 inputs before it (from the ring; zeros at
         the start of a prompt), one conv without padding runs over all, and each token takes the window that
         ends at it.  Stores each slot's new ring (its last K inputs at column p % K).  No loop over the chunks:
-        the layout is one gather (``_pack_meta``'s ``ext_src``).  Returns [T, C] pre-activation outputs."""
-        K = self._geo[i]["K"]
+        the layout is one gather (``prefill_meta.pack``'s ``ext_src``).  Returns [T, C] pre-activation outputs (with
+        ``_fused_conv[i]``: activated, q/k normed)."""
+        K, g = self._geo[i]["K"], self._geo[i]
         ring_buf = self.conv_state[i]                                                # [S, C, K]
+        if self._fused_conv[i]:  # conv + SiLU + q/k l2-norm in one kernel, then the rings (same values)
+            y = prefill_kernels.conv_silu_l2(qkv, ring_buf, la.conv1d.weight, meta, g["key_dim"], g["dk"])
+            prefill_kernels.write_rings(ring_buf, qkv, meta)
+            return y
         C, N = qkv.shape[1], meta["slots"].shape[0]
         prev = ring_buf[meta["slots"][:, None], :, meta["prev_cols"]]               # [N, K - 1, C]
         prev = torch.where(meta["past"][:, None, None], prev, 0.0)
@@ -259,21 +201,24 @@ class ModelForward:
         out = F.conv1d(ext.to(w.dtype), w, la.conv1d.bias, groups=w.shape[0])  # window j: ext[j .. j + K - 1]
         return out[0].index_select(1, meta["take"]).t()
 
-    def gdn_inputs(self, i: int, la, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor]):
+    def gdn_inputs(self, i: int, la, x: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor],
+                   fused: bool = False):
         """The Gated DeltaNet layer ``i``'s inputs to the chunked delta rule for prefill rows x [1, T, hidden];
-        ``conv`` maps the in_proj_qkv output [T, C] to the causal conv's pre-activation output [T, C].  Returns
+        ``conv`` maps the in_proj_qkv output [T, C] to the causal conv's pre-activation output [T, C], or when
+        ``fused`` to the activated outputs with q and k l2-normalised (``prefill_kernels.conv_silu_l2``).  Returns
         q, k [1, T, HV, dk] (l2-normalised, key heads repeated to the value heads), v [1, T, HV, dv], beta and
         the log decay g [1, T, HV] (g fp32), and z [1, T, HV * dv] (the output gate's input)."""
         g = self._geo[i]
         T = x.shape[1]
         qkv, z, b, a = self._project(i, "mix", x)
-        mixed = ACT2FN[la.activation](conv(qkv[0])).to(x.dtype)[None]  # [1, T, C]
+        mixed = (conv(qkv[0]) if fused else ACT2FN[la.activation](conv(qkv[0])).to(x.dtype))[None]  # [1, T, C]
         q, k, v = torch.split(mixed, [g["key_dim"], g["key_dim"], g["value_dim"]], dim=-1)
         q, k, v = q.reshape(1, T, -1, g["dk"]), k.reshape(1, T, -1, g["dk"]), v.reshape(1, T, -1, g["dv"])
         # q, k l2-normalised here rather than inside fla's kernel: fla's l2norm kernel is autotuned per
         # ceil(L * heads / 65536), so every further 2,048 tokens of prompt cost seconds of one-off tuning
         # (measured: docs/performance.md); this is the same formula (glue.l2norm, fp32) at no such cost.
-        q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
+        if not fused:
+            q, k = l2norm(q.float()).to(q.dtype), l2norm(k.float()).to(k.dtype)
         rep = g["nv"] // g["nk"]
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
@@ -285,11 +230,12 @@ class ModelForward:
         """out_proj(norm(out, z)) of the delta rule's output out [1, T, HV, dv] and z [1, T, HV * dv]."""
         dv = self._geo[i]["dv"]
         T = z.shape[1]
-        core = la.norm(out.reshape(-1, dv).to(dtype), z.reshape(-1, dv))
+        core = self.ops.gated_norm(la.norm, out.reshape(-1, dv).to(dtype), z.reshape(-1, dv))
         return la.out_proj(core.reshape(1, T, -1))
 
     def _linear_prefill(self, i, la, meta, x):
-        q, k, v, beta, gdecay, z = self.gdn_inputs(i, la, x, lambda qkv: self._conv_prefill(i, la, meta, qkv))
+        q, k, v, beta, gdecay, z = self.gdn_inputs(i, la, x, lambda qkv: self._conv_prefill(i, la, meta, qkv),
+                                                   fused=self._fused_conv[i])
         slots = meta["slots"]
         rec = self.rec_state[i]
         h0 = torch.where(meta["past"][:, None, None, None], rec.index_select(0, slots), 0.0)

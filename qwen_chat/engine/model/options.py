@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from qwen_chat.engine.model import gemv
+from qwen_chat.engine.model import gemv, prefill_kernels
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class RunnerOptions:
             attention calls (``prefill_graph``), CUDA graphs when ``cuda_graphs``.  Auto: as ``cuda_graphs``
             without tensor parallelism (its prefill all-reduces are not captured).  True on CPU runs the padded
             pieces eagerly (tests).
+        prefill_kernels: run the prefill's RMSNorms, SwiGLU and each Gated DeltaNet conv (with its SiLU and
+            q/k l2-norm) as fused Triton kernels (``prefill_kernels``).  Auto: on CUDA with Triton, not under
+            ZeRO-3.  True needs ``prefill_kernels.available`` (CUDA, or Triton's interpreter on CPU for tests).
         tp_allreduce: under tensor parallelism, the all-reduce kind of ``collectives.TensorParallelComm``:
             "auto", "symm_mem" or "nccl" (``collectives.BACKENDS``).
         tp_fused: under tensor parallelism, offer the fused all-reduce + residual add + RMSNorm kernels.
@@ -43,6 +46,7 @@ class RunnerOptions:
     fast_gemv: Optional[bool] = None
     gdn_kernel: Optional[bool] = None
     prefill_graphs: Optional[bool] = None
+    prefill_kernels: Optional[bool] = None
     tp_allreduce: str = "auto"
     tp_fused: bool = True
 
@@ -55,7 +59,7 @@ def auto_prefill_graphs(*, cuda: bool, zero3: bool, tensor_parallel: bool) -> bo
 
 def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool,
                     gdn_fits: bool, tensor_parallel: bool = False) -> RunnerOptions:
-    """``options`` with every auto switch decided (all five are then bools).
+    """``options`` with every auto switch decided (all six are then bools).
 
     device: the model's device; zero3: parameters partitioned by DeepSpeed ZeRO-3; gdn_fits: ``gdn.supports``
     the state of every Gated DeltaNet layer and its norm is ``Qwen3_5RMSNormGated`` (false under ZeRO-3);
@@ -63,7 +67,7 @@ def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool
 
     Raises ValueError: ``cuda_graphs=True`` off CUDA or under ZeRO-3; ``fast_gemv=True`` off CUDA or without
     Triton; ``gdn_kernel=True`` where ``gdn_fits`` is false; ``prefill_graphs=True`` under ZeRO-3 or tensor
-    parallelism.
+    parallelism; ``prefill_kernels=True`` where ``prefill_kernels.available`` is false.
     """
     cuda = device.type == "cuda"
     graphs = options.cuda_graphs
@@ -86,6 +90,11 @@ def resolve_options(options: RunnerOptions, *, device: torch.device, zero3: bool
         prefill_graphs = graphs and auto_prefill_graphs(cuda=cuda, zero3=zero3, tensor_parallel=tensor_parallel)
     if prefill_graphs and (zero3 or tensor_parallel):
         raise ValueError("prefill graphs cannot be used under ZeRO-3 or tensor parallelism")
+    kernels = options.prefill_kernels
+    if kernels is None:
+        kernels = cuda and not zero3 and prefill_kernels.available(device)
+    if kernels and not prefill_kernels.available(device):
+        raise ValueError("prefill_kernels needs Triton and CUDA (or TRITON_INTERPRET=1)")
     return dataclasses.replace(options, cuda_graphs=bool(graphs), compile_glue=bool(compile_glue),
                                fast_gemv=bool(fast_gemv), gdn_kernel=bool(gdn_kernel),
-                               prefill_graphs=bool(prefill_graphs))
+                               prefill_graphs=bool(prefill_graphs), prefill_kernels=bool(kernels))

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from qwen_chat.engine.model.forward import ModelForward, PrefillRows
+from qwen_chat.engine.model.forward import ModelForward
+from qwen_chat.engine.model.prefill_meta import PrefillRows
 
 #: Token counts a chunk is padded to; a chunk longer than the last runs the eager packed prefill.  Graphs
 #: against eager for one prompt (H200, docs/performance.md, "Short prefills"): 16 vs 105 ms at 100 tokens,
@@ -127,10 +128,10 @@ class GraphPrefill:
         else:
             h = self._emb[None, :T]
         for i in range(lo + 1, hi):
-            x = self._gdn(i, layers[i].linear_attn, layers[i].input_layernorm(h), T)
+            x = self._gdn(i, layers[i].linear_attn, f.ops.norm(layers[i].input_layernorm, h), T)
             h = f.mlp_block(i, layers[i], h + x)
         if hi < len(layers):
-            x = layers[hi].input_layernorm(h)
+            x = f.ops.norm(layers[hi].input_layernorm, h)
             outs = f.attn_inputs(hi, layers[hi].self_attn, x, self._cos[None, :T], self._sin[None, :T])
             for buf, y in zip(self._qkv, outs):
                 (buf[:, :, :T] if buf.dim() == 4 else buf[:, :T]).copy_(y)

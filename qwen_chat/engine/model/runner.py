@@ -141,7 +141,7 @@ class ModelRunner:
             self.graph_prefill = GraphPrefill(fwd, scratch_slot=self.num_slots, max_context=self.max_context,
                                               graphs=self.graphs)
         glue_name = "torch.compile" if opts.compile_glue else "eager"
-        self.impl = {"chunk_delta_rule": chunk_name, "recurrent_delta_rule": "torch", "conv1d": "torch",
+        self.impl = {"chunk_delta_rule": chunk_name, "recurrent_delta_rule": "torch", "prefill_fused_kernels": opts.prefill_kernels,
                      "attention": "torch.sdpa (prefill), paged %d-token blocks" % self.block_tokens,
                      "cuda_graphs": self.use_cuda_graphs, "decode_glue": glue_name,
                      "fused_projection_groups": sum(len(f) for f in self._fused),
