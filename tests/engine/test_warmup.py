@@ -27,8 +27,10 @@ def test_warm_up_runs_every_kind_and_leaves_nothing_behind(tiny_loaded):
     assert calls[0] == [(0, 0, 1000, ((500, 1), (997, 2)), False)]     # two keep points in one chunk
     assert calls[1] == [(3, 997, 1017, (), False)]                      # a follow-up restored from the second
     assert calls[2] == [(0, 0, 256, (), False)] and calls[3] == [(0, 256, 384, (), False)]
-    assert [c[0] for c in calls[4]] == list(range(8))                   # a burst of 8 prompts in one step
-    assert calls[5][0][4]                                               # a photo
+    assert [c[0] for c in calls[4]] == list(range(8))                   # a burst of 8 prompts in one step,
+    assert calls[4][-1][1:3] == (0, 30)                                 # the last one cut,
+    assert calls[5] == [(7, 30, 32, (), False), (0, 0, 33, (), False)]  # continued beside a new one (35 tokens)
+    assert calls[6][0][4]                                               # a photo
     assert all(runner.lengths[s] == 0 and runner.tables.count(s) == 0 for s in range(runner.num_slots))
     assert runner.tables.free_blocks == free
     prompt = PreparedPrompt(input_ids=torch.arange(40, dtype=torch.int64) + 100)

@@ -154,12 +154,15 @@ class ModelForward:
         ks, vs = (s[i].view(-1, g["nkv"]) if i in s else None for s in (self.k_scale, self.v_scale))
         kv_quant.write(kc, ks, rows[start:], k[0].transpose(0, 1))
         kv_quant.write(vc, vs, rows[start:], v[0].transpose(0, 1))
+        # Both cases through the bottom-right causal mask object, which PyTorch runs with FlashAttention (or the
+        # memory-efficient kernel): with ``is_causal=True`` it would pick cuDNN on Hopper, which builds an
+        # execution plan for every new (query, key) length, hundreds of ms each (docs/performance.md).
+        mask = causal_lower_right(q.shape[2], rows.shape[0])
         if start == 0:  # (an FP8 cache: the chunk's own keys and values as the cache holds them, kv_quant)
             k, v = kv_quant.round_trip(k, kc.dtype), kv_quant.round_trip(v, vc.dtype)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=g["scale"], enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=g["scale"], enable_gqa=True)
         keys = kv_quant.read(kc, ks, rows, q.dtype).transpose(0, 1)[None]    # [1, nkv, start + n, hd]
         vals = kv_quant.read(vc, vs, rows, q.dtype).transpose(0, 1)[None]
-        mask = causal_lower_right(q.shape[2], rows.shape[0])
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"], enable_gqa=True)
 
     @staticmethod

@@ -36,7 +36,9 @@ L2_EPS = 1e-6
 
 if triton is not None:
 
-    @triton.jit
+    # Row and token counts change with every step: not specialised on (a new divisibility by 16 would compile
+    # another variant of the kernel in the middle of serving; the start-up warm-up compiles the one there is).
+    @triton.jit(do_not_specialize=["R"])
     def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, R, D, stride_x, stride_y, eps,
                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -48,7 +50,7 @@ if triton is not None:
         y = x * rstd[:, None] * (1.0 + w)[None, :]
         tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, R, D, stride_o, stride_z, eps,
                                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -73,7 +75,7 @@ if triton is not None:
         a = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
         tl.store(y_ptr + row * N + cols, (a * u).to(dt), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _conv_silu_l2_kernel(x_ptr, ring_ptr, w_ptr, y_ptr, tok_chunk, tok_pos, chunk_slot, chunk_start,
                              chunk_past, T, C, stride_x, QK, eps, K: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_C: tl.constexpr):

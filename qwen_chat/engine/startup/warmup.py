@@ -8,7 +8,8 @@ docs/performance.md, "First use after ready"), a 1k-token prompt waited 1.29 s (
 on random token ids, before the engine serves: a short prompt with two keep points (a system block's end, a
 turn's end: the chunked and the token-by-token delta rule), a follow-up restored from a kept state, a full
 prompt chunk and a later chunk of the same prompt (attention over cached keys), a burst of 8 prompts packed in
-one step, and a photo.  Every rank runs the same calls (``build_runner``), so the sharded layers' collectives
+one step whose last prompt is cut and continued in a second step beside a new prompt (an odd token count),
+and a photo.  Every rank runs the same calls (``build_runner``), so the sharded layers' collectives
 line up.  Start-up's compile caches (start.sh) keep what was compiled for the next start.  On CPU nothing is
 compiled on first use: nothing runs.
 """
@@ -65,8 +66,18 @@ def warm_up_prefill(runner, loaded, chunk_tokens: int, image_token_budget: int,
         runner.prefill_batch([PrefillItem(0, long, start=0, end=min(chunk_tokens, n - 1))])
         runner.prefill_batch([PrefillItem(0, long, start=min(chunk_tokens, n - 1))])
         k = min(BURST_PROMPTS, slots)
-        each = max(1, min(BURST_TOKENS, chunk_tokens // k, top))
-        runner.prefill_batch([PrefillItem(s, _ids(gen, each, vocab)) for s in range(k)])
+        each = max(1, min(BURST_TOKENS, chunk_tokens // k, top - 3))
+        burst = [_ids(gen, each, vocab) for _ in range(k)]
+        if k < 2 or each < 4:
+            runner.prefill_batch([PrefillItem(s, p) for s, p in enumerate(burst)])
+        else:  # a burst as the scheduler cuts it: the last prompt cut at the step's end, then continued beside
+            cut = each - 2  # a new prompt in a step of an odd token count (kernels specialise on multiples of 16)
+            runner.prefill_batch([PrefillItem(s, p) for s, p in enumerate(burst[:-1])]
+                                 + [PrefillItem(k - 1, burst[-1], end=cut)])
+            for s in range(k - 1):
+                runner.free(s)
+            runner.prefill_batch([PrefillItem(k - 1, burst[-1], start=cut),
+                                  PrefillItem(0, _ids(gen, each + 1 - each % 2, vocab))])
         if loaded is not None and getattr(loaded, "processor", None) is not None:
             photo = photo_prompt(loaded, side=PHOTO_PIXELS, image_token_budget=image_token_budget,
                                  context_length=runner.max_context)
