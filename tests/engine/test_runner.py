@@ -346,3 +346,27 @@ def test_hooked_or_sharded_projections_are_not_fused():
 
     assert fuse_linears([torch.nn.Linear(8, 4, bias=False), Sharded(8, 6, bias=False)]) is None
     assert fuse_linears([torch.nn.Linear(8, 4, bias=True), torch.nn.Linear(8, 6, bias=False)]) is None
+
+
+def test_prefill_attention_runs_without_cudnn_and_restores_the_setting(model):
+    """Prefill attention never uses PyTorch's cuDNN backend (it builds a plan for every new length): the switch
+    is off while the runner's attention runs, for new and continuing chunks, and as it was afterwards, also after
+    a prefill that raised."""
+    runner = ModelRunner(model, num_slots=2, max_context=64, device="cpu")
+    seen = []
+    real = runner._forward.attn_core
+
+    def watching(*args):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*args)
+
+    runner._forward.attn_core = watching
+    prompt = PreparedPrompt(input_ids=torch.arange(20, dtype=torch.int64) + 10)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    runner.prefill_batch([PrefillItem(0, prompt, end=12)])
+    runner.prefill_batch([PrefillItem(0, prompt, start=12)])
+    assert seen and not any(seen)              # two attention layers, both chunks
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with pytest.raises(ContextTooLong):
+        runner.prefill_batch([PrefillItem(1, PreparedPrompt(input_ids=torch.zeros(100, dtype=torch.int64)))])
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -7,10 +7,11 @@ Qwen3_5MLP, Qwen3_5DecoderLayer); every projection, norm and MLP is called throu
 or, for the projections that read one input, through their fused weight (``fusion``).  In decode the single
 projections go through ``qwen_chat.engine.parallel.tp_decode`` (local weight, then the tensor-parallel
 completion) and the element-wise glue through ``glue`` (compiled on CUDA); prefill calls the modules
-themselves.  The decode step is tensor ops only, so ``graphs.CudaGraphs`` can capture it.
+themselves, or the fused kernels that compute the same norms, SwiGLU and conv (``prefill_kernels``).  The decode step is tensor ops only, so ``graphs.CudaGraphs`` can capture it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -27,6 +28,20 @@ from qwen_chat.engine.model.prefill_kernels import PrefillOps
 from qwen_chat.engine.model.prefill_meta import PrefillRows
 from qwen_chat.engine.model.state import SlotState
 from qwen_chat.engine.parallel.tp_decode import LocalDecode
+
+
+@contextlib.contextmanager
+def no_cudnn_attention():
+    """Within: PyTorch's scaled-dot-product attention does not use its cuDNN backend (the other backends as they
+    were: FlashAttention or the memory-efficient kernel run it).  cuDNN, which PyTorch prefers on Hopper for
+    ``is_causal=True``, builds an execution plan for every new pair of query and key lengths (a few hundred ms
+    each, docs/performance.md), and every new prompt or chunk length is one.  Also a decorator."""
+    held = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(held)
 
 
 class ModelForward:
@@ -144,7 +159,7 @@ class ModelForward:
         return apply_rotary(q, c, s), apply_rotary(k, c, s), v, gate.reshape(1, T, -1)
 
     def attn_core(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
-                  start: int) -> torch.Tensor:
+                  start: int) -> torch.Tensor:  # (runs under ``no_cudnn_attention``: the runner's prefill)
         """Causal attention of one chunk of n tokens continuing its sequence at position ``start``: q [1, nq, n, hd],
         k/v [1, nkv, n, hd]; rows int64 [start + n] (device), the KV-cache rows of positions 0..start+n-1.  Writes
         the chunk's keys and values into rows[start:], then attends over the cached positions and the chunk's own
@@ -154,15 +169,12 @@ class ModelForward:
         ks, vs = (s[i].view(-1, g["nkv"]) if i in s else None for s in (self.k_scale, self.v_scale))
         kv_quant.write(kc, ks, rows[start:], k[0].transpose(0, 1))
         kv_quant.write(vc, vs, rows[start:], v[0].transpose(0, 1))
-        # Both cases through the bottom-right causal mask object, which PyTorch runs with FlashAttention (or the
-        # memory-efficient kernel): with ``is_causal=True`` it would pick cuDNN on Hopper, which builds an
-        # execution plan for every new (query, key) length, hundreds of ms each (docs/performance.md).
-        mask = causal_lower_right(q.shape[2], rows.shape[0])
         if start == 0:  # (an FP8 cache: the chunk's own keys and values as the cache holds them, kv_quant)
             k, v = kv_quant.round_trip(k, kc.dtype), kv_quant.round_trip(v, vc.dtype)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=g["scale"], enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=g["scale"], enable_gqa=True)
         keys = kv_quant.read(kc, ks, rows, q.dtype).transpose(0, 1)[None]    # [1, nkv, start + n, hd]
         vals = kv_quant.read(vc, vs, rows, q.dtype).transpose(0, 1)[None]
+        mask = causal_lower_right(q.shape[2], rows.shape[0])
         return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"], enable_gqa=True)
 
     @staticmethod

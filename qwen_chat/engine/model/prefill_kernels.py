@@ -194,7 +194,7 @@ def conv_silu_l2(qkv: torch.Tensor, ring: torch.Tensor, weight: torch.Tensor, me
     2 * key_dim channels' heads of dk (q and k).
 
     qkv: [T, C] in_proj_qkv output (rows may be strided); ring: [slots, C, K] (``ring[s, c, p % K]`` is the
-    input at position p; read only); weight: [C, 1, K] depthwise taps; meta (``forward.ModelForward._pack_meta``):
+    input at position p; read only); weight: [C, 1, K] depthwise taps; meta (``prefill_meta.pack``):
     ``tok_chunk``, ``tok_pos`` int64 [T] (each token's chunk and its index in it), ``slots``, ``chunk_start``
     int64 [N], ``past`` bool [N].  Returns [T, C] contiguous in qkv's dtype.  Needs ``conv_fits``."""
     T, C = qkv.shape

@@ -16,7 +16,7 @@ class PrefillRows:
     (0 for a new prompt); ``n``: tokens of this chunk (positions start..start+n-1); ``offset``: its first row
     in the packed tokens; ``rows``: int64 [start + n] flat KV-cache rows of positions 0..start+n-1 (device);
     ``logits``: whether the logits of its last token are wanted.  ``rows`` may be given on the host: the prefill
-    sends every chunk's rows and its own indexes to the device in one copy (``_pack_meta``).  ``keeps``: per
+    sends every chunk's rows and its own indexes to the device in one copy (``pack``).  ``keeps``: per
     keep point, in position order, (tokens of the chunk before it (1..n), state row): the Gated DeltaNet conv
     and recurrent state at position start + keep are also written into that row (``delta_rule``,
     ``prefix_cache``)."""

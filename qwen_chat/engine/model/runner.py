@@ -38,7 +38,7 @@ import torch
 from qwen_chat.chat_types import ContextTooLong
 from qwen_chat.engine.model import fp8_gemv, gemv, graphs, int4_gemv, prefix_cache
 from qwen_chat.engine.model.delta_rule import resolve_chunk_rule
-from qwen_chat.engine.model.forward import ModelForward, PrefillRows
+from qwen_chat.engine.model.forward import ModelForward, PrefillRows, no_cudnn_attention
 from qwen_chat.engine.model.fusion import Fused, fuse_layers
 from qwen_chat.engine.model.glue import glue_functions
 from qwen_chat.engine.model.options import RunnerOptions, resolve_options
@@ -97,8 +97,7 @@ class ModelRunner:
         self.num_blocks = int(num_blocks) if num_blocks is not None else self.num_slots * max_blocks
         zero3 = is_zero3_partitioned(model)
         lm = model.model.language_model
-        self.config = model.config
-        tc = model.config.text_config
+        self.config, tc = model.config, model.config.text_config
         self.dtype = dtype or lm.embed_tokens.weight.dtype
         self.vocab_size = int(tc.vocab_size)
         layers = list(lm.layers)
@@ -263,6 +262,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
+    @no_cudnn_attention()
     def prefill_batch(self, chunks: Sequence[PrefillItem]) -> Optional[torch.Tensor]:
         """Run prompt chunks (``types.PrefillItem``), each into its own slot, in one packed forward.
 
