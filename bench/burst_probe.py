@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode_bench import build_config, random_ids  # noqa: E402
+from decode_bench import random_model, random_ids  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
 from qwen_chat.engine.types import PrefillItem, PreparedPrompt  # noqa: E402
 
@@ -67,13 +67,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny config on CPU (checks the script)")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(dev):
-        model = Qwen3_5ForConditionalGeneration(build_config(args.smoke)).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_model(dev, args.smoke)
     gen = torch.Generator().manual_seed(0)
     length, budget = (600, 4096) if not args.smoke else (30, 80)
     runner = ModelRunner(model, num_slots=64, max_context=1024 if not args.smoke else 64, device=dev)

@@ -61,6 +61,20 @@ def build_config(smoke: bool):
     return Qwen3_5Config(**raw)
 
 
+def random_model(dev, smoke: bool):
+    """``Qwen3_5ForConditionalGeneration`` of ``build_config(smoke)`` with random bf16 weights (seed 0) built on
+    ``dev``, in eval mode."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            return Qwen3_5ForConditionalGeneration(build_config(smoke)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
 def sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

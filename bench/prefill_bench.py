@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from decode_bench import build_config, profile_prefill, random_ids, timed  # noqa: E402
+from decode_bench import random_model, profile_prefill, random_ids, timed  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
 from qwen_chat.engine.types import PrefillItem, PreparedPrompt  # noqa: E402
 
@@ -239,13 +239,7 @@ def main(argv=None) -> int:
             print(f"section {name} failed:\n{doc['errors'][name]}", flush=True)
         Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
 
-    from transformers import Qwen3_5ForConditionalGeneration
-
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    with torch.device(dev):
-        model = Qwen3_5ForConditionalGeneration(build_config(args.smoke)).eval()
-    torch.set_default_dtype(torch.float32)
+    model = random_model(dev, args.smoke)
     gen = torch.Generator().manual_seed(0)
     from qwen_chat.engine.model.options import RunnerOptions
 

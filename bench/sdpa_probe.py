@@ -11,13 +11,15 @@ import argparse
 import datetime as dt
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_bench import timed  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
             "efficient": [SDPBackend.EFFICIENT_ATTENTION]}
@@ -35,14 +37,6 @@ def call(q, k, v, start: int, backend):
         return run()
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -58,8 +52,8 @@ def main(argv=None) -> int:
             v = torch.randn(1, 4, start + n, 256, generator=gen).to(dev, torch.bfloat16)
             row = {"backend": name, "q": n, "kv": start + n}
             try:
-                row["first_ms"] = timed(lambda: call(q, k, v, start, backend))
-                row["second_ms"] = timed(lambda: call(q, k, v, start, backend))
+                row["first_ms"] = timed(lambda: call(q, k, v, start, backend), dev)[0] * 1e3
+                row["second_ms"] = timed(lambda: call(q, k, v, start, backend), dev)[0] * 1e3
                 out = call(q, k, v, start, backend).float()
                 qf, kf, vf = (t.float() for t in (q, k, v))
                 want = call(qf, kf, vf, start, [SDPBackend.MATH])

@@ -8,26 +8,16 @@ the interpreter truncates fp32 to bf16 instead of rounding.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton", reason="Triton is installed by deploy/install.sh --test")
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.interpreted import run_interpreted  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.support.prefill_kernel_checks"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("tests.support.prefill_kernel_checks")
 
 
 @pytest.mark.parametrize("case", ["rms_norm_rows", "rms_norm_strided_heads", "gated_rms_norm", "swiglu"])

@@ -516,19 +516,10 @@ def test_a_verify_step_padded_as_its_cuda_graph_pads_it_gives_the_same_rows(tiny
 def test_verify_through_the_gated_deltanet_kernel_gives_the_plain_tokens():
     """The verify step through the one-kernel Gated DeltaNet decode (``gdn.gdn_decode``, Triton's interpreter on
     CPU), k = 2 with some drafts wrong: the greedy tokens of plain decoding through the same kernel."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     pytest.importorskip("triton", reason="Triton is installed by deploy/install.sh --test")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, "-m", "tests.support.spec_triton_check"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.support.interpreted import run_interpreted
+
+    r = run_interpreted("tests.support.spec_triton_check")
     assert "triton" in r["impl"] and r["spec"] == r["plain"], r
 
 

@@ -11,26 +11,17 @@ error of the bf16 reference; the exact bf16 comparison runs on CUDA (tests/gpu/t
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton", reason="Triton is installed by deploy/install.sh --test")
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.interpreted import run_interpreted  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.support.triton_checks"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("tests.support.triton_checks")
 
 
 @pytest.mark.parametrize("case", ["fp32", "fp32_one_key_head"])
