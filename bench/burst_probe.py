@@ -22,26 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from decode_bench import random_model, random_ids  # noqa: E402
+from prefill_bench import burst_steps  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
-from qwen_chat.engine.types import PrefillItem, PreparedPrompt  # noqa: E402
-
-
-def burst_steps(prompts: list, budget: int) -> list[list[PrefillItem]]:
-    """The steps of a burst: each takes up to ``budget`` tokens, the cut prompt first in the next step."""
-    steps, cur, left = [], [], budget
-    for slot, p in enumerate(prompts):
-        start = 0
-        while start < p.num_tokens:
-            take = min(p.num_tokens - start, left)
-            cur.append(PrefillItem(slot, p, start=start, end=start + take))
-            start += take
-            left -= take
-            if left == 0:
-                steps.append(cur)
-                cur, left = [], budget
-    if cur:
-        steps.append(cur)
-    return steps
+from qwen_chat.engine.types import PreparedPrompt  # noqa: E402
 
 
 def run_burst(runner, dev, n: int, length: int, budget: int, gen) -> list[dict]:

@@ -92,16 +92,28 @@ def kernels(runner, dev, prompt_len: int, gen, graphs: bool) -> dict:
     return {key: got[key] for key in ("gpu_kernel_ms", "kernels", "wall_ms_profiled", "top_gpu")}
 
 
+def burst_steps(prompts: list, budget: int) -> list[list[PrefillItem]]:
+    """The steps of a burst: each takes up to ``budget`` tokens, the cut prompt first in the next step."""
+    steps, cur, left = [], [], budget
+    for slot, p in enumerate(prompts):
+        start = 0
+        while start < p.num_tokens:
+            take = min(p.num_tokens - start, left)
+            cur.append(PrefillItem(slot, p, start=start, end=start + take))
+            start += take
+            left -= take
+            if left == 0:
+                steps.append(cur)
+                cur, left = [], budget
+    if cur:
+        steps.append(cur)
+    return steps
+
+
 def burst_items(prompts: int, prompt_len: int, budget: int, gen) -> list:
-    """``prompts`` new prompts of ``prompt_len`` random tokens in slots 0.., cut to fill ``budget`` tokens."""
-    items, left = [], budget
-    for i in range(prompts):
-        if left <= 0:
-            break
-        prompt = PreparedPrompt(input_ids=random_ids(prompt_len, gen))
-        items.append(PrefillItem(i, prompt, end=min(prompt_len, left)))
-        left -= min(prompt_len, left)
-    return items
+    """The first step of a burst of ``prompts`` new prompts of ``prompt_len`` random tokens (``burst_steps``):
+    slots 0.., the last prompt cut at ``budget`` tokens."""
+    return burst_steps([PreparedPrompt(input_ids=random_ids(prompt_len, gen)) for _ in range(prompts)], budget)[0]
 
 
 def packed_agreement(runners: dict, model, dev, gen, prompts=7, prompt_len=600, budget=4096) -> dict:
@@ -229,9 +241,10 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         pass
 
-    def section(name, fn):
-        if name.removesuffix("_ms").removesuffix("_1k") not in args.only:
+    def section(name, fn, key=None):  # the result under doc[key or name]
+        if name not in args.only:
             return
+        name = key or name
         try:
             doc[name] = fn()
         except Exception:  # noqa: BLE001 - recorded, the run goes on
@@ -255,22 +268,23 @@ def main(argv=None) -> int:
                 "seconds_per_bucket": runner.graph_prefill.capture_seconds, "reserved_gib": (after - before) / 2**30}
 
     section("capture", capture)
-    section("latency_ms", lambda: {str(n): {"graph": latency(runner, dev, PreparedPrompt(input_ids=random_ids(n, gen)), True),
-                                            "eager": latency(runner, dev, PreparedPrompt(input_ids=random_ids(n, gen)), False)}
-                                   for n in lengths})
+    section("latency", lambda: {str(n): {"graph": latency(runner, dev, PreparedPrompt(input_ids=random_ids(n, gen)), True),
+                                         "eager": latency(runner, dev, PreparedPrompt(input_ids=random_ids(n, gen)), False)}
+                                for n in lengths}, key="latency_ms")
     hist = 8000 if not args.smoke else 100
-    section("follow_up_ms", lambda: {"history": hist, "new": 30,
-                                     "graph": follow_up(runner, dev, hist, 30, gen, True),
-                                     "eager": follow_up(runner, dev, hist, 30, gen, False)})
+    section("follow_up", lambda: {"history": hist, "new": 30,
+                                  "graph": follow_up(runner, dev, hist, 30, gen, True),
+                                  "eager": follow_up(runner, dev, hist, 30, gen, False)}, key="follow_up_ms")
     k_len = 1000 if not args.smoke else 40
-    section("kernels_1k", lambda: {"graph": kernels(runner, dev, k_len, gen, True),
-                                   "eager": kernels(runner, dev, k_len, gen, False)})
+    section("kernels", lambda: {"graph": kernels(runner, dev, k_len, gen, True),
+                                "eager": kernels(runner, dev, k_len, gen, False)}, key="kernels_1k")
     # a 32-stream burst of 600-token prompts as the service's scheduler packs it (4,096 prompt tokens a step)
     # and one 4,096-token prompt alone (the same tokens in one chunk)
     # both with the prefill's fused kernels (the service's runner) and without them (``prefill_kernels``)
-    plain = ModelRunner(model, num_slots=8, max_context=16384 if not args.smoke else 256, device=dev,
-                        options=RunnerOptions(prefill_graphs=False, prefill_kernels=False))
-    runners = {"fused" if runner.options.prefill_kernels else "default": runner, "unfused": plain}
+    runners = {"fused" if runner.options.prefill_kernels else "default": runner}
+    if {"packed", "packed_agreement"} & set(args.only):  # a second runner (its own KV) only for them
+        runners["unfused"] = ModelRunner(model, num_slots=8, max_context=16384 if not args.smoke else 256,
+                                         device=dev, options=RunnerOptions(prefill_graphs=False, prefill_kernels=False))
     section("packed", lambda: [dict(packed_step(r, dev, n, length, budget, gen), runner=name)
                                for n, length, budget in (((7, 600, 4096), (1, 4096, 4096)) if not args.smoke
                                                          else ((3, 30, 80), (1, 80, 80)))

@@ -7,7 +7,8 @@ Qwen3_5MLP, Qwen3_5DecoderLayer); every projection, norm and MLP is called throu
 or, for the projections that read one input, through their fused weight (``fusion``).  In decode the single
 projections go through ``qwen_chat.engine.parallel.tp_decode`` (local weight, then the tensor-parallel
 completion) and the element-wise glue through ``glue`` (compiled on CUDA); prefill calls the modules
-themselves, or the fused kernels that compute the same norms, SwiGLU and conv (``prefill_kernels``).  The decode step is tensor ops only, so ``graphs.CudaGraphs`` can capture it.
+themselves, or the fused kernels that compute the same norms, SwiGLU and conv (``prefill_kernels``).  The
+decode step is tensor ops only, so ``graphs.CudaGraphs`` can capture it.
 """
 from __future__ import annotations
 
@@ -83,9 +84,12 @@ class ModelForward:
         #: ``ops``, the conv of each Gated DeltaNet layer where ``conv_fits``
         self.ops = PrefillOps(bool(options.prefill_kernels), silu_mlp=self._silu_mlp)
         self._conv_K = next((g["K"] for k, g in zip(self._kinds, self._geo) if k == "linear"), 1)
-        self._fused_conv = {i: self.ops.enabled and prefill_kernels.conv_fits(
-            g["conv_dim"], g["key_dim"], g["dk"], self._layers[i].linear_attn.conv1d, self._layers[i].linear_attn.activation)
-            for i, (k, g) in enumerate(zip(self._kinds, self._geo)) if k == "linear"}
+        self._fused_conv: dict[int, bool] = {}
+        for i, (kind, g) in enumerate(zip(self._kinds, self._geo)):
+            if kind == "linear":
+                la = self._layers[i].linear_attn
+                self._fused_conv[i] = self.ops.enabled and prefill_kernels.conv_fits(
+                    g["conv_dim"], g["key_dim"], g["dk"], la.conv1d, la.activation)
         # M-RoPE for decode: text tokens have equal t/h/w positions, so cos/sin depend on one index only.
         # Table built with the model's own rotary module over positions 0..max_context-1 (plus the largest
         # shift a decode position can take: rope deltas are <= 0 for images, so max_context suffices).
@@ -197,7 +201,8 @@ class ModelForward:
         ends at it.  Stores each slot's new ring (its last K inputs at column p % K).  No loop over the chunks:
         the layout is one gather (``prefill_meta.pack``'s ``ext_src``).  Returns [T, C] pre-activation outputs (with
         ``_fused_conv[i]``: activated, q/k normed)."""
-        K, g = self._geo[i]["K"], self._geo[i]
+        g = self._geo[i]
+        K = g["K"]
         ring_buf = self.conv_state[i]                                                # [S, C, K]
         if self._fused_conv[i]:  # conv + SiLU + q/k l2-norm in one kernel, then the rings (same values)
             y = prefill_kernels.conv_silu_l2(qkv, ring_buf, la.conv1d.weight, meta, g["key_dim"], g["dk"])

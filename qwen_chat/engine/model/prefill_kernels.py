@@ -240,7 +240,7 @@ class PrefillOps:
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
         self.enabled, self._silu_mlp = enabled, silu_mlp
-        self._norm_types, self._gated_type = (Qwen3_5RMSNorm,), Qwen3_5RMSNormGated
+        self._norm_type, self._gated_type = Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
     @staticmethod
     def _plain(module, features: int) -> bool:
@@ -250,7 +250,7 @@ class PrefillOps:
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` for a ``Qwen3_5RMSNorm`` over x [..., D]."""
-        if self.enabled and type(module) in self._norm_types and self._plain(module, x.shape[-1]):
+        if self.enabled and type(module) is self._norm_type and self._plain(module, x.shape[-1]):
             return rms_norm(x, module.weight, module.eps)
         return module(x)
 
