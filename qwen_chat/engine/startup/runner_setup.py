@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import time
 from typing import Callable, Optional
 
 import torch
@@ -20,6 +19,7 @@ from qwen_chat.config import ServiceConfig
 from qwen_chat.engine.core.chat_engine import ChatEngine
 from qwen_chat.engine.core.spec_policy import MIN_ACCEPTANCE
 from qwen_chat.engine.parallel.executors import LocalExecutor
+from qwen_chat.engine.startup import compile_stats
 from qwen_chat.engine.startup.selfcheck import run_self_check
 from qwen_chat.lifecycle import exit_process_soon
 from qwen_chat.engine.model import fusion, graphs, kv_quant, memory
@@ -176,8 +176,9 @@ def build_runner(loaded, config: ServiceConfig):
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         # every rank records rank 0's tokens on its device, so steps can be launched ahead on every rank
         sampler.token_sync = broadcast_from_rank0
+    tally = compile_stats.shared()
     if runner.use_cuda_graphs:
-        t0 = time.monotonic()
+        mark = tally.mark()
         ready = [c for c in runner.context_buckets() if c in READY_CONTEXTS] or runner.context_buckets()[:1]
         held = runner.capture_all(context_buckets=ready)
         if runner.spec is not None:
@@ -191,9 +192,9 @@ def build_runner(loaded, config: ServiceConfig):
                 torch.cuda.empty_cache()
                 log.warning("speculative decoding is off: capturing its verify graphs ran out of GPU memory; "
                             "lower --gpu-memory-utilization (or --speculative-max-batch) to use it")
-        log.info("captured %d decode graphs in %.1f s (the rest while idle or on first use)", held,
-                 time.monotonic() - t0)
-        t0, before = time.monotonic(), torch.cuda.memory_reserved(device)
+        log.info("captured %d decode graphs in %s (the rest while idle or on first use)", held,
+                 tally.describe(mark))
+        mark, before = tally.mark(), torch.cuda.memory_reserved(device)
         try:
             held = runner.capture_prefill()
         except torch.OutOfMemoryError:  # serve with the eager prefill rather than not at all
@@ -206,13 +207,13 @@ def build_runner(loaded, config: ServiceConfig):
             log.warning("prefill graphs are off: capturing them ran out of GPU memory; lower "
                         "--gpu-memory-utilization to use them")
         if held:
-            log.info("captured %d prefill graphs (%d pieces x buckets %s tokens) in %.1f s, %.2f GiB", held,
+            log.info("captured %d prefill graphs (%d pieces x buckets %s tokens), %.2f GiB, in %s", held,
                      held // len(runner.graph_prefill.buckets), list(runner.graph_prefill.buckets),
-                     time.monotonic() - t0, (torch.cuda.memory_reserved(device) - before) / 2**30)
-    t0 = time.monotonic()
+                     (torch.cuda.memory_reserved(device) - before) / 2**30, tally.describe(mark))
+    mark = tally.mark()
     sampler.warm_up()  # compiles the fused top-k sampler on CUDA (also without graphs, e.g. ZeRO-3); CPU: nothing
     if sampler.device.type == "cuda":
-        log.info("compiled the sampler in %.1f s", time.monotonic() - t0)
+        log.info("compiled the sampler in %s", tally.describe(mark))
     if runner.spec is not None and runner.spec.drafter is not None:  # where speculating pays on this machine
         try:
             ratio = runner.spec.calibrate(sampler)
@@ -222,7 +223,10 @@ def build_runner(loaded, config: ServiceConfig):
             log.warning("speculative decoding: measuring its step cost failed (%r); a sequence speculates while "
                         "it keeps %.0f %% of its drafts", exc, 100 * MIN_ACCEPTANCE)
     log.info("prefill: up to %d prompt tokens per step", chunk)
-    warm_up_prefill(runner, loaded, chunk, config.image_token_budget)  # CUDA: no first-use stalls after ready
+    mark = tally.mark()
+    if warm_up_prefill(runner, loaded, chunk, config.image_token_budget):  # CUDA: no first-use stalls after ready
+        log.info("warm-up compilation: %s; slowest Triton kernels to compile since start: %s", tally.describe(mark),
+                 tally.top())
     return runner, sampler, plan, chunk
 
 
