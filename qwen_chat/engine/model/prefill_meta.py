@@ -30,6 +30,13 @@ class PrefillRows:
     keeps: tuple[tuple[int, int], ...] = ()
 
 
+#: Each index starts a multiple of this many int64 entries (128 bytes) into the one device copy: Triton
+#: compiles a kernel variant per 16-byte alignment of each pointer argument, so indexes at offsets that follow
+#: the step's token and chunk counts made the fused conv (and fla's kernels, through ``cu``) compile again, about
+#: 0.7 s each, in steps of bursts long after start-up (measured on an H200 by ``bench/burst_probe.py``).
+ALIGN = 16
+
+
 def pack(seqs: Sequence[PrefillRows], K: int, device: torch.device) -> tuple[list[PrefillRows], dict]:
     """Every index the packed prefill needs on the device, sent in one copy (a host tensor sent on its own
     would make the host wait for the device each time): each chunk's KV rows; ``slots`` int64 [N]; ``past``
@@ -46,7 +53,8 @@ def pack(seqs: Sequence[PrefillRows], K: int, device: torch.device) -> tuple[lis
     its index in it), ``chunk_start`` int64 [N] (each chunk's ``start``), and ``ring_idx`` int64 [N K],
     ``keep_idx`` int64 [k K]: the inputs each chunk's ring and each keep point's ring take, as rows of the T
     packed tokens followed by the N (K - 1) inputs before the chunks (``ext_src`` composed with ``ring_src``,
-    ``keep_ext``).  K: the Gated DeltaNet conv's kernel size (1 when the model has none)."""
+    ``keep_ext``).  Every index tensor starts ``ALIGN``-aligned in the device copy.  K: the Gated DeltaNet conv's
+    kernel size (1 when the model has none)."""
     T = max(sq.offset + sq.n for sq in seqs)
     take, keep_ext, keep_cols, ext_src, ring_src, e = [], [], [], [], [], 0
     for j, sq in enumerate(seqs):
@@ -79,10 +87,16 @@ def pack(seqs: Sequence[PrefillRows], K: int, device: torch.device) -> tuple[lis
         ring_idx=ext_all[torch.cat(ring_src)],
         keep_idx=ext_all[torch.cat(keep_ext)] if nk else torch.zeros(0, dtype=torch.long), **index)
     parts = [sq.rows.cpu() for sq in seqs] + list(named.values())
-    flat = torch.cat(parts).to(torch.long)
+    sizes = [p.numel() for p in parts]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
+    flat = torch.zeros(starts[-1], dtype=torch.long)
+    for p, at, size in zip(parts, starts, sizes):
+        flat[at:at + size] = p.reshape(-1)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    pieces = list(flat.split([p.numel() for p in parts]))
+    pieces = [flat[at:at + size] for at, size in zip(starts, sizes)]
     seqs = [PrefillRows(sq.slot, sq.start, sq.n, sq.offset, rows, sq.logits, sq.keeps)
             for sq, rows in zip(seqs, pieces)]
     n = len(seqs)
