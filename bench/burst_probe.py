@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from decode_bench import random_model, random_ids  # noqa: E402
 from prefill_bench import burst_steps  # noqa: E402
+from qwen_chat.engine.model.fla_tuning import use_measured_configs  # noqa: E402
 from qwen_chat.engine.model.runner import ModelRunner  # noqa: E402
 from qwen_chat.engine.startup import compile_stats  # noqa: E402
 from qwen_chat.engine.startup.warmup import warm_up_prefill  # noqa: E402
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     doc = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
            "impl": runner.impl, "setup": {}, "cases": []}
+    doc["setup"]["fla"] = use_measured_configs(dev)  # as the service (build_runner)
     if dev.type == "cuda":  # as the service: the prefill graphs, then the start-up warm-up (no photo: no processor)
         mark = tally.mark()
         runner.capture_prefill()

@@ -23,6 +23,7 @@ from qwen_chat.engine.startup import compile_stats
 from qwen_chat.engine.startup.selfcheck import run_self_check
 from qwen_chat.lifecycle import exit_process_soon
 from qwen_chat.engine.model import fusion, graphs, kv_quant, memory
+from qwen_chat.engine.model.fla_tuning import use_measured_configs
 from qwen_chat.engine.model.memory import GIB, MemoryPlan
 from qwen_chat.engine.model.mtp import with_mtp_layer
 from qwen_chat.engine.model.options import auto_prefill_graphs
@@ -154,6 +155,9 @@ def build_runner(loaded, config: ServiceConfig):
     from qwen_chat.engine.startup.warmup import warm_up_prefill
 
     device = next(loaded.model.parameters()).device
+    tuning = use_measured_configs(device)  # before any prefill: fla's kernels skip autotuning on a known GPU
+    if tuning:
+        log.info("%s", tuning)
     head = None
     if config.speculative_tokens:  # loaded before the budget is measured, so that it counts the head's weights
         try:
