@@ -61,6 +61,8 @@ mode; random-word prompts, since the API has no ignore-EOS, so tokens are counte
   comparison in ``detail.shared_system_prompt``);
 - ``startup_warm_s``: seconds to ``/healthz`` 200 when the service is started again right after the main phases
   (whatever it keeps on disk between starts is there; ``--skip-restart`` skips it);
+- ``startup_phases_s``: {"first" | "restart": seconds of each start-up phase and the Triton kernels compiled,
+  from the service log (``serve_proc.startup_phases``)};
 - ``cap24``: the service restarted with its CUDA allocator capped at 22.5 GiB by a ``sitecustomize.py`` on
   PYTHONPATH (``torch.cuda.set_per_process_memory_fraction``; no flag changed): whether it started, aggregate
   tok/s + TTFT at 8 and 32 streams, and ``long_context``: 32 prompts of 32k tokens at once, how many the KV
@@ -102,7 +104,8 @@ from serve_firstuse import request_kinds, shared_system_prompt  # noqa: E402
 from serve_followup import followups  # noqa: E402
 from serve_noisy import noisy_neighbour  # noqa: E402
 from serve_ckpt import DEFAULT_CKPT_DIR  # noqa: E402
-from serve_proc import Service, free_port, kernel_lines, port_is_free, server_versions  # noqa: E402
+from serve_proc import (Service, free_port, kernel_lines, port_is_free, server_versions,  # noqa: E402
+                        startup_phases)
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = dict(calib_words=(200, 4000), warmup_new=32, batch1_prompt=100, batch1_new=1024, batch1_runs=2,
@@ -368,6 +371,7 @@ class Bench:
         progress("restarting the service (warm start-up)")
         if again.start(self.P["startup_timeout_s"]):
             self.context["startup_warm_s"] = again.startup_s
+            self.context.setdefault("startup_phases_s", {})["restart"] = startup_phases(again.log_text())
             progress(f"/healthz 200 after {again.startup_s:.1f} s (warm)")
         else:
             self.context["errors"].append(f"warm restart failed: {again.error}")
@@ -394,6 +398,8 @@ class Bench:
         url = svc.base_url
         progress(f"/healthz 200 after {svc.startup_s:.1f} s")
         self.context["kernels"] = kernel_lines(svc.log_text())
+        phases = self.context.setdefault("startup_phases_s", {})["first"] = startup_phases(svc.log_text())
+        progress("start-up phases (s): " + ", ".join(f"{k} {v}" for k, v in phases.items()))
         self.context["models"] = httpx.get(url + "/v1/models", timeout=30).json()
         self.context["healthz"] = httpx.get(url + "/healthz", timeout=30).json()
         model = self.context["models"]["data"][0]["id"]

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -110,6 +111,51 @@ def startup_error_line(log_text: str) -> Optional[str]:
         if found:
             return found[-1][:500]
     return lines[-1][:500] if lines else None
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+_PHASES = {  # phase -> (a pattern of its start-up log line whose group 1 is its seconds)
+    "load": re.compile(r"parameters held .*, load ([\d.]+) s"),
+    "decode_graphs": re.compile(r"captured \d+ decode graphs in ([\d.]+) s"),
+    "prefill_graphs": re.compile(r"captured \d+ prefill graphs .* in ([\d.]+) s"),
+    "sampler": re.compile(r"compiled the sampler in ([\d.]+) s"),
+    "warm_up": re.compile(r"warmed up the prefill kernels .* in ([\d.]+) s"),
+}
+_TRITON = re.compile(r"(\d+) Triton kernels compiled \(([\d.]+) s\)")
+
+
+def _stamp(line: str) -> Optional[float]:
+    m = _STAMP.match(line)
+    if not m:
+        return None
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+
+
+def startup_phases(log_text: str) -> dict:
+    """Seconds of each start-up phase in one start's service log (rank 0's lines): ``imports`` (from the web
+    front listening to the engine starting to load), ``load``, ``decode_graphs``, ``prefill_graphs``,
+    ``sampler``, ``warm_up``, and ``triton_kernels_compiled`` / ``triton_compile_s`` summed over the phases
+    that report them (``startup.compile_stats``); a phase the log does not show is absent."""
+    out: dict = {}
+    listening = loading = None
+    for line in log_text.splitlines():
+        if listening is None and "listening on http" in line:
+            listening = _stamp(line)
+        elif loading is None and ": loading " in line and "rank 0" in line:
+            loading = _stamp(line)
+        for phase, pattern in _PHASES.items():
+            m = pattern.search(line)
+            if m and phase not in out:
+                out[phase] = float(m.group(1))
+                if t := _TRITON.search(line):
+                    out["triton_kernels_compiled"] = out.get("triton_kernels_compiled", 0) + int(t.group(1))
+                    out["triton_compile_s"] = round(out.get("triton_compile_s", 0.0) + float(t.group(2)), 1)
+        if "warm-up compilation: " in line and (t := _TRITON.search(line)):
+            out["triton_kernels_compiled"] = out.get("triton_kernels_compiled", 0) + int(t.group(1))
+            out["triton_compile_s"] = round(out.get("triton_compile_s", 0.0) + float(t.group(2)), 1)
+    if listening is not None and loading is not None:
+        out["imports"] = round(loading - listening, 1)
+    return out
 
 
 def kernel_lines(log_text: str) -> dict:

@@ -178,6 +178,24 @@ def test_startup_error_line_prefers_the_services_own_reason():
     assert P.startup_error_line("") is None
 
 
+def test_startup_phases_from_the_service_log():
+    """The phases of one start as the service logs them (lines of an H200 run, trimmed)."""
+    log = textwrap.dedent("""\
+        2026-12-04 15:40:22,106 INFO qwen_chat: listening on http://127.0.0.1:7860 (503 'loading' until ready)
+        2026-12-04 15:40:41,372 INFO qwen_chat.engine.startup.bootstrap: rank 0: loading /ckpt (single)
+        2026-12-04 15:40:46,718 INFO qwen_chat.engine.startup.bootstrap: rank 0/1: device cuda:0, parameters held 9410 M, GPU memory 17.54 GiB allocated, 17.54 GiB peak, load 5.3 s + shard 0.0 s
+        2026-12-04 15:41:41,814 INFO qwen_chat.engine.startup.runner_setup: captured 20 decode graphs in 53.0 s: 34 Triton kernels compiled (9.5 s), 0 from cache; 12 torch.compile graphs (23.7 s) (the rest while idle or on first use)
+        2026-12-04 15:42:16,960 INFO qwen_chat.engine.startup.runner_setup: captured 54 prefill graphs (9 pieces x buckets [32, 64] tokens), 0.30 GiB, in 35.1 s: 37 Triton kernels compiled (28.6 s), 0 from cache; 0 torch.compile graphs (0.0 s)
+        2026-12-04 15:42:20,257 INFO qwen_chat.engine.startup.runner_setup: compiled the sampler in 3.3 s: 0 Triton kernels compiled (0.0 s), 0 from cache; 2 torch.compile graphs (3.2 s)
+        2026-12-04 15:43:00,946 INFO qwen_chat.engine.startup.warmup: warmed up the prefill kernels (short, kept and restored, long, burst, photo) in 40.7 s
+        2026-12-04 15:43:00,946 INFO qwen_chat.engine.startup.runner_setup: warm-up compilation: 40.7 s: 43 Triton kernels compiled (33.5 s), 0 from cache; 0 torch.compile graphs (0.0 s); slowest Triton kernels to compile since start: k x25 (25.1 s)
+        """)
+    assert P.startup_phases(log) == {"imports": 19.3, "load": 5.3, "decode_graphs": 53.0, "prefill_graphs": 35.1,
+                                     "sampler": 3.3, "warm_up": 40.7, "triton_kernels_compiled": 114,
+                                     "triton_compile_s": 71.6}
+    assert P.startup_phases("INFO nothing here\n") == {}
+
+
 def test_gpu_memory_sampler_keeps_the_peak_and_phase_peaks():
     values = iter([["1024", "2048"], ["4096", "0"], None] + [["512", "512"]] * 1000)
     s = H.GpuMemorySampler(interval_s=0.001, probe=lambda: next(values))
