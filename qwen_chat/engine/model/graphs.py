@@ -135,10 +135,11 @@ class CudaGraphs:
             out = fn(*args)
         return graph, out
 
-    def capture_decode(self, batch: int, ctx: int, first_use: bool = False) -> None:
+    def capture_decode(self, batch: int, ctx: int, why: str = "") -> None:
         """Capture the decode step for padded batch ``batch`` and context bucket ``ctx`` unless held (inputs point
-        at the scratch slot during warm-up and capture).  Logs the milliseconds it took: at info level on
-        ``first_use`` (a request's step waits for it: a first-use stall), else at debug level."""
+        at the scratch slot during warm-up and capture).  Logs the milliseconds it took: at info level when
+        ``why`` says when it happened while serving ("on first use": a request's step waits for it; "while idle":
+        a request arriving meanwhile waits for it), at debug level before the service is ready (``why`` empty)."""
         if (batch, ctx) in self._decode:
             return
         t0 = time.perf_counter()
@@ -146,8 +147,8 @@ class CudaGraphs:
         self._s_slots.fill_(self._scratch)
         args = (self._s_slots[:batch], self._s_tokens[:batch], self._s_pos[:batch], self._s_rope[:batch], ctx)
         self._decode[(batch, ctx)], self._decode_out[(batch, ctx)] = self.warm_and_capture(self._decode_step, args)
-        log.log(logging.INFO if first_use else logging.DEBUG, "decode graph (batch %d, context %d) captured%s in "
-                "%.0f ms", batch, ctx, " on first use" if first_use else "", (time.perf_counter() - t0) * 1e3)
+        log.log(logging.INFO if why else logging.DEBUG, "decode graph (batch %d, context %d) captured%s in %.0f ms",
+                batch, ctx, f" {why}" if why else "", (time.perf_counter() - t0) * 1e3)
 
     # ------------------------------------------------------------------ replay
     def decode(self, slots: Sequence[int], tokens: Optional[torch.Tensor], pos: Sequence[int], rope: Sequence[int],
@@ -159,7 +160,7 @@ class CudaGraphs:
         B = len(slots)
         bp = next(b for b in self._ladder if b >= B)
         key = (bp, ctx)
-        self.capture_decode(bp, ctx, first_use=True)
+        self.capture_decode(bp, ctx, why="on first use")
         h = self._h_in_np
         self._in_copied.synchronize()  # the previous step's copy has read the pinned buffer
         h[:, B:bp] = 0

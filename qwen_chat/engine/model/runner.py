@@ -239,16 +239,16 @@ class ModelRunner:
 
     @torch.no_grad()
     def capture_all(self, batch_sizes: Sequence[int] | None = None,
-                    context_buckets: Sequence[int] | None = None) -> int:
+                    context_buckets: Sequence[int] | None = None, why: str = "") -> int:
         """Compile and capture decode graphs ahead of serving (otherwise each is captured, and the glue
-        compiled, on first use).  Defaults: every padded batch size x every context bucket.  Every rank of a
-        tensor-parallel group must call this with the same arguments.  Returns the number of graphs held (0
-        without CUDA graphs)."""
+        compiled, on first use).  Defaults: every padded batch size x every context bucket; ``why``: for the log
+        (``CudaGraphs.capture_decode``).  Every rank of a tensor-parallel group must call this with the same
+        arguments.  Returns the number of graphs held (0 without CUDA graphs)."""
         if self.graphs is None:
             return 0
         for bp in batch_sizes or self.graph_batch_sizes():
             for ctx in context_buckets or self.context_buckets():
-                self.graphs.capture_decode(bp, ctx)
+                self.graphs.capture_decode(bp, ctx, why)
         return self.graphs.count()
 
     @torch.no_grad()

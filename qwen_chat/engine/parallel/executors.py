@@ -134,7 +134,7 @@ class LocalExecutor:
             raise ValueError(f"slots {sorted(overlap)} are both prefilled and decoded in one step")
 
         for batch, ctx in plan.capture:
-            self.runner.capture_all(batch_sizes=[batch], context_buckets=[ctx])
+            self.runner.capture_all(batch_sizes=[batch], context_buckets=[ctx], why="while idle")
         spec = getattr(self.runner, "spec", None)  # model.spec_step.Speculation, or None
         for slot in plan.free_slots:
             self.runner.free(slot)
