@@ -40,13 +40,13 @@ def run_steps(runner, dev, prompts: list, budget: int) -> list[dict]:
     for step in burst_steps(prompts, budget):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        before = {k: v[0] for k, v in tally.per_kernel.items()}
+        mark = tally.mark()
         t0 = time.perf_counter()
         runner.prefill_batch(step)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         ms = (time.perf_counter() - t0) * 1e3
-        compiled = {k: v[0] - before.get(k, 0) for k, v in tally.per_kernel.items() if v[0] > before.get(k, 0)}
+        compiled = tally.compiled_since(mark)
         out.append({"tokens": sum(c.stop() - c.start for c in step), "chunks": len(step),
                     "continuing": sum(c.start > 0 for c in step), "ms": ms, "compiled": compiled})
     for slot in range(len(prompts)):

@@ -144,13 +144,9 @@ def startup_phases(log_text: str) -> dict:
         elif loading is None and ": loading " in line and "rank 0" in line:
             loading = _stamp(line)
         for phase, pattern in _PHASES.items():
-            m = pattern.search(line)
-            if m and phase not in out:
+            if phase not in out and (m := pattern.search(line)):
                 out[phase] = float(m.group(1))
-                if t := _TRITON.search(line):
-                    out["triton_kernels_compiled"] = out.get("triton_kernels_compiled", 0) + int(t.group(1))
-                    out["triton_compile_s"] = round(out.get("triton_compile_s", 0.0) + float(t.group(2)), 1)
-        if "warm-up compilation: " in line and (t := _TRITON.search(line)):
+        if t := _TRITON.search(line):  # (the phases' lines and the warm-up's compilation line)
             out["triton_kernels_compiled"] = out.get("triton_kernels_compiled", 0) + int(t.group(1))
             out["triton_compile_s"] = round(out.get("triton_compile_s", 0.0) + float(t.group(2)), 1)
     if listening is not None and loading is not None:

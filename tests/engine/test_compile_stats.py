@@ -40,6 +40,7 @@ def test_triton_compiles_counted_per_phase_and_cache_hits_apart(restore_listener
     assert "3 Triton kernels compiled (5.0 s), 1 from cache" in tally.describe(first)
     assert "1 Triton kernels compiled (3.0 s), 1 from cache" in tally.describe(second)
     assert tally.top(2) == "conv x1 (3.0 s), gemv x2 (2.0 s)"
+    assert tally.compiled_since(first) == {"gemv": 2, "conv": 1} and tally.compiled_since(second) == {"conv": 1}
     assert seen == ["gemv", "gemv", "conv", "gemv"]  # the earlier listener still hears every compile
 
 

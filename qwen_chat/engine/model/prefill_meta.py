@@ -3,6 +3,7 @@ on the device, built on the host and sent in one copy (``pack``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -88,9 +89,7 @@ def pack(seqs: Sequence[PrefillRows], K: int, device: torch.device) -> tuple[lis
         keep_idx=ext_all[torch.cat(keep_ext)] if nk else torch.zeros(0, dtype=torch.long), **index)
     parts = [sq.rows.cpu() for sq in seqs] + list(named.values())
     sizes = [p.numel() for p in parts]
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + -(-size // ALIGN) * ALIGN)
+    starts = [0, *accumulate(-(-size // ALIGN) * ALIGN for size in sizes)]
     flat = torch.zeros(starts[-1], dtype=torch.long)
     for p, at, size in zip(parts, starts, sizes):
         flat[at:at + size] = p.reshape(-1)

@@ -32,6 +32,7 @@ class Mark:
     triton_s: float
     graphs: int
     graphs_s: float
+    per_kernel: dict  # kernel name -> compiles so far
 
 
 def _dynamo_times() -> list[float]:
@@ -46,7 +47,7 @@ class CompileTally:
     """Counts compilations from ``install()`` on (one per process: ``shared()``).
 
     ``mark()`` returns a ``Mark``; ``describe(mark)`` says what was compiled since it, in one phrase for the
-    start-up log; ``top(n)`` names the Triton kernels that took longest to compile in total.
+    start-up log; ``compiled_since(mark)`` names the kernels; ``top(n)`` names the Triton kernels that took longest to compile in total.
     """
 
     def __init__(self):
@@ -91,7 +92,13 @@ class CompileTally:
 
     def mark(self) -> Mark:
         graphs = _dynamo_times()
-        return Mark(time.monotonic(), self.compiled, self.cached, self.seconds, len(graphs), sum(graphs))
+        return Mark(time.monotonic(), self.compiled, self.cached, self.seconds, len(graphs), sum(graphs),
+                    {name: count for name, (count, _) in self.per_kernel.items()})
+
+    def compiled_since(self, since: Mark) -> dict[str, int]:
+        """The Triton kernels compiled since ``since``: name -> how many times."""
+        return {name: count - since.per_kernel.get(name, 0) for name, (count, _) in self.per_kernel.items()
+                if count > since.per_kernel.get(name, 0)}
 
     def describe(self, since: Mark) -> str:
         """E.g. ``"12.3 s: 40 Triton kernels compiled (31.0 s of compiling), 5 from cache; 7 torch.compile
