@@ -3,7 +3,9 @@
 ``request_kinds``: the TTFT of one request of each kind a user sends: a 1k-token prompt, an 8k-token prompt, a
 photo with a short question, and a burst of 8 streams at once (600-token prompts; the burst's median TTFT).
 Run right after ``/healthz`` turns 200 it gives ``first_use_ttft_ms`` (whatever the service compiles or
-captures on first use shows here); run again after the other phases it gives ``steady_ttft_ms``.
+captures on first use shows here); run again after the other phases it gives ``steady_ttft_ms``.  The
+benchmark's own HTTP client path is run once before (``serve_http.warm_client``, a request that reaches no
+model), so that its first use in this process is not counted as the service's.
 
 ``shared_system_prompt``: conversations of different users that start with the same long system prompt (4k
 tokens of words) and each their own 20-token question: the first one prefills it all; each later one is timed
@@ -40,7 +42,7 @@ def request_kinds(url: str, model: Optional[str], prompt: Callable[[int], str], 
                   new_tokens: int) -> tuple[dict, dict]:
     """One request of each kind in ``KINDS`` (``sizes``: {"1k": tokens, "8k": tokens}; ``prompt(tokens)``: a
     random prompt of about that many tokens).  Returns ({kind: TTFT ms or None}, {kind: detail})."""
-    out, detail = {}, {}
+    out, detail = {}, {"client_warm_ms": round(H.warm_client(url), 1)}  # the client's first use is not timed
     for kind in KINDS:
         t0 = time.perf_counter()
         if kind == "burst8":

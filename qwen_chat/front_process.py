@@ -120,7 +120,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return 0 if hub.failure else 1
             if not hub.prompts.wait_warm(PROMPT_WARM_TIMEOUT_S):  # /healthz 200 only once prompts can be built
                 log.warning("front: the prompt workers are still loading after %.0f s", PROMPT_WARM_TIMEOUT_S)
-            backend.attach(_backend_over(clients))
+            backend.attach(_backend_over(clients), warming=True)
+            from qwen_chat.web import self_warm
+            from qwen_chat.web.api.routes import model_id_of
+
+            self_warm.warm_up(front, model_id_of(cfg), cfg.api_keys[0] if cfg.api_keys else None)
+            backend.warmed()
             if len(clients) > 1:
                 log.info("data parallel: all %d replicas ready behind the web front", len(clients))
             serving[0] = True

@@ -46,12 +46,21 @@ class PendingBackend:
         self._lock = threading.Lock()
         self._engine: Optional[ChatBackend] = None
         self._failure: Optional[str] = None
+        self._warming = False
         self._info = info
 
-    def attach(self, engine: ChatBackend) -> None:
-        """Route every later call to ``engine`` (the started ``ChatEngine``)."""
+    def attach(self, engine: ChatBackend, warming: bool = False) -> None:
+        """Route every later call to ``engine`` (the started ``ChatEngine``).  With ``warming`` the engine
+        serves requests but ``health()`` still reports ``"warming up"`` until ``warmed()`` (the front's own
+        first requests: ``web.self_warm``)."""
         with self._lock:
+            self._warming = warming
             self._engine = engine
+
+    def warmed(self) -> None:
+        """End the warm-up ``attach(..., warming=True)`` began: ``health()`` is the engine's from now on."""
+        with self._lock:
+            self._warming = False
 
     def fail(self, reason: str) -> None:
         """Record that the start-up failed; health and requests report ``reason`` until the process exits."""
@@ -102,6 +111,8 @@ class PendingBackend:
         engine = self._engine
         if engine is None:
             return {"ok": False, "reason": f"start-up failed: {self._failure}" if self._failure else "loading"}
+        if self._warming:
+            return {"ok": False, "reason": "warming up"}
         return engine.health()
 
     def stats(self) -> dict:

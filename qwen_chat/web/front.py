@@ -153,6 +153,19 @@ class Front:
                     await send({"type": "lifespan.shutdown.complete"})
                 return
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the server runs this app in (set at its lifespan startup).  Raises RuntimeError
+        before that."""
+        if self._loop is None:
+            raise RuntimeError("the web server's event loop has not started")
+        return self._loop
+
+    @property
+    def lifespan_state(self) -> dict:
+        """The lifespan state uvicorn gives each request's scope (a request built here gets a copy)."""
+        return self._state
+
     def attach(self, app: Callable, end_streams: Optional[Callable[[], None]] = None) -> None:
         """Serve every request (but ``/healthz`` while loading) with ``app`` (the FastAPI app of
         ``server.build_app``) from now on, after running its lifespan startup in the server's event loop.

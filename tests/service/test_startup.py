@@ -12,6 +12,7 @@ Measured results are recorded in docs/deployment.md ("Failure drills").
 from __future__ import annotations
 
 import os
+import re
 import signal
 import statistics
 import threading
@@ -104,3 +105,5 @@ def test_health_during_load_quiet_log_and_fast_stop_with_an_open_tab(tmp_path, t
         assert not reader.is_alive()
         # health checks are not logged; other requests are
         assert '"GET /healthz' not in log and '"GET /v1/models HTTP/1.1" 200' in log
+        # the front served its own first requests (a long text, two photos) before /healthz turned 200
+        assert re.search(r"front warm-up: text request \d+ ms, photos request \d+ ms", log), log[-3000:]

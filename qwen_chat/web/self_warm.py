@@ -1,0 +1,119 @@
+"""The web front's own first requests, sent before ``/healthz`` turns 200, so that a user's first request does
+not pay for what the front does only once.
+
+Each kind of request first ran code the engine's warm-up never reaches: FastAPI resolving the route's endpoint
+(it reads the endpoint's source lines on first use), modules imported on first use (pyzmq's large-message send,
+Pillow's PNG and JPEG plugins), the API image store's first write, the stream's first SSE chunk.  On an H200
+(2026-12-04, ``bench/serve_bench.py``) a 1k-token prompt right after ready took 99 ms to its first token against
+53 ms later, and a photo 187 against 90 ms, while the engine's own TTFT of the same requests differed by at
+most 23 ms: the rest was spent in the front.
+
+``warm_up`` sends, through the front's ASGI application in its own event loop (everything a client's request
+meets but the socket), one streamed chat completion with a text of ``TEXT_WORDS`` words and one with two small
+photos (a PNG and a JPEG) and a question, each ``max_tokens`` 2.  The engine serves them as any request (they
+count in ``/metrics``).  A failure is logged and the service becomes ready anyway: the warm-up only moves
+work earlier.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import logging
+import time
+from typing import Any, Optional
+
+log = logging.getLogger("qwen_chat.front")
+
+#: Words of the warm-up's text prompt (about one token each): long enough that the prompt travels as a large
+#: message, as a real 1k-token prompt does.
+TEXT_WORDS = 1000
+#: Side (px) of the warm-up's photos: a few hundred visual tokens at most under any ``--image-token-budget``.
+PHOTO_SIDE = 160
+#: Seconds each warm-up request may take before the front gives up on it (a CPU engine is slow).
+REQUEST_TIMEOUT_S = 120.0
+
+
+def _photo(fmt: str) -> str:
+    """A ``PHOTO_SIDE`` x ``PHOTO_SIDE`` RGB gradient as a ``data:`` URL in ``fmt`` ("PNG" or "JPEG")."""
+    from PIL import Image
+
+    img = Image.linear_gradient("L").resize((PHOTO_SIDE, PHOTO_SIDE)).convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+def warm_bodies(model: str) -> dict[str, dict]:
+    """The request bodies of the warm-up, by kind ("text", "photos"): OpenAI chat completions, streamed."""
+    words = " ".join(("river", "stone", "light", "window", "green")[i % 5] for i in range(TEXT_WORDS))
+    common = {"model": model, "stream": True, "max_tokens": 2, "temperature": 0}
+    photos = [{"type": "image_url", "image_url": {"url": _photo(fmt)}} for fmt in ("PNG", "JPEG")]
+    return {"text": {**common, "messages": [{"role": "user", "content": words}]},
+            "photos": {**common, "messages": [{"role": "user", "content": [
+                *photos, {"type": "text", "text": "What is in these photos?"}]}]}}
+
+
+async def request(app: Any, path: str, body: dict, *, api_key: Optional[str] = None,
+                  state: Optional[dict] = None) -> tuple[int, bytes]:
+    """POST ``body`` (JSON) to ``path`` of the ASGI ``app`` as a loopback client would; (HTTP status, the
+    whole response body).  Must run in the loop that serves ``app``."""
+    payload = json.dumps(body).encode()
+    headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]
+    if api_key:
+        headers.append((b"authorization", f"Bearer {api_key}".encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+             "state": dict(state or {})}
+    sent = [False]
+    finished = asyncio.Event()
+    status = [0]
+    chunks: list[bytes] = []
+
+    async def receive() -> dict:
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await finished.wait()  # the client stays connected until the response is complete
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            status[0] = int(message["status"])
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                finished.set()
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        finished.set()
+    return status[0], b"".join(chunks)
+
+
+def warm_up(front: Any, model: str, api_key: Optional[str]) -> dict[str, float]:
+    """Send the warm-up requests (module docstring) through ``front`` (``web.front.Front``, its application
+    attached) from this thread into the front's event loop; {kind: milliseconds}.  Never raises: a failed or
+    refused request is logged as a warning."""
+    out: dict[str, float] = {}
+    for kind, body in warm_bodies(model).items():
+        t0 = time.perf_counter()
+        try:
+            future = asyncio.run_coroutine_threadsafe(
+                request(front, "/v1/chat/completions", body, api_key=api_key, state=front.lifespan_state),
+                front.loop)
+            status, text = future.result(REQUEST_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the service becomes ready anyway
+            log.warning("front warm-up (%s request) failed: %s: %s", kind, type(exc).__name__, exc)
+            continue
+        ms = (time.perf_counter() - t0) * 1e3
+        if status != 200 or b'"error"' in text:
+            log.warning("front warm-up (%s request): HTTP %d: %s", kind, status, text[:300].decode(errors="replace"))
+            continue
+        out[kind] = round(ms, 1)
+    log.info("front warm-up: %s", ", ".join(f"{k} request {v:.0f} ms" for k, v in out.items()) or "none served")
+    return out
