@@ -450,3 +450,51 @@ def test_twenty_stop_cycles_leave_no_slot_or_state_behind(cleanup):
     stats = sched.stats()
     assert stats["active"] == 0 and stats["queued"] == 0
     assert stats["totals"]["finished"] == {"stop": 0, "length": 1, "cancelled": 20, "error": 0}
+
+
+class OrderExecutor(SpyExecutor):
+    """Records the order of launches (with the step's prompt tokens) and collects."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.events: list[tuple[str, int]] = []
+
+    def launch(self, plan: StepPlan):
+        self.events.append(("launch", sum(i.stop() - i.start for i in plan.prefills)))
+        return super().launch(plan)
+
+    def collect(self, launched):
+        self.events.append(("collect", 0))
+        return super().collect(launched)
+
+
+def test_a_long_prefill_is_launched_after_the_step_in_flight_delivered_its_tokens(cleanup):
+    """A step whose launch takes long (a prefill of more than ``COLLECT_FIRST_TOKENS`` prompt tokens: eager
+    kernels, as long to launch as to run) starts only after the step in flight was collected, so that step's
+    tokens reach their streams first; a short prefill (a CUDA-graph replay) is launched ahead as before; the
+    streams equal their solo runs either way."""
+    from qwen_chat.engine.core.scheduler import COLLECT_FIRST_TOKENS
+
+    long_p = prompt(*[t % 60 for t in range(COLLECT_FIRST_TOKENS + 76)])
+    refs = [solo(p, params(max_new=4))[0] for p in (prompt(5, 6, 7), long_p)]
+    runner = FakeRunner(3)
+    ex = OrderExecutor(runner, FakeSampler(3, VOCAB))
+    sched = Scheduler(ex, num_slots=3, max_queue=4, eos_ids=(EOS,), prefill_token_budget=4096, overlap=OVERLAP)
+    cleanup(sched)
+    running = sched.submit(prompt(1), params(max_new=400), CancelToken())
+    it = iter(running)
+    for _ in range(3):
+        next(it)  # decoding
+    short = sched.submit(prompt(5, 6, 7), params(max_new=4), CancelToken())
+    assert list(short) == refs[0]
+    long_h = sched.submit(long_p, params(max_new=4), CancelToken())
+    assert list(long_h) == refs[1]
+    events = list(ex.events)
+
+    def in_flight_at(size: int) -> int:
+        """Launched but not collected steps when the step prefilling ``size`` tokens is launched."""
+        at = events.index(("launch", size))
+        return sum(e == "launch" for e, _ in events[:at]) - sum(e == "collect" for e, _ in events[:at])
+
+    assert in_flight_at(long_p.num_tokens) == 0
+    assert in_flight_at(3) == (1 if OVERLAP else 0)

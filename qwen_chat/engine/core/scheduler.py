@@ -38,6 +38,15 @@ from qwen_chat.engine.types import PreparedPrompt, SamplingParams, StepPlan
 
 log = logging.getLogger(__name__)
 
+#: Overlap mode: a step with more prompt tokens than this is launched only after the step in flight was
+#: collected.  Launching an eager prefill of thousands of tokens keeps the host busy about as long as the GPU
+#: runs it, so the tokens of the step in flight reached their streams only after it: in a 32-stream burst of
+#: 600-token prompts on an H200 (2026-12-04, serve run s17) every group of first tokens came one 4,096-token
+#: prefill step (~120 ms) late, the burst's first one after 145 ms for a 25 ms prefill.  The chunks of up to
+#: this many tokens run as CUDA-graph replays (``prefill_graph.PREFILL_BUCKETS[-1]``), which launch in
+#: microseconds, and keep the overlap.
+COLLECT_FIRST_TOKENS = 1024
+
 
 @dataclass
 class _InFlight:
@@ -78,7 +87,9 @@ class Scheduler:
             been fed to the next step; that step's token for it is discarded (its slot is freed afterwards),
             and sequences that reach their length limit are left out of the step ahead, so no step goes past
             ``max_new_tokens`` or the context.  Constrained requests (structured output) keep the overlap: the
-            sampler reads each one's previous token when it masks (``qwen_chat.engine.core.constraints``).
+            sampler reads each one's previous token when it masks (``qwen_chat.engine.core.constraints``).  A
+            step prefilling more than ``COLLECT_FIRST_TOKENS`` prompt tokens is launched after the step in
+            flight was collected (its launch takes as long as its GPU work).
         constraints: the ``constraints.ConstraintTable`` the sampler masks with (rank 0), or None (requests
             with constraints are then refused).
         idle_captures: (padded batch, context bucket) decode graphs to capture, one per step, whenever the
@@ -229,6 +240,14 @@ class Scheduler:
                     return
                 launched = failure = None
                 if plan.free_slots or plan.prefills or plan.decode_slots or plan.capture or plan.blocks:
+                    if inflight is not None and prompt_tokens(plan) > COLLECT_FIRST_TOKENS:
+                        done, inflight = inflight, None  # its tokens first: this launch takes long
+                        error = self._collect(done, None)
+                        if self.on_step is not None:
+                            self.on_step()
+                        if error is not None:
+                            self._fail_step(prefilled + [r for r in decoded if r not in done.requests], error)
+                            continue
                     if self.overlap and not plan.spec_k:
                         launched, failure = self._launch(plan, prefilled, decoded, inflight)
                     else:
@@ -288,20 +307,22 @@ class Scheduler:
             return None, (exc, prefilled, decoded + [r for r in others if r not in decoded])
         return _InFlight(launched, prefilled, decoded, started), None
 
-    def _collect(self, step: "_InFlight", following: Optional["_InFlight"]) -> None:
-        """Wait for a launched step's tokens and route them (overlap mode)."""
+    def _collect(self, step: "_InFlight", following: Optional["_InFlight"]) -> Optional[Exception]:
+        """Wait for a launched step's tokens and route them (overlap mode).  Returns None, or the exception the
+        executor raised (the step's requests and ``following``'s are failed, the scheduler marked unhealthy)."""
         try:
             tokens = self.executor.collect(step.launched)
         except Exception as exc:  # noqa: BLE001 - a device failure: the state may be corrupted
             log.exception("engine step failed; failing %d request(s)", len(step.requests))
             self._fail_step(step.requests + (following.requests if following else []), exc)
-            return
+            return exc
         finally:
             now = time.monotonic()
             self._batch.totals["step_seconds"] += now - max(step.started, self._last_collect_at)
             self._last_collect_at = now
             self._step_started_at = following.started if following is not None else None
         self._batch.deliver(step.requests, tokens)
+        return None
 
     def _step_failed(self, exc: Exception, prefilled: list[Request], decoded: list[Request]) -> None:
         """A step raised: fail whom it concerns (see the comments); a non-ChatError marks the engine broken."""
@@ -346,3 +367,8 @@ class Scheduler:
         with self._batch.cond:
             self._healthy = False
             self._unhealthy_reason = reason
+
+
+def prompt_tokens(plan: StepPlan) -> int:
+    """The prompt tokens ``plan`` prefills (over all its chunks)."""
+    return sum(c.stop() - c.start for c in plan.prefills)
