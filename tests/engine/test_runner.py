@@ -218,6 +218,16 @@ def test_graph_ladder_and_context_buckets(model):
     assert runner.capture_all() == 0  # CPU: no graphs, nothing to capture
 
 
+def test_the_start_up_log_names_the_slowest_decode_graph_captures():
+    from qwen_chat.engine.model.graphs import CudaGraphs
+
+    g = CudaGraphs.__new__(CudaGraphs)  # only its record of capture times (capturing needs CUDA)
+    g.capture_s = {}
+    assert g.slowest_captures() == "none"
+    g.capture_s = {(1, 2048): 21.34, (2, 2048): 0.11, (1, 262144): 0.9, (4, 2048): 3.0}
+    assert g.slowest_captures(2) == "batch 1 / context 2048 21.3 s, batch 4 / context 2048 3.0 s"
+
+
 @pytest.mark.parametrize("cuts", [
     [37],              # whole
     [5, 20, 37],       # three chunks, boundaries inside the KV blocks and the delta rule's 64-token chunks

@@ -86,6 +86,8 @@ class CudaGraphs:
         self._warm_stream = torch.cuda.Stream(device)
         self._decode: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._decode_out: dict[tuple[int, int], torch.Tensor] = {}
+        #: Seconds each decode graph took to warm up and capture (compiling included), by (batch, context).
+        self.capture_s: dict[tuple[int, int], float] = {}
         n = self._ladder[-1]
         # Graph inputs, rows: slot, token, position, rope position.  Filled on the host in a pinned buffer and
         # sent with one asynchronous copy per step; the event guards the pinned buffer against reuse too early.
@@ -147,8 +149,15 @@ class CudaGraphs:
         self._s_slots.fill_(self._scratch)
         args = (self._s_slots[:batch], self._s_tokens[:batch], self._s_pos[:batch], self._s_rope[:batch], ctx)
         self._decode[(batch, ctx)], self._decode_out[(batch, ctx)] = self.warm_and_capture(self._decode_step, args)
+        took = self.capture_s[(batch, ctx)] = time.perf_counter() - t0
         log.log(logging.INFO if why else logging.DEBUG, "decode graph (batch %d, context %d) captured%s in %.0f ms",
-                batch, ctx, f" {why}" if why else "", (time.perf_counter() - t0) * 1e3)
+                batch, ctx, f" {why}" if why else "", took * 1e3)
+
+    def slowest_captures(self, n: int = 4) -> str:
+        """The ``n`` decode graphs that took longest to warm up and capture: ``"batch 1 / context 2048 21.3 s,
+        ..."`` (the first capture of a shape family compiles its glue), or ``"none"``."""
+        ranked = sorted(self.capture_s.items(), key=lambda kv: -kv[1])[:n]
+        return ", ".join(f"batch {b} / context {c} {secs:.1f} s" for (b, c), secs in ranked) or "none"
 
     # ------------------------------------------------------------------ replay
     def decode(self, slots: Sequence[int], tokens: Optional[torch.Tensor], pos: Sequence[int], rope: Sequence[int],

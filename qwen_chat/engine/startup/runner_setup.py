@@ -199,8 +199,8 @@ def build_runner(loaded, config: ServiceConfig):
                 torch.cuda.empty_cache()
                 log.warning("speculative decoding is off: capturing its verify graphs ran out of GPU memory; "
                             "lower --gpu-memory-utilization (or --speculative-max-batch) to use it")
-        log.info("captured %d decode graphs in %s (the rest while idle or on first use)", held,
-                 tally.describe(mark))
+        log.info("captured %d decode graphs in %s (the rest while idle or on first use); slowest: %s", held,
+                 tally.describe(mark), runner.graphs.slowest_captures())
         mark, before = tally.mark(), torch.cuda.memory_reserved(device)
         try:
             held = runner.capture_prefill()
