@@ -29,8 +29,8 @@ log = logging.getLogger("qwen_chat.front")
 #: Words of the warm-up's text prompt (about one token each): long enough that the prompt travels as a large
 #: message, as a real 1k-token prompt does.
 TEXT_WORDS = 1000
-#: Side (px) of the warm-up's photos: a few hundred visual tokens at most under any ``--image-token-budget``.
-PHOTO_SIDE = 160
+#: Side (px) of the warm-up's photos: the size of a downscaled phone photo (about 200 visual tokens each).
+PHOTO_SIDE = 448
 #: Seconds each warm-up request may take before the front gives up on it (a CPU engine is slow).
 REQUEST_TIMEOUT_S = 120.0
 

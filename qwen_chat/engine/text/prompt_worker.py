@@ -115,15 +115,22 @@ def _token_strings() -> list:
     return token_strings(_PROCESSOR.tokenizer.backend_tokenizer)
 
 
-def _warm() -> bool:
-    """In a worker, once at start: build a prompt with a system message and a photo, so that the chat template
-    is compiled and the image processor's code paths are loaded before the first request (the first request
-    through the front waited about half a second more than the next ones: docs/performance.md, "First use
-    after ready").  True when the processor is loaded."""
+#: Side (px) of the photo each worker's warm-up builds a prompt with: the size of a downscaled phone photo, so
+#: that the image processor runs the resizing a real photo needs (a 64 px one left the first real photo ~45 ms
+#: slower than the next on an H200 host, 2026-12-04).
+WARM_PHOTO_SIDE = 448
+
+
+def _warm(image_token_budget: int) -> bool:
+    """In a worker, once at start: build a prompt with a system message and a ``WARM_PHOTO_SIDE`` px photo at
+    the service's ``image_token_budget``, so that the chat template is compiled and the image processor's code
+    paths are loaded before the first request (the first request through the front waited about half a second
+    more than the next ones: docs/performance.md, "First use after ready").  True when the processor is
+    loaded."""
     from qwen_chat.engine.text.prompt import photo_prompt
 
-    photo_prompt(_PROCESSOR, side=64, image_token_budget=64, context_length=4096, system="Warm-up.",
-                 control_tokens=_CONTROL)
+    photo_prompt(_PROCESSOR, side=WARM_PHOTO_SIDE, image_token_budget=image_token_budget, context_length=1 << 16,
+                 system="Warm-up.", control_tokens=_CONTROL)
     return _PROCESSOR is not None
 
 
@@ -181,7 +188,7 @@ class PromptPool:
         self._pools = [concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_init,
                                                               initargs=(str(checkpoint),))
                        for _ in range(max(1, int(workers)))]
-        self._warming = [pool.submit(_warm) for pool in self._pools]  # start loading now, not with a request
+        self._warming = [pool.submit(_warm, self.image_token_budget) for pool in self._pools]  # start loading now, not with a request
 
     def wait_warm(self, timeout_s: float) -> bool:
         """Wait until every worker has loaded its processor (True), or ``timeout_s`` seconds passed."""
