@@ -149,9 +149,10 @@ class ServiceConfig:
     stream_interval: int = _opt(
         1, help="tokens per streamed update at most for a client that keeps up (vLLM's --stream-interval); a "
                 "slower client gets what accumulated merged into one update either way")
-    prompt_workers: int = _opt(
-        2, help="processes of the web front that build prompts (chat template, tokenization, images), so that a "
-                "large request never stalls the running streams")
+    prompt_workers: Optional[int] = _opt(
+        None, help="processes of the web front that build prompts (chat template, tokenization, images), so that "
+                   "a large request never stalls the running streams; default: a quarter of the CPU cores, 2 to "
+                   "8 (each holds about 0.75 GB)")
     max_request_mb: float = _opt(
         0.0, help="largest API request body in MB (1 MB = 2**20 bytes), refused with 413 before it is read; "
                   "default: what --max-images-per-turn images of --max-upload-mb each take as base64, plus 1 MB")
@@ -207,6 +208,13 @@ class ServiceConfig:
              "--no-tp-fused or QWEN_CHAT_TP_FUSED=0 turns it off)")
 
     @property
+    def prompt_worker_count(self) -> int:
+        """``--prompt-workers``, else a quarter of the CPU cores, 2 to 8: a burst's prompts are built one after the
+        other in each worker (~5 ms per 600-word prompt on one core: 2 workers queued a 32-prompt burst up to
+        ~80 ms; docs/performance.md, "What the 32-stream TTFT still waits for")."""
+        return self.prompt_workers or max(2, min(8, (os.cpu_count() or 2) // 4))
+
+    @property
     def loopback(self) -> bool:
         return _is_loopback(self.host)
 
@@ -238,7 +246,7 @@ class ServiceConfig:
             raise ConfigError(f"--image-token-budget must be 64..16384, got {self.image_token_budget}")
         if self.max_queue < 1 or (self.max_batch is not None and self.max_batch < 1):
             raise ConfigError(f"--max-queue and --max-batch must be >= 1, got {self.max_queue} and {self.max_batch}")
-        if not (1 <= self.prompt_workers <= 64):
+        if self.prompt_workers is not None and not (1 <= self.prompt_workers <= 64):
             raise ConfigError(f"--prompt-workers must be 1..64, got {self.prompt_workers}")
         if self.stream_interval < 1:
             raise ConfigError(f"--stream-interval must be >= 1, got {self.stream_interval}")
@@ -390,11 +398,3 @@ def _from_env(name: str, raw: str, kind: Any, lower: bool) -> Any:
     except ValueError:
         raise ConfigError(f"${name} must be a number, got {raw!r}") from None
 
-
-def request_body_limit(cfg: ServiceConfig) -> int:
-    """The largest API request body in bytes: ``--max-request-mb``, or by default room for
-    ``--max-images-per-turn`` images of ``--max-upload-mb`` each as base64 (4/3 of the bytes) plus 1 MiB of
-    text and JSON (8 x 20 MB: 214 MiB)."""
-    if cfg.max_request_mb > 0:
-        return int(cfg.max_request_mb * 2**20)
-    return int(cfg.max_images_per_turn * cfg.max_upload_mb * 2**20 * 4 / 3) + 2**20

@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         gone.append(reason)
 
     hub = EngineHub(address, token, replicas, stream_interval=cfg.stream_interval, on_engine_gone=engine_gone,
-                    prompt_workers=cfg.prompt_workers)
+                    prompt_workers=cfg.prompt_worker_count)
     folder = cached_checkpoint(cfg.model, cfg.cache_dir)
     if folder is not None:  # on this machine already: its processor loads while the engine loads
         hub.start_prompts(folder, cfg.image_token_budget)

@@ -67,6 +67,13 @@ def test_flags_parse_as_before():
     assert ServiceConfig.from_argv(["--tp-fused"], env={"QWEN_CHAT_TP_FUSED": "0"}).tp_fused is True
 
 
+def test_prompt_workers_default_to_a_quarter_of_the_cores_from_2_to_8(monkeypatch):
+    assert ServiceConfig.from_argv(["--prompt-workers", "3"], env={}).prompt_worker_count == 3
+    for cores, workers in ((1, 2), (2, 2), (16, 4), (32, 8), (128, 8), (None, 2)):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        assert ServiceConfig.from_argv([], env={}).prompt_worker_count == workers, cores
+
+
 def test_environment_variables_are_fallbacks_of_their_flags():
     env = {"QWEN_CHAT_DS_CONFIG": "env.json", "LOCAL_RANK": "2", "QWEN_CHAT_TP_ALLREDUCE": " NCCL ",
            "QWEN_CHAT_TP_FUSED": "0"}

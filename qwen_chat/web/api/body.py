@@ -10,7 +10,18 @@ from itertools import accumulate
 
 from fastapi import Request
 
+from qwen_chat.config import ServiceConfig
 from qwen_chat.web.api.protocol import APIRequestError
+
+
+def request_body_limit(cfg: ServiceConfig) -> int:
+    """The largest API request body in bytes: ``--max-request-mb``, or by default room for
+    ``--max-images-per-turn`` images of ``--max-upload-mb`` each as base64 (4/3 of the bytes) plus 1 MiB of
+    text and JSON (8 x 20 MB: 214 MiB)."""
+    if cfg.max_request_mb > 0:
+        return int(cfg.max_request_mb * 2**20)
+    return int(cfg.max_images_per_turn * cfg.max_upload_mb * 2**20 * 4 / 3) + 2**20
+
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 (code ``request_too_large``, naming the limit) when its

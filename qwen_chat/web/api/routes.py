@@ -20,10 +20,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qwen_chat.chat_types import CancelToken, ChatBackend, ChatError
-from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig, request_body_limit
+from qwen_chat.config import DEFAULT_MAX_SLOTS, ServiceConfig
 from qwen_chat.history.api_images import ApiImageStore
 from qwen_chat.images import ImageLimits
-from qwen_chat.web.api.body import parse_body, read_body
+from qwen_chat.web.api.body import parse_body, read_body, request_body_limit
 from qwen_chat.web.api.browsers import check_json_body, check_origin, preflight
 from qwen_chat.web.api.protocol import (
     APIRequestError,
