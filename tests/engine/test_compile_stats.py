@@ -3,6 +3,7 @@ compilation listener, ``torch.compile`` graphs through TorchDynamo's compile-tim
 import pytest
 import torch
 
+from qwen_chat.engine.startup import compile_stats
 from qwen_chat.engine.startup.compile_stats import CompileTally
 
 knobs = pytest.importorskip("triton.knobs")
@@ -51,3 +52,7 @@ def test_torch_compile_graphs_counted(restore_listener):
     assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0))
     assert "1 torch.compile graphs" in tally.describe(mark)
     assert "0 Triton kernels compiled" in tally.describe(mark)
+    steps = compile_stats.torch_compile_steps(50)
+    assert "_compile.compile_inner x" in steps  # TorchDynamo's own timer of the graph just compiled
+    secs = [float(part.rsplit(" ", 2)[-2]) for part in steps.split(", ")]
+    assert secs == sorted(secs, reverse=True)  # slowest first

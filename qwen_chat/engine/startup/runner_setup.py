@@ -234,6 +234,8 @@ def build_runner(loaded, config: ServiceConfig):
     if warm_up_prefill(runner, loaded, chunk, config.image_token_budget):  # CUDA: no first-use stalls after ready
         log.info("warm-up compilation: %s; slowest Triton kernels to compile since start: %s", tally.describe(mark),
                  tally.top())
+        log.info("torch.compile's slowest steps since start (nested steps overlap): %s",
+                 compile_stats.torch_compile_steps())
     return runner, sampler, plan, chunk
 
 
