@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_chat.chat_types import InvalidInput
+from qwen_chat.engine.model import vision_patch
 from qwen_chat.engine.types import PreparedPrompt
 
 
@@ -40,6 +41,7 @@ class PromptInputs:
     """
 
     def __init__(self, model, *, device: torch.device, dtype: torch.dtype) -> None:
+        vision_patch.patch_embed_as_gemm(model)  # no per-image-size convolution plan (vision_patch)
         self._core = model.model
         self._embed = model.model.language_model.embed_tokens
         self._rotary = model.model.language_model.rotary_emb
