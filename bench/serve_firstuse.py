@@ -5,7 +5,8 @@ photo with a short question, and a burst of 8 streams at once (600-token prompts
 Run right after ``/healthz`` turns 200 it gives ``first_use_ttft_ms`` (whatever the service compiles or
 captures on first use shows here); run again after the other phases it gives ``steady_ttft_ms``.  The
 benchmark's own HTTP client path is run once before (``serve_http.warm_client``, a request that reaches no
-model), so that its first use in this process is not counted as the service's.
+model), so that its first use in this process is not counted as the service's; each photo request sends a
+photo the service has not seen (one pixel changed), as a user's next photo would be.
 
 ``shared_system_prompt``: conversations of different users that start with the same long system prompt (4k
 tokens of words) and each their own 20-token question: the first one prefills it all; each later one is timed
@@ -17,18 +18,31 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import itertools
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import serve_http as H
+from PIL import Image
 
 IMAGE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "images" / "chelsea.png"
 KINDS = ("1k", "8k", "image", "burst8")
 
 
+_VARIANTS = itertools.count(1)
+
+
 def _image_message(question: str) -> list:
-    data = base64.b64encode(IMAGE.read_bytes()).decode()
+    """One user message with the test photo, one pixel changed per call: each request's photo is new to the
+    service (its API image store keeps normalised photos by content, so the same bytes again would skip the
+    normalising a new photo pays)."""
+    img = Image.open(IMAGE).convert("RGB")
+    img.putpixel((0, 0), (next(_VARIANTS) % 256, 0, 0))
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
     return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
                                          {"type": "text", "text": question}]}]
 
