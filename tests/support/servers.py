@@ -8,6 +8,7 @@ Public API::
     hang_up_after(stream, content_chunks)                 # an openai client leaving a streamed reply mid-way
     with serve_engine(loaded, cfg) as (url, engine): ...  # the real engine of a loaded model behind the API
     with engine_link(engine) as client: ...              # an engine over the real link, as the front sees it
+    with front_server() as (front, server, url, backend): ...  # web.front's Front (pending backend) on a port
 """
 from __future__ import annotations
 
@@ -129,3 +130,29 @@ def hang_up_after(stream, content_chunks: int) -> None:
         if received == content_chunks:
             break
     stream.close()
+
+
+@contextmanager
+def front_server() -> Iterator[tuple]:
+    """(front, server, url, backend): a ``web.front.Front`` over a new ``PendingBackend`` (the tiny model's
+    provisional info) served by a ``WebServer`` on a free loopback port in a thread; stopped at the end."""
+    import uvicorn
+
+    from qwen_chat.chat_types import ModelInfo
+    from qwen_chat.pending import PendingBackend
+    from qwen_chat.web.front import Front, WebServer
+    from tests.support.waiting import wait_until
+
+    backend = PendingBackend(ModelInfo(name="tiny", demo=True, context_length=0))
+    front = Front(backend)
+    port = free_port()
+    server = WebServer(front, uvicorn.Config(front, host="127.0.0.1", port=port, log_level="warning",
+                                             timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 20, "the server to start")
+    try:
+        yield front, server, f"http://127.0.0.1:{port}", backend
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

@@ -11,14 +11,11 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 
-from qwen_chat.chat_types import ModelInfo
-from qwen_chat.pending import PendingBackend
-from qwen_chat.web.front import Front, QuietHealthChecks, WebServer
-from tests.support.servers import free_port
+from qwen_chat.web.front import QuietHealthChecks
+from tests.support.servers import front_server
 from tests.support.waiting import wait_until
 
 
@@ -61,18 +58,8 @@ def full_app(events: list, stop: asyncio.Event) -> FastAPI:
 @pytest.fixture
 def served():
     """(front, server, url, backend) with a WebServer on a free port in a thread; stopped at the end."""
-    backend = PendingBackend(ModelInfo(name="tiny", demo=True, context_length=0))
-    front = Front(backend)
-    port = free_port()
-    server = WebServer(front, uvicorn.Config(front, host="127.0.0.1", port=port, log_level="warning",
-                                             timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: server.started, 20, "the server to start")
-    yield front, server, url, backend
-    server.should_exit = True
-    thread.join(timeout=15)
+    with front_server() as running:
+        yield running
 
 
 def test_before_the_app_is_attached_every_request_gets_a_clear_503(served):

@@ -7,21 +7,16 @@ import base64
 import io
 import json
 import logging
-import threading
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from PIL import Image
 
-from qwen_chat.chat_types import ModelInfo
-from qwen_chat.pending import PendingBackend
 from qwen_chat.web import self_warm
-from qwen_chat.web.front import Front, WebServer, health_report
-from tests.support.servers import free_port
-from tests.support.waiting import wait_until
+from qwen_chat.web.front import health_report
+from tests.support.servers import front_server
 
 
 class Engine:
@@ -58,16 +53,8 @@ def chat_app(seen: list, backend=None, status: int = 200) -> FastAPI:
 
 @pytest.fixture
 def served():
-    backend = PendingBackend(ModelInfo(name="tiny", demo=True, context_length=0))
-    front = Front(backend)
-    port = free_port()
-    server = WebServer(front, uvicorn.Config(front, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, 20, "the server to start")
-    yield front, f"http://127.0.0.1:{port}", backend
-    server.should_exit = True
-    thread.join(timeout=15)
+    with front_server() as (front, server, url, backend):
+        yield front, url, backend
 
 
 def test_warm_up_sends_a_long_text_and_two_photos_through_the_app_with_the_key(served):
