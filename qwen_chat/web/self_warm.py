@@ -5,8 +5,8 @@ Each kind of request first ran code the engine's warm-up never reaches: FastAPI 
 (it reads the endpoint's source lines on first use), modules imported on first use (pyzmq's large-message send,
 Pillow's PNG and JPEG plugins), the API image store's first write, the stream's first SSE chunk.  On an H200
 (2026-12-04, ``bench/serve_bench.py``) a 1k-token prompt right after ready took 99 ms to its first token against
-53 ms later, and a photo 187 against 90 ms, while the engine's own TTFT of the same requests differed by at
-most 23 ms: the rest was spent in the front.
+53 ms later while the engine's own TTFT was 41 ms both times; on the 2-core CPU machine the front's share of the
+first 1k prompt was 47 ms against 10-20 ms for the next ones (53 and 55 ms on the H200 with this warm-up).
 
 ``warm_up`` sends, through the front's ASGI application in its own event loop (everything a client's request
 meets but the socket), one streamed chat completion with a text of ``TEXT_WORDS`` words and one with two small

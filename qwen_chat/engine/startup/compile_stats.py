@@ -50,9 +50,9 @@ def _dynamo_times() -> list[float]:
 def torch_compile_steps(n: int = 8) -> str:
     """The ``n`` steps of ``torch.compile`` that took longest in this process, from TorchDynamo's own timers
     (``torch._dynamo.utils.compilation_time_metrics``: function name -> durations in seconds; nested steps
-    overlap their callers, e.g. ``GraphLowering.compile_to_module`` inside ``_compile.compile_inner``, and an
-    Inductor kernel's autotuning at its first run is timed outside both): ``"name xcount seconds s, ..."``,
-    or ``"none"``."""
+    overlap their callers, e.g. ``GraphLowering.compile_to_module`` inside ``_compile.compile_inner``; Inductor's
+    autotuning of a kernel at its first run is ``CachingAutotuner.benchmark_all_configs``): ``"name xcount
+    seconds s, ..."``, or ``"none"``."""
     totals = [(name, len(times), sum(times)) for name, times in _dynamo_metrics().items() if times]
     ranked = sorted(totals, key=lambda t: -t[2])[:n]
     return ", ".join(f"{name} x{count} {secs:.1f} s" for name, count, secs in ranked) or "none"

@@ -116,8 +116,7 @@ def _token_strings() -> list:
 
 
 #: Side (px) of the photo each worker's warm-up builds a prompt with: the size of a downscaled phone photo, so
-#: that the image processor runs the resizing a real photo needs (a 64 px one left the first real photo ~45 ms
-#: slower than the next on an H200 host, 2026-12-04).
+#: that the image processor runs the resizing a real photo needs before the first one comes.
 WARM_PHOTO_SIDE = 448
 
 
