@@ -8,7 +8,8 @@
 #
 # Every pip install applies the lock file constraints.txt (exact versions of every package, transitive ones
 # included), and triton is pinned to match the torch build (see below), so a fresh install cannot drift.
-# Uses the current `python` (activate a virtual environment first if you want one).  Safe to re-run.
+# Uses the current `python3` ($PYTHON overrides it; activate a virtual environment first if you want one), the
+# interpreter start.sh runs.  Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,12 +17,12 @@ with_test=0
 for arg in "$@"; do
   case "$arg" in
     --test) with_test=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown argument $arg (expected --test)" >&2; exit 2 ;;
   esac
 done
 
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
 
 if [ "$with_test" = 1 ]; then
   missing=()
