@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
 import logging
 import time
 from typing import Any, Optional
@@ -57,42 +56,19 @@ def warm_bodies(model: str) -> dict[str, dict]:
 
 async def request(app: Any, path: str, body: dict, *, api_key: Optional[str] = None,
                   state: Optional[dict] = None) -> tuple[int, bytes]:
-    """POST ``body`` (JSON) to ``path`` of the ASGI ``app`` as a loopback client would; (HTTP status, the
-    whole response body).  Must run in the loop that serves ``app``."""
-    payload = json.dumps(body).encode()
-    headers = [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
-               (b"content-length", str(len(payload)).encode())]
-    if api_key:
-        headers.append((b"authorization", f"Bearer {api_key}".encode()))
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
-             "state": dict(state or {})}
-    sent = [False]
-    finished = asyncio.Event()
-    status = [0]
-    chunks: list[bytes] = []
+    """POST ``body`` (JSON) to ``path`` of the ASGI ``app`` as a loopback client would (httpx's
+    ``ASGITransport``; each request's scope gets a copy of the lifespan ``state``, as uvicorn gives it); (HTTP
+    status, the whole response body).  Must run in the loop that serves ``app``."""
+    import httpx
 
-    async def receive() -> dict:
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": payload, "more_body": False}
-        await finished.wait()  # the client stays connected until the response is complete
-        return {"type": "http.disconnect"}
+    async def with_state(scope, receive, send):
+        await app({**scope, "state": dict(state or {})}, receive, send)
 
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            status[0] = int(message["status"])
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                finished.set()
-
-    try:
-        await app(scope, receive, send)
-    finally:
-        finished.set()
-    return status[0], b"".join(chunks)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(with_state), base_url="http://127.0.0.1",
+                                 timeout=REQUEST_TIMEOUT_S) as client:
+        resp = await client.post(path, json=body, headers=headers)
+    return resp.status_code, resp.content
 
 
 def warm_up(front: Any, model: str, api_key: Optional[str]) -> dict[str, float]:

@@ -230,10 +230,8 @@ class Scheduler:
         try:
             while True:
                 if inflight is not None and self._batch.spec_ready():  # speculate on known lengths
-                    self._collect(inflight, None)
+                    self._collect_now(inflight)
                     inflight = None
-                    if self.on_step is not None:
-                        self.on_step()
                 ahead = inflight.requests if inflight is not None else None
                 plan, prefilled, decoded = self._batch.next_plan(ahead, self.overlap)
                 if plan is None:
@@ -242,11 +240,10 @@ class Scheduler:
                 if plan.free_slots or plan.prefills or plan.decode_slots or plan.capture or plan.blocks:
                     if inflight is not None and prompt_tokens(plan) > COLLECT_FIRST_TOKENS:
                         done, inflight = inflight, None  # its tokens first: this launch takes long
-                        error = self._collect(done, None)
-                        if self.on_step is not None:
-                            self.on_step()
+                        error = self._collect_now(done)
                         if error is not None:
-                            self._fail_step(prefilled + [r for r in decoded if r not in done.requests], error)
+                            settled = {id(r) for r in done.requests}  # failed with it already
+                            self._fail_step(prefilled + [r for r in decoded if id(r) not in settled], error)
                             continue
                     if self.overlap and not plan.spec_k:
                         launched, failure = self._launch(plan, prefilled, decoded, inflight)
@@ -323,6 +320,14 @@ class Scheduler:
             self._step_started_at = following.started if following is not None else None
         self._batch.deliver(step.requests, tokens)
         return None
+
+    def _collect_now(self, step: "_InFlight") -> Optional[Exception]:
+        """Collect ``step`` before planning or launching the next one (``_collect``, nothing following) and send
+        its tokens on (``on_step``).  Returns what ``_collect`` returns."""
+        error = self._collect(step, None)
+        if self.on_step is not None:
+            self.on_step()
+        return error
 
     def _step_failed(self, exc: Exception, prefilled: list[Request], decoded: list[Request]) -> None:
         """A step raised: fail whom it concerns (see the comments); a non-ChatError marks the engine broken."""
