@@ -10,11 +10,12 @@ Usage (repository root, any machine; the built-in tiny checkpoint's tokenizer, b
     python bench/front_bench.py --streams 128 --tokens 512 --step-ms 8 --stream-interval 4
     python bench/front_bench.py --out bench/results/DATE-HOST-front.json
 
-Each burst sends ``--streams`` streamed ``/v1/chat/completions`` requests at once (a short message,
-``max_tokens`` = ``--tokens``, ``stream_options.include_usage``) from a raw asyncio HTTP client (cheap, so that it
+Each burst sends ``--streams`` streamed ``/v1/chat/completions`` requests at once (a short message, with
+``--prompt-words N`` N random words more as serve_bench's prompts have; ``max_tokens`` = ``--tokens``, ``stream_options.include_usage``) from a raw asyncio HTTP client (cheap, so that it
 takes little of the CPU the front needs), and records: ``tokens`` (the sum of ``usage.completion_tokens``),
 ``events`` (SSE ``data:`` events), ``wall_s``, ``tok_s``, ``front_cpu_s`` and ``front_us_per_token`` (user + system
-CPU of the front process itself, psutil, over the burst), ``workers_us_per_token`` (its prompt worker
+CPU of the front process itself, psutil, over the burst; ``front_system_share``: the kernel's part of it, where
+the socket writes of the events go), ``workers_us_per_token`` (its prompt worker
 processes: templating and tokenization of the burst's prompts), ``engine_tok_s_offered`` (what the synthetic
 engine would emit if the front kept up: streams x 1000 / step-ms) and ``idle_front_cpu_share`` (the front's CPU
 share of one core with nobody connected, measured before the bursts: the fixed cost every token pays a share of);
@@ -22,7 +23,8 @@ each burst is run ``--repeat`` times and the run with the median ``front_us_per_
 values in ``front_us_per_token_runs``).
 
 The synthetic engine's tokens are the ids of an English sentence (the tiny checkpoint has the real Qwen3.5
-tokenizer), repeated; the reply is thinking-mode text, so the front splits reasoning from content as it does
+tokenizer), repeated, or with ``--random-reply`` ids drawn at random from its vocabulary (what a checkpoint with
+random weights, as on the GPU benches, emits: many multi-byte pieces); the reply is thinking-mode text, so the front splits reasoning from content as it does
 for the real model.  Not a measure of the service (the engine's work is missing): of the front's part of it.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ import asyncio
 import json
 import os
 import platform
+import random
 import secrets
 import socket
 import subprocess
@@ -42,12 +45,14 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import app  # noqa: E402
 import serve_host as S  # noqa: E402  (bench/ is on sys.path: this script's folder)
+from serve_http import random_prompt  # noqa: E402
 from qwen_chat.chat_types import ModelInfo  # noqa: E402
 from qwen_chat.engine.core.handles import _Finish  # noqa: E402
 
@@ -142,14 +147,22 @@ def _special_ids(folder: Path) -> dict:
     ids = {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|im_end|>", "<think>", "</think>",
                                                      "<tool_call>", "</tool_call>")}
     text = tok.encode(SENTENCE * 4, add_special_tokens=False).ids
+    rng = random.Random(0)
+    plain = tok.get_vocab_size(with_added_tokens=False)  # ordinary tokens: ids below the added (special) ones
     # a reasoning part, then the answer: the front's reasoning split runs as for the real model
-    return {"sentence": text[:40] + [ids["</think>"]] + text[40:], "eos": [ids["<|endoftext|>"], ids["<|im_end|>"]],
+    return {"sentence": text[:40] + [ids["</think>"]] + text[40:],
+            "random": [rng.randrange(plain) for _ in range(40)] + [ids["</think>"]]
+            + [rng.randrange(plain) for _ in range(4096)], "eos": [ids["<|endoftext|>"], ids["<|im_end|>"]],
             "think": [ids["<think>"], ids["</think>"]], "tool": [ids["<tool_call>"], ids["</tool_call>"]]}
 
 
-async def _stream(port: int, model: str, tokens: int, seed: int) -> tuple[int, int]:
-    """One streamed request over a raw connection: (completion tokens from usage, SSE data events)."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": f"Tell me story number {seed}."}],
+async def _stream(port: int, model: str, tokens: int, seed: int, words: int = 0) -> tuple[int, int]:
+    """One streamed request over a raw connection: (completion tokens from usage, SSE data events).  ``words``:
+    that many random words (``serve_http.random_prompt``, about one token each) after the short message."""
+    text = f"Tell me story number {seed}."
+    if words:
+        text += " " + random_prompt(words, random.Random(seed))
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}],
                        "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
@@ -185,6 +198,11 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=20.0, help="synthetic decode step period (ms)")
     ap.add_argument("--repeat", type=int, default=3, help="bursts per stream count (the median is reported)")
     ap.add_argument("--stream-interval", type=int, default=1, help="the front's --stream-interval")
+    ap.add_argument("--prompt-words", type=int, default=0,
+                    help="random words added to each request's message (serve_bench's prompts: 600)")
+    ap.add_argument("--random-reply", action="store_true",
+                    help="reply with token ids drawn at random from the vocabulary, as a model with random weights "
+                         "does (default: an English sentence)")
     ap.add_argument("--cache-dir", default=os.environ.get("QWEN_CHAT_CACHE_DIR") or "~/.cache/qwen_chat")
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args()
@@ -195,7 +213,7 @@ def main() -> int:
 
     folder = build_tiny_checkpoint(Path(args.cache_dir).expanduser())
     ids = _special_ids(folder)
-    engine = SyntheticEngine(ids["sentence"], args.step_ms / 1000.0, folder)
+    engine = SyntheticEngine(ids["random" if args.random_reply else "sentence"], args.step_ms / 1000.0, folder)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -227,13 +245,15 @@ def main() -> int:
         time.sleep(10)
         t1, after = _seconds(front.pid)
         idle_share = S.cpu_delta(before, after)["front"] / (t1 - t0)
-        asyncio.run(_burst(port, model, 4, args.tokens))  # warm-up: first requests, prompt workers
+        asyncio.run(_burst(port, model, 4, args.tokens, args.prompt_words))  # warm-up: first requests, prompt workers
         results = []
         for n in args.streams:
             runs = []
             for _ in range(args.repeat):
                 t0, before = _seconds(front.pid)
-                got = asyncio.run(_burst(port, model, n, args.tokens))
+                times0 = psutil.Process(front.pid).cpu_times()
+                got = asyncio.run(_burst(port, model, n, args.tokens, args.prompt_words))
+                times1 = psutil.Process(front.pid).cpu_times()
                 t1, after = _seconds(front.pid)
                 cpu = S.cpu_delta(before, after)
                 tokens, events = sum(g[0] for g in got), sum(g[1] for g in got)
@@ -242,6 +262,8 @@ def main() -> int:
                              "engine_tok_s_offered": round(n * 1000 / args.step_ms, 1),
                              "front_cpu_s": round(cpu["front"], 2),
                              "front_us_per_token": round(S.us_per_token(cpu["front"], tokens), 1),
+                             "front_system_share": round((times1.system - times0.system) / max(
+                                 1e-9, times1.system - times0.system + times1.user - times0.user), 3),
                              "workers_us_per_token": round(S.us_per_token(cpu["other"], tokens), 1)})
             median = sorted(runs, key=lambda r: r["front_us_per_token"])[len(runs) // 2]
             results.append(dict(median, front_us_per_token_runs=[r["front_us_per_token"] for r in runs]))
@@ -256,23 +278,26 @@ def main() -> int:
     report = {"bench": "front_bench", "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
               "cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "tokens_per_request": args.tokens,
+              "prompt_words": args.prompt_words, "reply": "random ids" if args.random_reply else "sentence",
               "step_ms": args.step_ms, "stream_interval": args.stream_interval,
               "idle_front_cpu_share": round(idle_share, 4), "bursts": results}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     print(f"\nidle front: {100 * idle_share:.1f} % of a core")
-    print("| streams | tokens | SSE events | tok/s (offered) | front us/token (median; runs) | prompt workers us/token |")
-    print("|---|---|---|---|---|---|")
+    print("| streams | tokens | SSE events | tok/s (offered) | front us/token (median; runs) | of it system "
+          "| prompt workers us/token |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         runs = ", ".join(str(x) for x in r["front_us_per_token_runs"])
         print(f"| {r['streams']} | {r['tokens']} | {r['events']} | {r['tok_s']:,.0f} ({r['engine_tok_s_offered']:,.0f}) "
-              f"| {r['front_us_per_token']} ({runs}) | {r['workers_us_per_token']} |")
+              f"| {r['front_us_per_token']} ({runs}) | {100 * r['front_system_share']:.0f} % "
+              f"| {r['workers_us_per_token']} |")
     return 0
 
 
-async def _burst(port: int, model: str, n: int, tokens: int) -> list:
-    return await asyncio.gather(*[_stream(port, model, tokens, i) for i in range(n)])
+async def _burst(port: int, model: str, n: int, tokens: int, words: int) -> list:
+    return await asyncio.gather(*[_stream(port, model, tokens, i, words) for i in range(n)])
 
 
 def _cpu_name() -> str:
