@@ -54,6 +54,9 @@ def test_row_groups_give_every_row_the_output_of_one_call(monkeypatch, kv_dtype)
     assert grouped.shape == whole.shape == (7, NKV, GROUP, HD)
     torch.testing.assert_close(grouped, whole, rtol=1e-6, atol=1e-6)
     assert glue.glue_functions(False)["attn_core"](*args).shape == whole.shape
+    start = args[4] // 2  # each group gets its own rows' context starts (the MTP layer's)
+    torch.testing.assert_close(glue.in_row_groups(core)(*args, start), glue.attn_core(*args, start),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_the_plan_keeps_one_row_group_of_scores_and_gives_the_rest_to_the_kv_cache():

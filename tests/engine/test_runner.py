@@ -143,7 +143,8 @@ def test_state_shapes_follow_the_model():
 
 def test_fused_decode_attention_matches_sdpa():
     """glue.attn_core (the compiled GPU path) reads each row's own blocks, through its block table, up to its
-    position, like SDPA over that sequence's keys and values with a length mask."""
+    position (and from its ``start`` when given), like SDPA over that sequence's keys and values with a length
+    mask."""
     gen = torch.Generator().manual_seed(6)
     blocks, bt, nkv, hd, G = 9, 8, 2, 16, 3
     kc, vc = torch.randn(blocks, bt, nkv, hd, generator=gen), torch.randn(blocks, bt, nkv, hd, generator=gen)
@@ -155,6 +156,15 @@ def test_fused_decode_attention_matches_sdpa():
         n = int(pos[b]) + 1
         keys = kc[table[b]].flatten(0, 1)[:n].transpose(0, 1)[None]   # [1, nkv, n, hd]
         vals = vc[table[b]].flatten(0, 1)[:n].transpose(0, 1)[None]
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], keys, vals, scale=0.25)
+        assert torch.allclose(ours[b], ref[0], atol=1e-5)
+    # ``start`` (the MTP layer's context): positions before it are not attended to
+    start = torch.tensor([9, 0, 30])
+    ours = attn_core(q, kc, vc, table, pos, 0.25, start=start)
+    for b in range(3):
+        lo, n = int(start[b]), int(pos[b]) + 1
+        keys = kc[table[b]].flatten(0, 1)[lo:n].transpose(0, 1)[None]
+        vals = vc[table[b]].flatten(0, 1)[lo:n].transpose(0, 1)[None]
         ref = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], keys, vals, scale=0.25)
         assert torch.allclose(ours[b], ref[0], atol=1e-5)
 

@@ -487,6 +487,37 @@ def test_mtp_drafts_equal_the_head_run_over_the_whole_sequence(tiny_loaded):
 
 
 @torch.no_grad()
+def test_drafting_padded_as_its_cuda_graph_pads_it_gives_the_same_drafts(tiny_loaded):
+    """What ``mtp_graphs.DraftGraphs`` runs for 3 slots (padded to 4, the fourth on the scratch slot at position
+    0 with one kept position), run eagerly here: the real slots' k = 2 drafts equal those of the unpadded
+    ``draft``, after prompts and after a speculative step (drafting on as if the slots kept 1, 2 and 3 of its
+    positions); the MTP layer's keys of the real slots are the same either way (to rounding: the rows are
+    batched otherwise)."""
+    from qwen_chat.engine.model.speculative import device_ints
+
+    runner = make_runner(tiny_loaded, num_slots=4, k=2)
+    ex = LocalExecutor(runner, Sampler(4, runner.vocab_size, "cpu"))
+    drafter = runner.spec.drafter
+    last = ex.execute(StepPlan(prefills=[PrefillItem(s, p, GREEDY) for s, p in enumerate(prompts(3))]))
+    for step in range(2):
+        rows = [(s, drafter._pending[s][0], drafter._pending[s][1] if step == 0 else 1 + s, drafter._start[s],
+                 runner.rope_deltas[s]) for s in range(3)]  # after the step: 1, 2, 3 kept positions
+        ctx = runner.context_bucket(max(r[1] for r in rows) + 3 + 2)
+        runner.spec.verifier.prepare([0, 1, 2], 3)
+        want = drafter.draft(device_ints([list(c) for c in zip(*rows)], "cpu"), ctx, 2)
+        keys = drafter.k_cache.clone()
+        padded = rows + [(runner.num_slots, 0, 1, 0, 0)]
+        got = drafter.draft(device_ints([list(c) for c in zip(*padded)], "cpu"), ctx, 2)
+        assert torch.equal(got[:3], want), step
+        null = runner.tables.null_block  # the scratch slot's writes land in the null block only
+        assert torch.allclose(drafter.k_cache[:null], keys[:null], atol=1e-5), step  # (rows batched otherwise)
+        # one speculative step: each slot's verify rows give the MTP layer's inputs of the next draft
+        out = ex.execute(StepPlan(decode_slots=[0, 1, 2], decode_tokens=[last[s] for s in range(3)], spec_k=2,
+                                  drafts=[[5, 6], [7, 8], [9, 10]]))
+        last = [out[s][-1] for s in range(3)]
+
+
+@torch.no_grad()
 def test_a_verify_step_padded_as_its_cuda_graph_pads_it_gives_the_same_rows(tiny_loaded):
     """What ``graphs.CudaGraphs`` runs for 3 sequences x T = 2 on CUDA (padded to 4 sequences, the fourth on
     the scratch slot at position 0), run eagerly here: the real rows' logits and hidden states equal those of

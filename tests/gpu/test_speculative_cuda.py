@@ -1,6 +1,7 @@
 """GPU-only checks of speculative decoding: the verify step through its CUDA graphs leaves the exact state of
-plain decoding after any partial acceptance, and greedy replies with oracle (partly wrong) and MTP-head drafts
-equal plain decoding, on the tiny checkpoint in fp32.  Skipped without CUDA.  Run on a GPU host:
+plain decoding after any partial acceptance, the MTP head's drafting through its CUDA graphs gives its eager
+drafts, and greedy replies with oracle (partly wrong) and MTP-head drafts equal plain decoding, on the tiny
+checkpoint in fp32.  Skipped without CUDA.  Run on a GPU host:
 ``python -m pytest -q tests/gpu/test_speculative_cuda.py``.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from qwen_chat.engine.model import spec_step
 from qwen_chat.engine.model.mtp import load_mtp_head
 from qwen_chat.engine.model.runner import ModelRunner
 from qwen_chat.engine.model.sampling import Sampler
+from qwen_chat.engine.model.speculative import device_ints
 from qwen_chat.engine.parallel.executors import LocalExecutor
 from qwen_chat.engine.types import PrefillItem, PreparedPrompt, SamplingParams, StepPlan
 
@@ -39,8 +41,8 @@ def runner_for(loaded, k):
     return runner
 
 
-def prompt():
-    return PreparedPrompt(input_ids=torch.randint(0, 5000, (37,), generator=torch.Generator().manual_seed(3)))
+def prompt(seed=3, length=37):
+    return PreparedPrompt(input_ids=torch.randint(0, 5000, (length,), generator=torch.Generator().manual_seed(seed)))
 
 
 def test_graph_verify_leaves_the_state_of_plain_decoding(loaded):
@@ -59,6 +61,28 @@ def test_graph_verify_leaves_the_state_of_plain_decoding(loaded):
             assert torch.allclose(runner.conv_state[i][1], runner.conv_state[i][0], atol=1e-5), (a, i)
         nxt = runner.decode([0, 1], torch.tensor([31, 31]))
         assert torch.allclose(nxt[1], nxt[0], atol=1e-3), a
+
+
+@torch.no_grad()
+def test_graph_drafting_gives_the_eager_drafts(loaded):
+    """Three slots (padded to 4 in the graph), k = 3: after their prompts and after each of three speculative
+    steps (the head drafting through its graphs), the graph's drafts equal ``MtpDrafter.draft`` run eagerly on
+    the same inputs."""
+    runner = runner_for(loaded, 3)
+    drafter = runner.spec.drafter
+    assert drafter.graphs is not None
+    ex = LocalExecutor(runner, Sampler(4, runner.vocab_size, "cuda"))
+    last = ex.execute(StepPlan(prefills=[PrefillItem(s, prompt(s, 30 + 7 * s), GREEDY) for s in range(3)]))
+    for step in range(4):
+        rows = [(s, *drafter._pending[s], drafter._start[s], runner.rope_deltas[s]) for s in range(3)]
+        ctx = runner.context_bucket(max(r[1] for r in rows) + 4 + 3)
+        runner.spec.verifier.prepare([0, 1, 2], 4)
+        eager = drafter.draft(device_ints([list(c) for c in zip(*rows)], "cuda"), ctx, 3)
+        assert torch.equal(drafter.graphs.run(rows, ctx, 3), eager), step
+        if step < 3:
+            out = ex.execute(StepPlan(decode_slots=[0, 1, 2], decode_tokens=list(last), spec_k=3))
+            last = [run[-1] for run in out]
+    assert drafter.graphs.count() >= 1
 
 
 def _greedy(ex, p, k=0, drafts_of=None):

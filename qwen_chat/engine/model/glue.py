@@ -81,22 +81,26 @@ def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch
 
 def attn_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor,
               pos: torch.Tensor, scale: float, k_scale: Optional[torch.Tensor] = None,
-              v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+              v_scale: Optional[torch.Tensor] = None, start: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention of each row over its own sequence's positions 0..pos[b], read from the paged cache.
 
     q: [B, nkv, G, hd] (G query heads share a KV head); caches [blocks, block_tokens, nkv, hd]; blocks: int64
     [B, nb], the first nb entries of each row's block table (nb * block_tokens >= max(pos) + 1, static per
     graph).  Written as broadcast-multiply-and-sum so that, compiled, the cache blocks are loaded indirectly
     through the table (no gathered copy of the cache).  An FP8 cache is dequantised with its scales
-    (``k_scale``/``v_scale``, as ``attn_pre``) as it is loaded.  fp32 scores and softmax.  Returns
-    [B, nkv, G, hd].
+    (``k_scale``/``v_scale``, as ``attn_pre``) as it is loaded.  ``start``: int64 [B], each row's first
+    position (earlier ones are not attended to: the MTP layer's context, ``mtp.MtpDrafter``); None: 0.  fp32
+    scores and softmax.  Returns [B, nkv, G, hd].
     """
     keys = kv_quant.read(k_cache, k_scale, blocks, torch.float32).flatten(1, 2)         # [B, ctx, nkv, hd]
     vals = kv_quant.read(v_cache, v_scale, blocks, torch.float32).flatten(1, 2)
     ctx = keys.shape[1]
     scores = (q.float()[:, None] * keys[:, :, :, None]).sum(-1) * scale                 # [B, ctx, nkv, G]
-    future = torch.arange(ctx, device=q.device)[None, :] > pos[:, None]                 # [B, ctx]
-    probs = torch.softmax(scores.masked_fill(future[:, :, None, None], float("-inf")), dim=1)
+    span = torch.arange(ctx, device=q.device)[None, :]
+    hidden = span > pos[:, None]                                                         # [B, ctx]
+    if start is not None:
+        hidden = hidden | (span < start[:, None])
+    probs = torch.softmax(scores.masked_fill(hidden[:, :, None, None], float("-inf")), dim=1)
     return (probs[..., None] * vals[:, :, :, None]).sum(1).to(q.dtype)
 
 
@@ -166,13 +170,13 @@ def in_row_groups(core: Callable) -> Callable:
     fp32 scores stay within ``memory.SCORES_BYTES_MAX`` at any batch and window (each row's result is the same
     as in one call: rows do not mix).  Same arguments and result as ``attn_core``."""
 
-    def run(q, k_cache, v_cache, blocks, pos, scale, k_scale=None, v_scale=None):
+    def run(q, k_cache, v_cache, blocks, pos, scale, k_scale=None, v_scale=None, start=None):
         B = q.shape[0]
         rows = memory.attention_rows(q.shape[1] * q.shape[2], blocks.shape[1] * k_cache.shape[1])
         if rows >= B:
-            return core(q, k_cache, v_cache, blocks, pos, scale, k_scale, v_scale)
+            return core(q, k_cache, v_cache, blocks, pos, scale, k_scale, v_scale, start)
         return torch.cat([core(q[s:s + rows], k_cache, v_cache, blocks[s:s + rows], pos[s:s + rows], scale, k_scale,
-                               v_scale) for s in range(0, B, rows)])
+                               v_scale, None if start is None else start[s:s + rows]) for s in range(0, B, rows)])
 
     return run
 

@@ -139,6 +139,8 @@ class MtpDrafter:
         self._pending: dict[int, tuple[int, int]] = {}  # slot -> (first position, kept positions)
         self._start = [0] * S   # first position of each slot's MTP context
         self._next = [-1] * S   # the position after the last one processed
+        #: the drafting's CUDA graphs (``mtp_graphs.DraftGraphs``, set by ``spec_step.Speculation``), or None
+        self.graphs = None
 
     def forget(self, slot: int) -> None:
         """The sequence in ``slot`` ended, restarted or took a step without hidden states."""
@@ -204,50 +206,66 @@ class MtpDrafter:
     @torch.no_grad()
     def propose(self, slots: Sequence[int], last: torch.Tensor, k: int, mask=None) -> torch.Tensor:
         """k (<= ``self.k``) drafts per slot: int64 [B, k] on the device.  Slots with recorded positions run the
-        MTP layer over them and then k - 1 chained positions; the others draft their ``last`` token (int64 [B]),
-        a guess the verify step will mostly reject.  The runner's block tables must cover each slot's length +
-        k (the verify step's ``Verifier.prepare``).  ``mask(slots, logits, prefixes)``: applied to the logits of
-        each draft (the rows' slots, float [R, V], each row's drafts so far as host ids; a grammar's
+        MTP layer over them and then k - 1 chained positions (``draft``; through its CUDA graphs when the runner
+        has them and no ``mask`` is given); the others draft their ``last`` token (int64 [B]), a guess the
+        verify step will mostly reject.  The runner's block tables must cover each slot's length + k (the verify
+        step's ``Verifier.prepare``).  ``mask(slots, logits, prefixes)``: applied to the logits of each draft
+        (the rows' slots, float [R, V], each row's drafts so far as host ids; a grammar's
         ``ConstraintTable.mask_next_draft``; each draft then waits for the one before it on the host)."""
         slots = [int(s) for s in slots]
-        dev = self.runner.device
+        r = self.runner
+        dev = r.device
         drafts = last.to(dev, torch.long).reshape(-1, 1).repeat(1, k)
         ready = [(b, s) for b, s in enumerate(slots) if s in self._pending]
         if not ready:
             return drafts
-        T = self.k + 1
-        rows, pos, lengths = [], [], []
+        rows = []  # per ready slot: the ``draft`` inputs' columns
         for _, s in ready:
             p, n = self._pending.pop(s)
             if self._next[s] != p:
                 self._start[s] = p
             self._next[s] = p + n
-            rows.append(s)
-            pos.append(p)
-            lengths.append(n)
-        B = len(rows)
-        slot_t = device_ints(rows, dev)
-        hidden = self._hidden[slot_t].reshape(B * T, -1)
-        tokens = self._tokens[slot_t].reshape(-1)
-        rpos = device_ints([p + j for p in pos for j in range(T)], dev)
-        ctx = self.runner.context_bucket(max(pos) + T + k)  # every position this call writes or reads
-        out = self._forward(slot_t.repeat_interleave(T), tokens, hidden, rpos, ctx)     # [B * T, H]
-        y = out[device_ints([b * T + n - 1 for b, n in enumerate(lengths)], dev)]
-        nxt = device_ints([p + n for p, n in zip(pos, lengths)], dev)
-        cols, prefixes = [], [[] for _ in rows]
+            rows.append((s, p, n, self._start[s], r.rope_deltas[s]))
+        ctx = r.context_bucket(max(row[1] for row in rows) + self.k + 1 + k)  # every position written or read
+        if mask is None and self.graphs is not None:
+            got = self.graphs.run(rows, ctx, k)
+        else:
+            got = self.draft(device_ints([list(c) for c in zip(*rows)], dev), ctx, k, mask=mask)
+        drafts[device_ints([b for b, _ in ready], dev)] = got
+        return drafts
+
+    def draft(self, inputs: torch.Tensor, ctx: int, k: int, mask=None) -> torch.Tensor:
+        """The drafts of B slots with recorded positions: the MTP layer over each slot's T = ``self.k`` + 1 rows
+        of ``stage`` (its kept positions and, past them, rows whose keys and values the chained drafts overwrite),
+        then k - 1 chained positions after its last kept one.
+
+        inputs: int64 [5, B] on the device: slot, first recorded position p, kept positions n (1..T), the first
+        position of its MTP context, its rotary position shift.  ctx: the attention window (a context bucket
+        covering p + T + k).  ``mask`` as in ``propose`` (then the host waits for each draft).  Returns int64
+        [B, k].  Tensor ops only without ``mask`` (what ``mtp_graphs.DraftGraphs`` captures)."""
+        slot, p, n, start, delta = inputs.unbind(0)
+        B, T = slot.shape[0], self.k + 1
+        pos = (p[:, None] + torch.arange(T, device=p.device)).reshape(-1)
+        each = (lambda t: t[:, None].expand(B, T).reshape(-1))  # noqa: E731 - per slot -> per row
+        out = self._rows(each(slot), self._tokens[slot].reshape(-1), self._hidden[slot].reshape(B * T, -1), pos,
+                         pos + each(delta), each(start), ctx)                                  # [B * T, H]
+        y = out.view(B, T, -1)[torch.arange(B, device=p.device), n - 1]
+        nxt = p + n
+        cols: list[torch.Tensor] = []
+        prefixes = [[] for _ in range(B)] if mask is not None else None
+        row_slots = slot.tolist() if mask is not None else None
         for j in range(k):
             logits = self._logits(y)
             if mask is not None:
-                logits = mask(rows, logits, prefixes)
+                logits = mask(row_slots, logits, prefixes)
             d = logits.argmax(dim=-1)
             cols.append(d)
-            if mask is not None and j + 1 < k:
-                for prefix, token in zip(prefixes, d.tolist()):
-                    prefix.append(token)
             if j + 1 < k:
-                y = self._forward(slot_t, d, y, nxt + j, ctx)
-        drafts[device_ints([b for b, _ in ready], dev)] = torch.stack(cols, dim=1)
-        return drafts
+                if mask is not None:
+                    for prefix, token in zip(prefixes, d.tolist()):
+                        prefix.append(token)
+                y = self._rows(slot, d, y, nxt + j, nxt + j + delta, start, ctx)
+        return torch.stack(cols, dim=1)
 
     def _logits(self, y: torch.Tensor) -> torch.Tensor:
         tp = self.runner.tp
@@ -257,18 +275,18 @@ class MtpDrafter:
         finally:
             tp.end_step()
 
-    def _forward(self, slot_idx: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
-                 pos: torch.Tensor, ctx: int) -> torch.Tensor:
-        """The MTP layer for rows (slot, next token, target hidden, position): writes each row's keys and values
-        at its position, attends to its slot's positions ``start`` .. its own (within the first ``ctx``
-        positions, a context bucket).  Returns the normed output [rows, H] (model dtype)."""
+    def _rows(self, slot_idx: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+              rope: torch.Tensor, start: torch.Tensor, ctx: int) -> torch.Tensor:
+        """The MTP layer for rows (slot, next token, target hidden, position, rotary position, context start; int64
+        [R] each but hidden [R, H]): writes each row's keys and values at its position, attends to its slot's
+        positions ``start`` .. its own (within the first ``ctx`` positions, a context bucket).  Returns the
+        normed output [R, H] (model dtype).  Tensor ops only."""
         r, head = self.runner, self.head
         fwd = r._forward
         layer = head.layers[0]
         at = layer.self_attn
         emb, _ = fwd.tp.embed(tokens)
         x = head.fc(torch.cat([head.pre_fc_norm_embedding(emb), head.pre_fc_norm_hidden(hidden.to(emb.dtype))], -1))
-        rope = pos + device_ints(r.rope_deltas, pos.device)[slot_idx]
         cos, sin = fwd.cos_table[rope], fwd.sin_table[rope]
         table = r.tables.device_table[slot_idx]
         kv_block = table.gather(1, (pos // r.block_tokens)[:, None])[:, 0]
@@ -279,12 +297,15 @@ class MtpDrafter:
                                 self.k_cache, self.v_cache, kv_block, pos % r.block_tokens, hd, nkv, self.k_scale,
                                 self.v_scale)
         blocks = table[:, :ctx // r.block_tokens]
-        keys = kv_quant.read(self.k_cache, self.k_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)  # [R, nkv, ctx, hd]
-        vals = kv_quant.read(self.v_cache, self.v_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
-        start = device_ints(self._start, pos.device)[slot_idx]
-        span = torch.arange(keys.shape[2], device=pos.device)[None, :]
-        mask = ((span <= pos[:, None]) & (span >= start[:, None])).view(-1, 1, 1, keys.shape[2])
-        o = F.scaled_dot_product_attention(q, keys.to(q.dtype), vals.to(q.dtype), attn_mask=mask, scale=at.scaling)
+        if fwd._opts.compile_glue:  # the decode step's compiled attention, in row groups (bounded scores)
+            o = fwd._glue["attn_core"](q, self.k_cache, self.v_cache, blocks, pos, at.scaling, self.k_scale,
+                                       self.v_scale, start)
+        else:  # eager: gathered copy + SDPA, as the decode step without a compiler
+            keys = kv_quant.read(self.k_cache, self.k_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
+            vals = kv_quant.read(self.v_cache, self.v_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
+            span = torch.arange(keys.shape[2], device=pos.device)[None, :]
+            attend = ((span <= pos[:, None]) & (span >= start[:, None])).view(-1, 1, 1, keys.shape[2])
+            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attend, scale=at.scaling)
         x = x + at.o_proj(glue.attn_post(o, gate))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return head.norm(x)

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from qwen_chat.engine.model.mtp import MtpDrafter
+from qwen_chat.engine.model.mtp_graphs import DraftGraphs
 from qwen_chat.engine.model.spec_sampling import accept_drafts
 from qwen_chat.engine.model.speculative import Verifier, device_ints
 from qwen_chat.engine.types import NONFINITE_TOKEN, PreparedPrompt, SamplingParams
@@ -37,6 +38,22 @@ class Speculation:
         self.runner, self.k, self.drafter = runner, int(k), drafter
         self.verifier = Verifier(runner, max_batch=max_batch, k=k)
         self.cost_ratio: Optional[float] = None  # a step with k drafts in plain decode steps (``calibrate``)
+        if drafter is not None and runner.graphs is not None:  # the drafting in CUDA graphs too
+            drafter.graphs = DraftGraphs(drafter, runner.graphs, scratch_slot=runner.num_slots,
+                                         ladder=self.verifier.padded)
+
+    def capture(self, context_buckets: Sequence[int]) -> int:
+        """Capture the verify graphs (``Verifier.capture``) and the MTP head's drafting graphs of ``self.k``
+        drafts for every padded batch and the context buckets given, ahead of serving.  Returns the graphs held
+        (0 without CUDA graphs)."""
+        held = self.verifier.capture(context_buckets)
+        graphs = self.drafter.graphs if self.drafter is not None else None
+        if graphs is not None:
+            for b in self.verifier.padded:
+                for ctx in context_buckets:
+                    graphs.capture(b, ctx, self.k)
+            held += graphs.count()
+        return held
 
     @torch.no_grad()
     def step_time(self, sampler, k: int = 0, *, given: bool = False, steps: int = 8, warmup: int = 2,

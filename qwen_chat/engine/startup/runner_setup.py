@@ -190,15 +190,15 @@ def build_runner(loaded, config: ServiceConfig):
         held = runner.capture_all(batch_sizes=runner.graph_batch_sizes()[:1])  # one sequence, every window
         if runner.spec is not None:
             try:
-                held += runner.spec.verifier.capture(ready)
+                held += runner.spec.capture(ready)
             except torch.OutOfMemoryError:
                 # Measured on one H200 (2026-12-02, K = 3, --gpu-memory-utilization 0.85): warming a verify
                 # graph up asked for 4.8 GiB more after the decode graphs' pool; serve without speculation
                 # rather than not at all (the log line says what to lower).
                 runner.spec = None
                 torch.cuda.empty_cache()
-                log.warning("speculative decoding is off: capturing its verify graphs ran out of GPU memory; "
-                            "lower --gpu-memory-utilization (or --speculative-max-batch) to use it")
+                log.warning("speculative decoding is off: capturing its verify and drafting graphs ran out of GPU "
+                            "memory; lower --gpu-memory-utilization (or --speculative-max-batch) to use it")
         log.info("captured %d decode graphs in %s (the rest while idle or on first use); slowest: %s", held,
                  tally.describe(mark), runner.graphs.slowest_captures())
         mark, before = tally.mark(), torch.cuda.memory_reserved(device)
