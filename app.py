@@ -147,10 +147,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lifecycle.install_sigterm_exit()
     front_exited = lambda: front.poll() is not None  # noqa: E731
     try:
-        from qwen_chat.engine.startup import bootstrap
+        t0 = time.monotonic()
+        from qwen_chat.engine.startup import bootstrap  # torch and the engine's modules: seconds
 
         try:
-            engine = bootstrap.start_engine(cfg, link=link)
+            engine = bootstrap.start_engine(cfg, link=link, imports_s=time.monotonic() - t0)
         except bootstrap.StartupError as e:
             _report_failure(link, str(e))
             print(f"app.py: cannot start the engine: {e}", file=sys.stderr)

@@ -122,6 +122,7 @@ _PHASES = {  # phase -> (a pattern of its start-up log line whose group 1 is its
     "warm_up": re.compile(r"warmed up the prefill kernels .* in ([\d.]+) s"),
 }
 _TRITON = re.compile(r"(\d+) Triton kernels compiled \(([\d.]+) s\)")
+_BEFORE = re.compile(r"before loading the weights: [\d.]+ s: (.*)$")
 
 
 def _stamp(line: str) -> Optional[float]:
@@ -134,7 +135,9 @@ def _stamp(line: str) -> Optional[float]:
 def startup_phases(log_text: str) -> dict:
     """Seconds of each start-up phase in one start's service log (rank 0's lines): ``imports`` (from the web
     front listening to the engine starting to load), ``load``, ``decode_graphs``, ``prefill_graphs``,
-    ``sampler``, ``warm_up``, and ``triton_kernels_compiled`` / ``triton_compile_s`` summed over the phases
+    ``sampler``, ``warm_up``, ``before_loading`` ({step: seconds} of the imports phase, rank 0's "before
+    loading the weights" line: imports, device, process groups, engine modules, checkpoint), and
+    ``triton_kernels_compiled`` / ``triton_compile_s`` summed over the phases
     that report them (``startup.compile_stats``); a phase the log does not show is absent."""
     out: dict = {}
     listening = loading = None
@@ -146,6 +149,9 @@ def startup_phases(log_text: str) -> dict:
         for phase, pattern in _PHASES.items():
             if phase not in out and (m := pattern.search(line)):
                 out[phase] = float(m.group(1))
+        if "before_loading" not in out and (b := _BEFORE.search(line)):
+            out["before_loading"] = {name.replace(" ", "_"): float(secs) for name, secs in
+                                     re.findall(r"([a-z][a-z ]*?) ([\d.]+) s", b.group(1))}
         if t := _TRITON.search(line):  # (the phases' lines and the warm-up's compilation line)
             out["triton_kernels_compiled"] = out.get("triton_kernels_compiled", 0) + int(t.group(1))
             out["triton_compile_s"] = round(out.get("triton_compile_s", 0.0) + float(t.group(2)), 1)

@@ -107,3 +107,6 @@ def test_health_during_load_quiet_log_and_fast_stop_with_an_open_tab(tmp_path, t
         assert '"GET /healthz' not in log and '"GET /v1/models HTTP/1.1" 200' in log
         # the front served its own first requests (a long text, two photos) before /healthz turned 200
         assert re.search(r"front warm-up: text request \d+ ms, photos request \d+ ms", log), log[-3000:]
+        # the seconds before the weights load, by step (what the bench's "imports" phase is made of)
+        assert re.search(r"before loading the weights: [\d.]+ s: imports [\d.]+ s, device [\d.]+ s, process groups "
+                         r"[\d.]+ s, engine modules [\d.]+ s, checkpoint [\d.]+ s", log), log[-3000:]

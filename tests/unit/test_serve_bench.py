@@ -196,6 +196,19 @@ def test_startup_phases_from_the_service_log():
     assert P.startup_phases("INFO nothing here\n") == {}
 
 
+def test_the_steps_before_loading_are_read_from_the_line_the_engine_logs():
+    """The engine's "before loading the weights" line (``bootstrap.BeforeLoading``) gives ``before_loading``."""
+    from qwen_chat.engine.startup.bootstrap import BeforeLoading
+
+    steps = BeforeLoading(6.1)
+    steps.parts += [("device", 2.04), ("process groups", 0.0), ("engine modules", 3.2), ("checkpoint", 0.4)]
+    line = ("2026-12-04 15:40:41,372 INFO qwen_chat.engine.startup.bootstrap: before loading the weights: "
+            + steps.describe())
+    assert P.startup_phases(line)["before_loading"] == {"imports": 6.1, "device": 2.0, "process_groups": 0.0,
+                                                        "engine_modules": 3.2, "checkpoint": 0.4}
+    assert steps.describe().startswith("11.7 s: imports 6.1 s, device 2.0 s")
+
+
 def test_gpu_memory_sampler_keeps_the_peak_and_phase_peaks():
     values = iter([["1024", "2048"], ["4096", "0"], None] + [["512", "512"]] * 1000)
     s = H.GpuMemorySampler(interval_s=0.001, probe=lambda: next(values))
