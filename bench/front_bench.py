@@ -9,6 +9,7 @@ Usage (repository root, any machine; the built-in tiny checkpoint's tokenizer, b
     python bench/front_bench.py                          # 32 and 128 streams, 256 tokens each, 20 ms steps, x3
     python bench/front_bench.py --streams 128 --tokens 512 --step-ms 8 --stream-interval 4
     python bench/front_bench.py --out bench/results/DATE-HOST-front.json
+    python bench/front_bench.py --streams 8 --repeat 1 --step-ms 1 --lone 10 1000 8000   # lone requests' TTFT
 
 Each burst sends ``--streams`` streamed ``/v1/chat/completions`` requests at once (a short message, with
 ``--prompt-words N`` N random words more as serve_bench's prompts have; ``max_tokens`` = ``--tokens``, ``stream_options.include_usage``) from a raw asyncio HTTP client (cheap, so that it
@@ -52,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 import app  # noqa: E402
 import serve_host as S  # noqa: E402  (bench/ is on sys.path: this script's folder)
-from serve_http import random_prompt  # noqa: E402
+from serve_http import new_client, random_prompt, stream_chat  # noqa: E402
 from qwen_chat.chat_types import ModelInfo  # noqa: E402
 from qwen_chat.engine.core.handles import _Finish  # noqa: E402
 
@@ -203,6 +204,10 @@ def main() -> int:
     ap.add_argument("--random-reply", action="store_true",
                     help="reply with token ids drawn at random from the vocabulary, as a model with random weights "
                          "does (default: an English sentence)")
+    ap.add_argument("--lone", type=int, nargs="*", default=[],
+                    help="also time lone requests of these many random words (10 each, one at a time, after one "
+                         "unmeasured): the front's share of a lone request's time to first token; use a short "
+                         "--step-ms, since the synthetic engine's first token waits for its next step")
     ap.add_argument("--cache-dir", default=os.environ.get("QWEN_CHAT_CACHE_DIR") or "~/.cache/qwen_chat")
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args()
@@ -246,6 +251,7 @@ def main() -> int:
         t1, after = _seconds(front.pid)
         idle_share = S.cpu_delta(before, after)["front"] / (t1 - t0)
         asyncio.run(_burst(port, model, 4, args.tokens, args.prompt_words))  # warm-up: first requests, prompt workers
+        lone = {str(w): _lone_ttft(base, model, w) for w in args.lone}
         results = []
         for n in args.streams:
             runs = []
@@ -280,11 +286,13 @@ def main() -> int:
               "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "tokens_per_request": args.tokens,
               "prompt_words": args.prompt_words, "reply": "random ids" if args.random_reply else "sentence",
               "step_ms": args.step_ms, "stream_interval": args.stream_interval,
-              "idle_front_cpu_share": round(idle_share, 4), "bursts": results}
+              "idle_front_cpu_share": round(idle_share, 4), "lone_ttft_ms": lone, "bursts": results}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     print(f"\nidle front: {100 * idle_share:.1f} % of a core")
+    for words, got in lone.items():
+        print(f"lone request of {words} words: time to first text {got['median']} ms (median; {got['runs']})")
     print("| streams | tokens | SSE events | tok/s (offered) | front us/token (median; runs) | of it system "
           "| prompt workers us/token |")
     print("|---|---|---|---|---|---|---|")
@@ -294,6 +302,22 @@ def main() -> int:
               f"| {r['front_us_per_token']} ({runs}) | {100 * r['front_system_share']:.0f} % "
               f"| {r['workers_us_per_token']} |")
     return 0
+
+
+def _lone_ttft(base: str, model: str, words: int, runs: int = 10) -> dict:
+    """Time to the first text of lone requests of ``words`` random words (``serve_http.stream_chat``, as
+    serve_bench's lone prompts; one unmeasured first): {"median": ms, "runs": [ms...]}."""
+    async def go() -> list:
+        async with new_client(1) as client:
+            out = []
+            for i in range(runs + 1):
+                res = await stream_chat(client, base, random_prompt(words, random.Random(1000 + i)), 2, model)
+                if res.error or res.ttft_s is None:
+                    raise RuntimeError(f"lone request failed: {res.error}")
+                out.append(round(res.ttft_s * 1e3, 2))
+            return out[1:]
+    got = asyncio.run(go())
+    return {"median": sorted(got)[len(got) // 2], "runs": got}
 
 
 async def _burst(port: int, model: str, n: int, tokens: int, words: int) -> list:
