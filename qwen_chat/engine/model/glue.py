@@ -9,7 +9,7 @@ Qwen3_5GatedDeltaNet, torch_recurrent_gated_delta_rule, l2norm, apply_rotary_pos
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,13 +51,14 @@ def attn_qkv(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch
     Returns q [B, nkv, nq // nkv, hd] (query heads grouped by KV head), gate [B, nq * hd], and k, v
     [B, nkv, hd] in ``cache_dtype`` (what goes into the paged KV cache).
     """
-    B = qg.shape[0]
-    q, gate = torch.chunk(qg.view(B, -1, 2 * head_dim), 2, dim=-1)
+    # (the last dim split with ``unflatten``, not ``view(B, ...)``: a view through the row dim makes TorchDynamo
+    # check its contiguity, which for one row specialises the compiled graph to one row: ``compiled_once``)
+    q, gate = torch.chunk(qg.unflatten(-1, (-1, 2 * head_dim)), 2, dim=-1)
     c, s = cos[:, None], sin[:, None]
     q = apply_rotary(q_norm(q), c, s)
-    k = apply_rotary(k_norm(kx.view(B, -1, head_dim)), c, s)
-    return (q.reshape(B, kv_heads, -1, head_dim), gate.reshape(B, -1), k.to(cache_dtype),
-            vx.view(B, -1, head_dim).to(cache_dtype))
+    k = apply_rotary(k_norm(kx.unflatten(-1, (-1, head_dim))), c, s)
+    return (q.unflatten(1, (kv_heads, -1)), gate.flatten(1), k.to(cache_dtype),
+            vx.unflatten(-1, (-1, head_dim)).to(cache_dtype))
 
 
 def attn_pre(qg: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, q_norm: torch.nn.Module,
@@ -181,10 +182,58 @@ def in_row_groups(core: Callable) -> Callable:
     return run
 
 
+#: Per glue function, the positions of its per-row tensor arguments (dim 0: one row per sequence of the
+#: step) and, for ``attn_core``, of the one whose dim 1 is the context bucket's blocks (``compiled_once``).
+ROW_ARGS: dict[str, tuple[int, ...]] = {
+    "add_norm": (0, 1), "attn_qkv": (0, 1, 2, 5, 6), "attn_pre": (0, 1, 2, 5, 6, 9, 10), "attn_core": (0, 3, 4, 8),
+    "attn_post": (0, 1), "gdn_step": (0, 1, 2, 3, 6, 7), "swiglu": (0, 1)}
+WINDOW_ARG = {"attn_core": 3}
+
+
+def compiled_once(fn: Callable, rows: Sequence[int], window: Optional[int] = None) -> Callable:
+    """``fn`` under ``torch.compile``, traced once for every row count (and every width of argument
+    ``window``'s dim 1: ``attn_core``'s blocks, one per context bucket).
+
+    Left to itself TorchDynamo compiles a glue function twice: for the first shapes it sees (the batch-1 decode
+    graph, whose row count 1 it specialises), then again with the shapes that changed marked dynamic; the two
+    compiles of the decode step's glue took about 25 s each of a cold start on an H200 (docs/performance.md,
+    start-up by phase).  Here dim 0 of the arguments at positions ``rows`` (per-row tensors) is marked unbacked
+    before the call (a size the graph never specialises, 1 included) and ``window``'s dim 1 dynamic, under
+    PyTorch's size-oblivious mode (``backed_size_oblivious``), so one graph serves every batch and window.
+    Checked against the eager glue for 1-4 rows and two windows (tests/engine/test_glue_compile.py).  Same
+    arguments and results as ``fn``; the wrapper costs a few microseconds per call, paid when a CUDA graph is
+    captured (and per call where the glue runs outside graphs)."""
+    from torch.fx.experimental import _config as fx_config
+
+    compiled = torch.compile(fn, fullgraph=True)
+
+    marked = set(rows) | ({window} if window is not None else set())
+
+    def run(*args):
+        # the marks go on aliases (views of the same storage), not on the caller's tensors: a marked tensor
+        # passed on to another compiled function would carry its marks there
+        args = [a[...] if i in marked and isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+        with fx_config.patch(backed_size_oblivious=True):
+            for i in rows:
+                if i < len(args) and isinstance(args[i], torch.Tensor):
+                    torch._dynamo.decorators.mark_unbacked(args[i], 0)
+            if window is not None:
+                torch._dynamo.mark_dynamic(args[window], 1)
+            return compiled(*args)
+    return run
+
+
 def glue_functions(compile: bool) -> dict[str, Callable]:
-    """The glue functions, wrapped with ``torch.compile`` (Inductor, shapes dynamic after the first
-    recompile) when ``compile`` is true; ``attn_core`` runs in row groups (``in_row_groups``) either way.
-    Compilation happens lazily on the first call."""
-    fns = dict(GLUE) if not compile else {name: torch.compile(fn, fullgraph=True) for name, fn in GLUE.items()}
+    """The glue functions, wrapped with ``torch.compile`` when ``compile`` is true (``compiled_once``: one
+    graph per function for every batch and context bucket); ``attn_core`` runs in row groups
+    (``in_row_groups``) either way.  Compilation happens lazily on the first call."""
+    if not compile:
+        fns = dict(GLUE)
+    else:
+        fns = {name: compiled_once(fn, ROW_ARGS[name], WINDOW_ARG.get(name)) for name, fn in GLUE.items()
+               if name != "gdn_step"}
+        # (traced for one row with its rows unbacked, gdn_step's indexed state write gave other rows wrong values
+        # on the CPU; CUDA decodes with the Triton kernel instead: ``gdn.gdn_decode``)
+        fns["gdn_step"] = torch.compile(GLUE["gdn_step"], fullgraph=True)
     fns["attn_core"] = in_row_groups(fns["attn_core"])
     return fns

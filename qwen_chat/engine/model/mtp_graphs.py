@@ -56,6 +56,7 @@ class DraftGraphs:
         h[0, columns] = self._scratch
         h[2, columns] = 1
 
+    @torch.no_grad()
     def capture(self, batch: int, ctx: int, k: int) -> None:
         """Capture the drafting of ``k`` drafts for padded batch ``batch`` and context bucket ``ctx`` unless held
         (warm-up and capture on padding inputs: the scratch slot)."""
@@ -71,6 +72,7 @@ class DraftGraphs:
         log.debug("drafting graph (batch %d, context %d, %d drafts) captured in %.0f ms", batch, ctx, k,
                   (time.perf_counter() - t0) * 1e3)
 
+    @torch.no_grad()
     def run(self, rows: Sequence[Sequence[int]], ctx: int, k: int) -> torch.Tensor:
         """``MtpDrafter.draft`` of ``rows`` (one (slot, p, n, start, rotary shift) per slot, at most the ladder's
         largest size) through the graph of its padded batch (captured on first use).  The only wait is for the
