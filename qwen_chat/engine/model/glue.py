@@ -186,7 +186,7 @@ def in_row_groups(core: Callable) -> Callable:
 #: step) and, for ``attn_core``, of the one whose dim 1 is the context bucket's blocks (``compiled_once``).
 ROW_ARGS: dict[str, tuple[int, ...]] = {
     "add_norm": (0, 1), "attn_qkv": (0, 1, 2, 5, 6), "attn_pre": (0, 1, 2, 5, 6, 9, 10), "attn_core": (0, 3, 4, 8),
-    "attn_post": (0, 1), "gdn_step": (0, 1, 2, 3, 6, 7), "swiglu": (0, 1)}
+    "attn_post": (0, 1), "swiglu": (0, 1)}
 WINDOW_ARG = {"attn_core": 3}
 
 
@@ -206,7 +206,6 @@ def compiled_once(fn: Callable, rows: Sequence[int], window: Optional[int] = Non
     from torch.fx.experimental import _config as fx_config
 
     compiled = torch.compile(fn, fullgraph=True)
-
     marked = set(rows) | ({window} if window is not None else set())
 
     def run(*args):
@@ -230,8 +229,7 @@ def glue_functions(compile: bool) -> dict[str, Callable]:
     if not compile:
         fns = dict(GLUE)
     else:
-        fns = {name: compiled_once(fn, ROW_ARGS[name], WINDOW_ARG.get(name)) for name, fn in GLUE.items()
-               if name != "gdn_step"}
+        fns = {name: compiled_once(GLUE[name], rows, WINDOW_ARG.get(name)) for name, rows in ROW_ARGS.items()}
         # (traced for one row with its rows unbacked, gdn_step's indexed state write gave other rows wrong values
         # on the CPU; CUDA decodes with the Triton kernel instead: ``gdn.gdn_decode``)
         fns["gdn_step"] = torch.compile(GLUE["gdn_step"], fullgraph=True)
