@@ -49,3 +49,18 @@ def test_the_marks_stay_off_the_callers_tensors():
     assert torch.allclose(run(o, gate), glue.attn_post(o, gate))
     for t in (o, gate):
         assert not [name for name in vars(t) if name.startswith("_dynamo")], vars(t)
+
+
+@pytest.mark.slow  # two Inductor compiles for the CPU (a few seconds)
+def test_a_function_that_cannot_be_traced_once_is_compiled_per_shape_with_a_warning(caplog):
+    """A function whose code asks for its row count (here: a branch on one row) cannot be traced with unbacked
+    rows: ``compiled_once`` compiles it as TorchDynamo would on its own, logs why, and gives the right results."""
+    def branchy(x):
+        return x * 2 if x.shape[0] == 1 else x + 1
+
+    run = glue.compiled_once(branchy, (0,))
+    one, three = torch.randn(1, 4), torch.randn(3, 4)
+    with caplog.at_level("WARNING", logger="qwen_chat.engine.model.glue"):
+        assert torch.equal(run(one), one * 2)
+    assert torch.equal(run(three), three + 1) and torch.equal(run(one), one * 2)
+    assert "compiling once for every batch failed" in caplog.text and "branchy" in caplog.text
