@@ -203,16 +203,17 @@ def compiled_once(fn: Callable, rows: Sequence[int], window: Optional[int] = Non
     start-up by phase).  Here dim 0 of the arguments at positions ``rows`` (per-row tensors) is marked unbacked
     before the call (a size the graph never specialises, 1 included) and ``window``'s dim 1 dynamic, under
     PyTorch's size-oblivious mode (``backed_size_oblivious``), so one graph serves every batch and window.
-    Checked against the eager glue for 1-4 rows and two windows (tests/engine/test_glue_compile.py).  When that
-    first compile fails (a PyTorch that cannot trace the function this way), the function is compiled as
-    TorchDynamo would on its own, with a warning in the log, rather than the start-up failing.  Same arguments
+    Checked against the eager glue for 1-4 rows and two windows (tests/engine/test_glue_compile.py).  When a call
+    fails this way (a PyTorch that cannot trace the function so), the function is compiled from then on as
+    TorchDynamo would on its own, with a warning in the log, rather than the start-up failing (an error of that
+    compile too propagates).  Same arguments
     and results as ``fn``; the wrapper costs a few microseconds per call, paid when a CUDA graph is captured
     (and per call where the glue runs outside graphs)."""
     from torch.fx.experimental import _config as fx_config
 
     compiled = torch.compile(fn, fullgraph=True)
     marked = set(rows) | ({window} if window is not None else set())
-    state = {"traced": False, "plain": None}  # plain: the fallback, once the marked compile failed
+    state = {"plain": None}  # the fallback, once a marked call failed
 
     def marked_call(args):
         # the marks go on aliases (views of the same storage), not on the caller's tensors: a marked tensor
@@ -229,19 +230,15 @@ def compiled_once(fn: Callable, rows: Sequence[int], window: Optional[int] = Non
     def run(*args):
         if state["plain"] is not None:
             return state["plain"](*args)
-        if state["traced"]:
-            return marked_call(args)
         try:
-            out = marked_call(args)
+            return marked_call(args)
         except torch.OutOfMemoryError:
             raise
-        except Exception as exc:  # noqa: BLE001 - compiled the usual way instead (logged)
+        except Exception as exc:  # noqa: BLE001 - compiled the usual way instead (logged); its errors propagate
             log.warning("%s: compiling once for every batch failed (%s: %s); compiled per batch shape instead",
-                        getattr(fn, "__name__", fn), type(exc).__name__, str(exc).splitlines()[0][:200])
+                        getattr(fn, "__name__", fn), type(exc).__name__, (str(exc).splitlines() or [""])[0][:200])
             state["plain"] = torch.compile(fn, fullgraph=True)
             return state["plain"](*args)
-        state["traced"] = True
-        return out
     return run
 
 
