@@ -330,7 +330,6 @@ class ModelForward:
 
     def _attn_decode(self, i, at, kv_at, blocks, pos, x, cos, sin, eager_write=False):
         g = self._geo[i]
-        B = x.shape[0]
         kc, vc, ks, vs = self.k_cache[i], self.v_cache[i], self.k_scale.get(i), self.v_scale.get(i)
         qg, kx, vx = self._project(i, "mix", x)
         if eager_write:  # the verify step: compiled for its row counts, the write copied the whole cache
@@ -341,16 +340,28 @@ class ModelForward:
         else:
             q, gate = self._glue["attn_pre"](qg, kx, vx, at.q_norm, at.k_norm, cos, sin, kc, vc, *kv_at,
                                              g["hd"], g["nkv"], ks, vs)
-        if self._opts.compile_glue:
-            o = self._glue["attn_core"](q, kc, vc, blocks, pos, g["scale"], ks, vs)
-        else:  # eager: gathered copy + SDPA (cheaper than the broadcast form without a compiler)
-            keys = kv_quant.read(kc, ks, blocks, q.dtype).flatten(1, 2).transpose(1, 2)   # [B, nkv, ctx, hd]
-            vals = kv_quant.read(vc, vs, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
-            ctx = keys.shape[2]
-            mask = (torch.arange(ctx, device=pos.device)[None, :] <= pos[:, None]).view(B, 1, 1, ctx)
-            # The query heads of one KV group act as that group's "query positions": no KV head expansion.
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=g["scale"])
+        o = self.decode_attention(q, kc, vc, ks, vs, blocks, pos, g["scale"])
         return self.tp.linear(at.o_proj, self._glue["attn_post"](o, gate))
+
+    def decode_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, ks: Optional[torch.Tensor],
+                         vs: Optional[torch.Tensor], blocks: torch.Tensor, pos: torch.Tensor, scale: float,
+                         start: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Each row's attention over its sequence's positions ``start`` (None: 0) .. ``pos`` in the paged cache
+        (``glue.attn_core``'s arguments and result: q [B, nkv, G, hd] -> [B, nkv, G, hd]): the compiled glue in
+        row groups when the glue is compiled, else a gathered copy of the window and SDPA (cheaper than the
+        broadcast form without a compiler).  The decode step's and the MTP head's (``mtp.MtpDrafter``)."""
+        if self._opts.compile_glue:
+            return self._glue["attn_core"](q, kc, vc, blocks, pos, scale, ks, vs, start)
+        keys = kv_quant.read(kc, ks, blocks, q.dtype).flatten(1, 2).transpose(1, 2)   # [B, nkv, ctx, hd]
+        vals = kv_quant.read(vc, vs, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
+        ctx = keys.shape[2]
+        span = torch.arange(ctx, device=pos.device)[None, :]
+        attend = span <= pos[:, None]
+        if start is not None:
+            attend = attend & (span >= start[:, None])
+        # The query heads of one KV group act as that group's "query positions": no KV head expansion.
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=attend.view(q.shape[0], 1, 1, ctx),
+                                              scale=scale)
 
     def _linear_decode(self, i, la, slot_idx, pos, x):
         g = self._geo[i]

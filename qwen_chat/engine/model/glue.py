@@ -206,9 +206,8 @@ def compiled_once(fn: Callable, rows: Sequence[int], window: Optional[int] = Non
     Checked against the eager glue for 1-4 rows and two windows (tests/engine/test_glue_compile.py).  When a call
     fails this way (a PyTorch that cannot trace the function so), the function is compiled from then on as
     TorchDynamo would on its own, with a warning in the log, rather than the start-up failing (an error of that
-    compile too propagates).  Same arguments
-    and results as ``fn``; the wrapper costs a few microseconds per call, paid when a CUDA graph is captured
-    (and per call where the glue runs outside graphs)."""
+    compile too propagates).  Same arguments and results as ``fn``; the wrapper costs a few microseconds per
+    call, paid when a CUDA graph is captured (and per call where the glue runs outside graphs)."""
     from torch.fx.experimental import _config as fx_config
 
     compiled = torch.compile(fn, fullgraph=True)

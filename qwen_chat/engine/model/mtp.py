@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from qwen_chat.engine.model import glue, kv_quant
@@ -296,16 +295,8 @@ class MtpDrafter:
         q, gate = glue.attn_pre(at.q_proj(y), at.k_proj(y), at.v_proj(y), at.q_norm, at.k_norm, cos, sin,
                                 self.k_cache, self.v_cache, kv_block, pos % r.block_tokens, hd, nkv, self.k_scale,
                                 self.v_scale)
-        blocks = table[:, :ctx // r.block_tokens]
-        if fwd._opts.compile_glue:  # the decode step's compiled attention, in row groups (bounded scores)
-            o = fwd._glue["attn_core"](q, self.k_cache, self.v_cache, blocks, pos, at.scaling, self.k_scale,
-                                       self.v_scale, start)
-        else:  # eager: gathered copy + SDPA, as the decode step without a compiler
-            keys = kv_quant.read(self.k_cache, self.k_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
-            vals = kv_quant.read(self.v_cache, self.v_scale, blocks, q.dtype).flatten(1, 2).transpose(1, 2)
-            span = torch.arange(keys.shape[2], device=pos.device)[None, :]
-            attend = ((span <= pos[:, None]) & (span >= start[:, None])).view(-1, 1, 1, keys.shape[2])
-            o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=attend, scale=at.scaling)
+        o = fwd.decode_attention(q, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                                 table[:, :ctx // r.block_tokens], pos, at.scaling, start)
         x = x + at.o_proj(glue.attn_post(o, gate))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return head.norm(x)
